@@ -1,0 +1,476 @@
+"""Conversion ops: tensor operations with exact inverses.
+
+A :class:`~surgery.WeightConverter` runs a chain of ops over *slots*. A slot is one tensor, or a
+list of tensors gathered by an index wildcard (``experts.*.w1.weight`` gives one list of experts
+ordered by index). The chain starts with one slot per source pattern and must end with one slot
+per target pattern.
+
+Every op is a frozen dataclass with a ``reverse_op`` such that
+``op.reverse_op.convert(op.convert(x)) == x`` bit for bit; saving in the original format runs the
+reversed chain. Custom ops subclass :class:`ConversionOp`, implement :meth:`~ConversionOp.convert`
+and ``reverse_op``, and are used exactly like the built-ins.
+
+Example:
+    >>> import torch
+    >>> from surgery import ops
+    >>> w1, w3 = [torch.randn(4, 3) for _ in range(2)], [torch.randn(4, 3) for _ in range(2)]
+    >>> chain = [ops.MergeModulelist(dim=0), ops.Concatenate(dim=1)]
+    >>> (fused,) = ops.run_chain(chain, [w1, w3], ops.OpContext(n_targets=1))
+    >>> fused.shape
+    torch.Size([2, 8, 3])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeAlias
+
+import torch
+
+from .errors import ConversionError
+
+__all__ = [
+    "Slot",
+    "OpContext",
+    "ConversionOp",
+    "Chunk",
+    "Split",
+    "Concatenate",
+    "MergeModulelist",
+    "SplitModulelist",
+    "Transpose",
+    "PermuteForRope",
+    "Interleave",
+    "Conv3dToLinear",
+    "LinearToConv3d",
+    "run_chain",
+    "reverse_chain",
+]
+
+Slot: TypeAlias = "torch.Tensor | list[torch.Tensor]"
+
+
+@dataclass(frozen=True)
+class OpContext:
+    """What an op may know besides its tensors.
+
+    Attributes:
+        n_targets: number of target patterns of the converter (how many slots the chain must end with).
+        target_shapes: shape of each target tensor where known (the model's parameter when loading,
+            the recorded checkpoint tensor when saving); ``Split(sizes=None)`` reads it.
+        config: the sub-model's ``config`` object, if any (``PermuteForRope(config_attribute=...)``).
+        source_keys / target_keys: for error messages.
+        transform: a short description of the transform, for error messages.
+    """
+
+    n_targets: int = 1
+    target_shapes: tuple[tuple[int, ...] | None, ...] | None = None
+    config: Any = None
+    source_keys: tuple[str, ...] = ()
+    target_keys: tuple[str, ...] = ()
+    transform: str = ""
+
+    def where(self) -> str:
+        parts = []
+        if self.transform:
+            parts.append(f"in {self.transform}")
+        if self.target_keys:
+            parts.append(f"for target {', '.join(self.target_keys[:3])}{' ...' if len(self.target_keys) > 3 else ''}")
+        if self.source_keys:
+            parts.append(
+                f"from {', '.join(self.source_keys[:3])}{' ...' if len(self.source_keys) > 3 else ''}"
+            )
+        return " ".join(parts)
+
+
+class ConversionOp:
+    """Base of all conversion ops.
+
+    Subclasses implement :meth:`convert` and the ``reverse_op`` property. Set
+    ``supports_many_to_many = True`` on an op that maps several sources to several targets.
+    """
+
+    supports_many_to_many: ClassVar[bool] = False
+
+    def convert(self, slots: list[Slot], ctx: OpContext) -> list[Slot]:
+        """Transform the slots; raise :class:`ConversionError` on bad input."""
+        raise NotImplementedError(f"{type(self).__name__} must implement convert()")
+
+    @property
+    def reverse_op(self) -> ConversionOp:
+        """The op that undoes this one exactly."""
+        raise NotImplementedError(f"{type(self).__name__} must implement reverse_op")
+
+    def _fail(self, ctx: OpContext, message: str) -> ConversionError:
+        return ConversionError(f"{self!r} {ctx.where()}: {message}".replace("  ", " "))
+
+
+def _one_tensor(op: ConversionOp, slots: list[Slot], ctx: OpContext) -> torch.Tensor:
+    if len(slots) != 1:
+        raise op._fail(ctx, f"expects exactly one input tensor, got {len(slots)} slots.")
+    (slot,) = slots
+    if isinstance(slot, list):
+        if len(slot) != 1:
+            raise op._fail(
+                ctx,
+                f"got a list of {len(slot)} tensors gathered by '*'; merge them first with MergeModulelist.",
+            )
+        return slot[0]
+    return slot
+
+
+def _per_tensor(slots: list[Slot], fn) -> list[Slot]:
+    return [[fn(t) for t in s] if isinstance(s, list) else fn(s) for s in slots]
+
+
+def _check_dim(op: ConversionOp, ctx: OpContext, t: torch.Tensor, dim: int) -> None:
+    if not -t.ndim <= dim < t.ndim:
+        raise op._fail(ctx, f"dim={dim} is out of range for a tensor of shape {tuple(t.shape)}.")
+
+
+@dataclass(frozen=True)
+class Chunk(ConversionOp):
+    """Split one tensor into equal parts along ``dim`` (``chunks`` parts, default: one per target).
+
+    Refuses a dimension it cannot divide evenly; use :class:`Split` for unequal parts.
+    """
+
+    dim: int = 0
+    chunks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunks is not None and self.chunks < 1:
+            raise ConversionError(f"Chunk(chunks={self.chunks}): chunks must be a positive integer.")
+
+    def convert(self, slots: list[Slot], ctx: OpContext) -> list[Slot]:
+        t = _one_tensor(self, slots, ctx)
+        _check_dim(self, ctx, t, self.dim)
+        n = self.chunks or ctx.n_targets
+        size = t.shape[self.dim]
+        if size % n:
+            raise self._fail(
+                ctx,
+                f"cannot split dim {self.dim} of size {size} (shape {tuple(t.shape)}) into {n} equal parts; "
+                "use Split(sizes=...) for unequal parts (e.g. grouped-query q/k/v).",
+            )
+        return [c.contiguous() for c in torch.split(t, size // n, dim=self.dim)]
+
+    @property
+    def reverse_op(self) -> ConversionOp:
+        return Concatenate(dim=self.dim)
+
+
+@dataclass(frozen=True)
+class Split(ConversionOp):
+    """Split one tensor along ``dim`` into parts of the given ``sizes``.
+
+    With ``sizes=None`` each part takes the size of its target (the model parameter when loading,
+    the recorded checkpoint tensor when saving); with no known target shapes the split is equal.
+    """
+
+    sizes: tuple[int, ...] | None = None
+    dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sizes is not None:
+            object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+            if not self.sizes or any(s < 0 for s in self.sizes):
+                raise ConversionError(f"Split(sizes={self.sizes}): sizes must be non-negative and non-empty.")
+
+    def _sizes(self, t: torch.Tensor, ctx: OpContext) -> list[int]:
+        if self.sizes is not None:
+            return list(self.sizes)
+        shapes = ctx.target_shapes
+        if shapes and all(s is not None and len(s) == t.ndim for s in shapes):
+            return [s[self.dim] for s in shapes]  # type: ignore[index]
+        n = ctx.n_targets
+        size = t.shape[self.dim]
+        if size % n:
+            raise self._fail(
+                ctx,
+                f"no target shapes are known and dim {self.dim} of size {size} does not split into {n} "
+                "equal parts; pass Split(sizes=...).",
+            )
+        return [size // n] * n
+
+    def convert(self, slots: list[Slot], ctx: OpContext) -> list[Slot]:
+        t = _one_tensor(self, slots, ctx)
+        _check_dim(self, ctx, t, self.dim)
+        sizes = self._sizes(t, ctx)
+        if sum(sizes) != t.shape[self.dim]:
+            raise self._fail(
+                ctx,
+                f"sizes {sizes} add up to {sum(sizes)} but dim {self.dim} of shape {tuple(t.shape)} "
+                f"has {t.shape[self.dim]}.",
+            )
+        return [c.contiguous() for c in torch.split(t, sizes, dim=self.dim)]
+
+    @property
+    def reverse_op(self) -> ConversionOp:
+        return Concatenate(dim=self.dim)
+
+
+@dataclass(frozen=True)
+class Concatenate(ConversionOp):
+    """Concatenate every slot, in source-pattern order, along ``dim`` into one tensor."""
+
+    dim: int = 0
+
+    def convert(self, slots: list[Slot], ctx: OpContext) -> list[Slot]:
+        if not slots:
+            raise self._fail(ctx, "got no tensors to concatenate.")
+        tensors: list[torch.Tensor] = []
+        for s in slots:
+            if isinstance(s, list):
+                raise self._fail(
+                    ctx, "got a list gathered by '*'; merge it first with MergeModulelist."
+                )
+            tensors.append(s)
+        first = tensors[0]
+        _check_dim(self, ctx, first, self.dim)
+        for t in tensors[1:]:
+            same_rest = t.ndim == first.ndim and all(
+                a == b for i, (a, b) in enumerate(zip(t.shape, first.shape)) if i != self.dim % first.ndim
+            )
+            if not same_rest or t.dtype != first.dtype:
+                raise self._fail(
+                    ctx,
+                    "inputs must agree in every dim but "
+                    f"{self.dim} and in dtype; got {[tuple(x.shape) for x in tensors]} "
+                    f"with dtypes {sorted({str(x.dtype) for x in tensors})}.",
+                )
+        return [torch.cat(tensors, dim=self.dim)]
+
+    @property
+    def reverse_op(self) -> ConversionOp:
+        return Split(sizes=None, dim=self.dim)
+
+
+@dataclass(frozen=True)
+class MergeModulelist(ConversionOp):
+    """Stack each gathered list (``experts.*``) into one tensor along a new ``dim``."""
+
+    dim: int = 0
+
+    def convert(self, slots: list[Slot], ctx: OpContext) -> list[Slot]:
+        out: list[Slot] = []
+        for s in slots:
+            items = s if isinstance(s, list) else [s]
+            if not items:
+                raise self._fail(ctx, "got an empty list of tensors.")
+            shapes = {tuple(t.shape) for t in items}
+            if len(shapes) != 1 or len({t.dtype for t in items}) != 1:
+                raise self._fail(
+                    ctx, f"cannot stack tensors of different shapes/dtypes: {sorted(shapes)}."
+                )
+            out.append(torch.stack(items, dim=self.dim))
+        return out
+
+    @property
+    def reverse_op(self) -> ConversionOp:
+        return SplitModulelist(dim=self.dim)
+
+
+@dataclass(frozen=True)
+class SplitModulelist(ConversionOp):
+    """Unstack each tensor along ``dim`` into a list (one entry per index of the target's ``*``)."""
+
+    dim: int = 0
+
+    def convert(self, slots: list[Slot], ctx: OpContext) -> list[Slot]:
+        out: list[Slot] = []
+        for s in slots:
+            if isinstance(s, list):
+                raise self._fail(ctx, "expects tensors, got a list; it splits stacked tensors.")
+            _check_dim(self, ctx, s, self.dim)
+            out.append([t.contiguous() for t in torch.unbind(s, dim=self.dim)])
+        return out
+
+    @property
+    def reverse_op(self) -> ConversionOp:
+        return MergeModulelist(dim=self.dim)
+
+
+@dataclass(frozen=True)
+class Transpose(ConversionOp):
+    """Swap ``dim0`` and ``dim1`` of every tensor."""
+
+    dim0: int = 0
+    dim1: int = 1
+
+    def convert(self, slots: list[Slot], ctx: OpContext) -> list[Slot]:
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            _check_dim(self, ctx, t, self.dim0)
+            _check_dim(self, ctx, t, self.dim1)
+            return t.transpose(self.dim0, self.dim1).contiguous()
+
+        return _per_tensor(slots, fn)
+
+    @property
+    def reverse_op(self) -> ConversionOp:
+        return Transpose(dim0=self.dim1, dim1=self.dim0)
+
+
+@dataclass(frozen=True)
+class PermuteForRope(ConversionOp):
+    """Permute q/k projection rows from interleaved (complex) RoPE pairs to the split-half layout.
+
+    The head count is explicit per target: give ``num_heads`` directly, or ``config_attribute``
+    (e.g. ``"num_key_value_heads"`` for a grouped-query ``k_proj``) to read it from the
+    sub-model's config. ``inverse=True`` is the reverse permutation.
+    """
+
+    num_heads: int | None = None
+    config_attribute: str | None = None
+    inverse: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.num_heads is None) == (self.config_attribute is None):
+            raise ConversionError(
+                "PermuteForRope needs exactly one of num_heads=... or config_attribute=... "
+                "(the head count of *this* target: use the key/value head count for k_proj)."
+            )
+        if self.num_heads is not None and self.num_heads < 1:
+            raise ConversionError(f"PermuteForRope(num_heads={self.num_heads}): must be positive.")
+
+    def _heads(self, ctx: OpContext) -> int:
+        if self.num_heads is not None:
+            return self.num_heads
+        cfg = ctx.config
+        value = getattr(cfg, self.config_attribute, None) if cfg is not None else None  # type: ignore[arg-type]
+        if value is None and cfg is not None and hasattr(cfg, "get_text_config"):
+            value = getattr(cfg.get_text_config(), self.config_attribute, None)  # type: ignore[arg-type]
+        if not isinstance(value, int) or value < 1:
+            raise self._fail(
+                ctx,
+                f"the model config has no positive integer {self.config_attribute!r}; pass num_heads=... instead.",
+            )
+        return value
+
+    def convert(self, slots: list[Slot], ctx: OpContext) -> list[Slot]:
+        heads = self._heads(ctx)
+
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            rows = t.shape[0]
+            if t.ndim not in (1, 2) or rows % (2 * heads):
+                raise self._fail(
+                    ctx,
+                    f"shape {tuple(t.shape)} does not hold {heads} heads of even size along dim 0.",
+                )
+            half = rows // heads // 2
+            inner = (2, half) if self.inverse else (half, 2)
+            rest = tuple(t.shape[1:])
+            return t.reshape(heads, *inner, *rest).transpose(1, 2).reshape(rows, *rest).contiguous()
+
+        return _per_tensor(slots, fn)
+
+    @property
+    def reverse_op(self) -> ConversionOp:
+        return PermuteForRope(self.num_heads, self.config_attribute, inverse=not self.inverse)
+
+
+@dataclass(frozen=True)
+class Interleave(ConversionOp):
+    """De-interleave ``dim``: ``[a0, b0, a1, b1, ...]`` becomes ``[a0, a1, ..., b0, b1, ...]``.
+
+    ``inverse=True`` interleaves the two halves again.
+    """
+
+    dim: int = 0
+    inverse: bool = False
+
+    def convert(self, slots: list[Slot], ctx: OpContext) -> list[Slot]:
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            _check_dim(self, ctx, t, self.dim)
+            d = self.dim % t.ndim
+            size = t.shape[d]
+            if size % 2:
+                raise self._fail(ctx, f"dim {self.dim} of shape {tuple(t.shape)} has odd size {size}.")
+            shape = list(t.shape)
+            shape[d : d + 1] = [2, size // 2] if self.inverse else [size // 2, 2]
+            return t.reshape(shape).transpose(d, d + 1).reshape(t.shape).contiguous()
+
+        return _per_tensor(slots, fn)
+
+    @property
+    def reverse_op(self) -> ConversionOp:
+        return Interleave(dim=self.dim, inverse=not self.inverse)
+
+
+def _kernel(kernel_size: Sequence[int]) -> tuple[int, int, int]:
+    k = tuple(int(x) for x in kernel_size)
+    if len(k) != 3 or any(x < 1 for x in k):
+        raise ConversionError(f"kernel_size must be three positive integers, got {kernel_size!r}.")
+    return k  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Conv3dToLinear(ConversionOp):
+    """Conv3d weight ``(out, C, T, P, P)`` → flattened Linear weight ``(out, C*T*P*P)``."""
+
+    in_channels: int
+    kernel_size: tuple[int, int, int] = field(default=(1, 1, 1))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kernel_size", _kernel(self.kernel_size))
+
+    def convert(self, slots: list[Slot], ctx: OpContext) -> list[Slot]:
+        t = _one_tensor(self, slots, ctx)
+        expected = (self.in_channels, *self.kernel_size)
+        if t.ndim != 5 or tuple(t.shape[1:]) != expected:
+            raise self._fail(ctx, f"expects a Conv3d weight of shape (out, {', '.join(map(str, expected))}), got {tuple(t.shape)}.")
+        return [t.reshape(t.shape[0], -1).contiguous()]
+
+    @property
+    def reverse_op(self) -> ConversionOp:
+        return LinearToConv3d(self.in_channels, self.kernel_size)
+
+
+@dataclass(frozen=True)
+class LinearToConv3d(ConversionOp):
+    """Flattened Linear weight ``(out, C*T*P*P)`` → Conv3d weight ``(out, C, T, P, P)``."""
+
+    in_channels: int
+    kernel_size: tuple[int, int, int] = field(default=(1, 1, 1))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kernel_size", _kernel(self.kernel_size))
+
+    def convert(self, slots: list[Slot], ctx: OpContext) -> list[Slot]:
+        t = _one_tensor(self, slots, ctx)
+        fan_in = self.in_channels * math.prod(self.kernel_size)
+        if t.ndim != 2 or t.shape[1] != fan_in:
+            raise self._fail(ctx, f"expects a Linear weight of shape (out, {fan_in}), got {tuple(t.shape)}.")
+        return [t.reshape(t.shape[0], self.in_channels, *self.kernel_size).contiguous()]
+
+    @property
+    def reverse_op(self) -> ConversionOp:
+        return Conv3dToLinear(self.in_channels, self.kernel_size)
+
+
+def run_chain(operations: Sequence[ConversionOp], slots: list[Slot], ctx: OpContext) -> list[Slot]:
+    """Run ``operations`` in order over ``slots`` and check the chain ends with one slot per target.
+
+    Raises:
+        ConversionError: from any op, or when the slot count does not match ``ctx.n_targets``.
+    """
+    for op in operations:
+        try:
+            slots = op.convert(slots, ctx)
+        except ConversionError:
+            raise
+        except Exception as exc:  # a custom op's own error: name the op and keys
+            raise ConversionError(f"{op!r} {ctx.where()} raised {type(exc).__name__}: {exc}") from exc
+    if len(slots) != ctx.n_targets:
+        raise ConversionError(
+            f"the op chain {list(operations)!r} {ctx.where()} produced {len(slots)} tensors for "
+            f"{ctx.n_targets} target pattern(s); add a Chunk/Split or Concatenate so the counts agree."
+        )
+    return slots
+
+
+def reverse_chain(operations: Sequence[ConversionOp]) -> list[ConversionOp]:
+    """The inverse chain: each op's ``reverse_op``, in reverse order."""
+    return [op.reverse_op for op in reversed(operations)]

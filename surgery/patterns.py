@@ -1,0 +1,463 @@
+r"""Source and target patterns: the small language every weight transform is written in.
+
+A **source pattern** is a full Python regex, matched with :func:`re.search` against a
+(scoped) checkpoint key, with two conveniences:
+
+* ``*`` directly followed by ``.`` is the *index wildcard*: it matches one run of digits and
+  gathers every key it matches under the same pattern, ordered by the index it captured
+  (``mlp.experts.*.w1.weight``). Write ``.*\.`` when you mean the regex "anything, then a dot".
+* A pattern that ends in a letter or digit only matches at the end of a name, so
+  ``q_proj.weight`` does not match ``q_proj.weight_scale``.
+
+A **target pattern** is a replacement template: literal text (``\.`` is accepted for a dot),
+``\1`` … ``\9`` for the source's capture groups, ``*`` for the wildcard's index. A leading ``^``
+and look-around groups are kept only for the reverse direction, where the target becomes a
+source again.
+
+:func:`reverse_pair` turns a (source, target) pair around; it is how every transform derives its
+inverse mechanically instead of having it written twice.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .errors import PatternError
+
+__all__ = [
+    "SourcePattern",
+    "TargetPattern",
+    "compile_source",
+    "parse_target",
+    "reverse_pair",
+    "STAR_GROUP_PREFIX",
+]
+
+STAR_GROUP_PREFIX = "_star"
+_NAME_BOUNDARY = r"(?![A-Za-z0-9_])"
+_DIGITS = r"\d+"
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+@dataclass(frozen=True)
+class _Tok:
+    kind: str  # literal, any, escape, class, open, close, quant, alt, anchor, star, backref
+    text: str  # the source text of the token
+    value: str = ""  # literal: the character; open: "capture" | "noncapture" | "look" | "named"
+
+
+def _tokenize(pattern: str) -> list[_Tok]:
+    """Split a regex into tokens precise enough to find groups, anchors and the wildcard."""
+    toks: list[_Tok] = []
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            if i + 1 >= n:
+                raise PatternError(f"Pattern {pattern!r} ends with a lone backslash; escape it as '\\\\'.")
+            nxt = pattern[i + 1]
+            if nxt.isdigit():
+                toks.append(_Tok("backref", pattern[i : i + 2], nxt))
+            elif nxt in "AZbB":
+                toks.append(_Tok("anchor", pattern[i : i + 2]))
+            elif nxt.isalpha():
+                toks.append(_Tok("escape", pattern[i : i + 2]))
+            else:
+                toks.append(_Tok("literal", pattern[i : i + 2], nxt))
+            i += 2
+        elif c == "[":
+            j = i + 1
+            if j < n and pattern[j] == "^":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            if j >= n:
+                raise PatternError(f"Pattern {pattern!r} has an unterminated character class at {i}.")
+            toks.append(_Tok("class", pattern[i : j + 1]))
+            i = j + 1
+        elif c == "(":
+            if pattern.startswith("(?:", i):
+                toks.append(_Tok("open", "(?:", "noncapture"))
+                i += 3
+            elif pattern.startswith(("(?=", "(?!"), i):
+                toks.append(_Tok("open", pattern[i : i + 3], "look"))
+                i += 3
+            elif pattern.startswith(("(?<=", "(?<!"), i):
+                toks.append(_Tok("open", pattern[i : i + 4], "look"))
+                i += 4
+            elif pattern.startswith("(?P<", i):
+                j = pattern.find(">", i)
+                if j < 0:
+                    raise PatternError(f"Pattern {pattern!r} has an unterminated group name at {i}.")
+                toks.append(_Tok("open", pattern[i : j + 1], "capture"))
+                i = j + 1
+            elif pattern.startswith("(?", i):
+                raise PatternError(
+                    f"Pattern {pattern!r} uses the group syntax at {i} that surgery does not support; "
+                    "use (...), (?:...), (?P<name>...) or a look-around."
+                )
+            else:
+                toks.append(_Tok("open", "(", "capture"))
+                i += 1
+        elif c == ")":
+            toks.append(_Tok("close", ")"))
+            i += 1
+        elif c == "*" and i + 1 < n and pattern[i + 1] == "." and not _after_quantifiable_any(toks):
+            toks.append(_Tok("star", "*"))
+            i += 1
+        elif c in "*+?":
+            j = i + 1
+            if j < n and pattern[j] in "?+":
+                j += 1
+            toks.append(_Tok("quant", pattern[i:j]))
+            i = j
+        elif c == "{" and re.match(r"\{\d*(,\d*)?\}", pattern[i:]):
+            m = re.match(r"\{\d*(,\d*)?\}\??", pattern[i:])
+            assert m is not None  # checked by the condition above
+            toks.append(_Tok("quant", m.group(0)))
+            i += len(m.group(0))
+        elif c == "|":
+            toks.append(_Tok("alt", "|"))
+            i += 1
+        elif c in "^$":
+            toks.append(_Tok("anchor", c))
+            i += 1
+        elif c == ".":
+            toks.append(_Tok("any", "."))
+            i += 1
+        else:
+            toks.append(_Tok("literal", c, c))
+            i += 1
+    return toks
+
+
+def _after_quantifiable_any(toks: list[_Tok]) -> bool:
+    """`.*.` keeps meaning "a dot-separated index" only when the `.` before `*` is a separator.
+
+    A `*` after `)`, `]`, a class escape or another quantifier is a regex quantifier: `(a|b)*.`
+    is "repeat the group". After `.` or a literal it is the index wildcard, as in
+    ``experts.*.w1``.
+    """
+    if not toks:
+        return False
+    return toks[-1].kind in ("close", "class", "escape", "quant", "star")
+
+
+# --------------------------------------------------------------------------- sources
+
+
+@dataclass(frozen=True)
+class SourcePattern:
+    """A compiled source pattern.
+
+    Attributes:
+        text: the pattern as written.
+        regex: the compiled regex (wildcards turned into named digit groups, name boundary added).
+        star_groups: regex group numbers of the index wildcards, in order.
+        user_groups: regex group numbers of the user's own capture groups (``\\1`` is the first).
+        anchored: whether the pattern starts with ``^``.
+    """
+
+    text: str
+    regex: re.Pattern[str] = field(repr=False)
+    star_groups: tuple[int, ...] = field(repr=False)
+    user_groups: tuple[int, ...] = field(repr=False)
+    anchored: bool = field(repr=False)
+
+    @property
+    def has_star(self) -> bool:
+        return bool(self.star_groups)
+
+    def body(self) -> str:
+        """The regex text without a name-boundary suffix, for building alternations."""
+        return self.regex.pattern
+
+
+def compile_source(pattern: str) -> SourcePattern:
+    """Compile a source pattern, or raise :class:`PatternError` naming it.
+
+    Example:
+        >>> sp = compile_source("mlp.experts.*.w1.weight")
+        >>> m = sp.regex.search("model.layers.0.mlp.experts.7.w1.weight")
+        >>> m.group(sp.star_groups[0])
+        '7'
+    """
+    if not isinstance(pattern, str) or not pattern:
+        raise PatternError(f"A source pattern must be a non-empty string, got {pattern!r}.")
+    toks = _tokenize(pattern)
+    parts: list[str] = []
+    star_groups: list[int] = []
+    user_groups: list[int] = []
+    group_no = 0
+    n_star = 0
+    for tok in toks:
+        if tok.kind == "star":
+            group_no += 1
+            star_groups.append(group_no)
+            parts.append(f"(?P<{STAR_GROUP_PREFIX}{n_star}>{_DIGITS})")
+            n_star += 1
+            continue
+        if tok.kind == "open" and tok.value == "capture":
+            group_no += 1
+            user_groups.append(group_no)
+        if tok.kind == "backref":
+            raise PatternError(
+                f"Source pattern {pattern!r} uses the back-reference {tok.text!r}; back-references "
+                "inside a source are not supported (a key must be matched by what it contains, not "
+                "by repetition). Match the repeated text explicitly."
+            )
+        parts.append(tok.text)
+    text = "".join(parts)
+    if toks and toks[-1].kind in ("literal", "any") and re.search(r"[A-Za-z0-9]$", pattern):
+        text += _NAME_BOUNDARY
+    try:
+        regex = re.compile(text)
+    except re.error as exc:
+        raise PatternError(f"Source pattern {pattern!r} is not a valid regex: {exc}. Fix the pattern.") from exc
+    anchored = bool(toks) and toks[0].kind == "anchor" and toks[0].text == "^"
+    return SourcePattern(pattern, regex, tuple(star_groups), tuple(user_groups), anchored)
+
+
+# --------------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class TargetPattern:
+    """A parsed target template.
+
+    ``pieces`` alternates literal strings and references: ``("ref", k)`` for ``\\k`` and
+    ``("star", i)`` for the i-th ``*``.
+    """
+
+    text: str
+    pieces: tuple[str | tuple[str, int], ...]
+    anchored: bool
+    lookarounds: tuple[tuple[int, str], ...]  # (position in pieces, look-around text), reverse only
+
+    @property
+    def n_stars(self) -> int:
+        return sum(1 for p in self.pieces if isinstance(p, tuple) and p[0] == "star")
+
+    @property
+    def max_ref(self) -> int:
+        return max((p[1] for p in self.pieces if isinstance(p, tuple) and p[0] == "ref"), default=0)
+
+    @property
+    def literal(self) -> str | None:
+        """The target as plain text when it has no references and no wildcard."""
+        if all(isinstance(p, str) for p in self.pieces):
+            return "".join(p for p in self.pieces if isinstance(p, str))
+        return None
+
+    def expand(self, groups: tuple[str, ...] = (), stars: tuple[str, ...] | None = None) -> str:
+        """Fill references with ``groups`` (``\\1`` is ``groups[0]``) and wildcards with ``stars``.
+
+        A wildcard with no value stays ``*`` (the op chain fills it later).
+        """
+        out: list[str] = []
+        for p in self.pieces:
+            if isinstance(p, str):
+                out.append(p)
+            elif p[0] == "ref":
+                out.append(groups[p[1] - 1])
+            else:
+                out.append(stars[p[1]] if stars is not None and p[1] < len(stars) else "*")
+        return "".join(out)
+
+
+def parse_target(pattern: str) -> TargetPattern:
+    """Parse a target template, or raise :class:`PatternError` naming it."""
+    if not isinstance(pattern, str):
+        raise PatternError(f"A target pattern must be a string, got {pattern!r}.")
+    pieces: list[str | tuple[str, int]] = []
+    looks: list[tuple[int, str]] = []
+    buf: list[str] = []
+    anchored = pattern.startswith("^")
+    i = 1 if anchored else 0
+    n = len(pattern)
+    n_star = 0
+
+    def flush() -> None:
+        if buf:
+            pieces.append("".join(buf))
+            buf.clear()
+
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            if i + 1 >= n:
+                raise PatternError(f"Target pattern {pattern!r} ends with a lone backslash.")
+            nxt = pattern[i + 1]
+            if nxt.isdigit() and nxt != "0":
+                flush()
+                pieces.append(("ref", int(nxt)))
+            elif nxt.isalnum():
+                raise PatternError(
+                    f"Target pattern {pattern!r} contains {pattern[i : i + 2]!r}; targets are plain text "
+                    "with \\1..\\9 references, '*' for the index and '\\.' for a dot."
+                )
+            else:
+                buf.append(nxt)
+            i += 2
+        elif c == "*":
+            flush()
+            pieces.append(("star", n_star))
+            n_star += 1
+            i += 1
+        elif pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
+            depth, j = 0, i
+            while j < n:
+                if pattern[j] == "\\":
+                    j += 2
+                    continue
+                if pattern[j] == "(":
+                    depth += 1
+                elif pattern[j] == ")":
+                    depth -= 1
+                    if depth == 0:
+                        break
+                j += 1
+            flush()
+            looks.append((len(pieces), pattern[i : j + 1]))
+            i = j + 1
+        elif c in "()[]|+?{}$^":
+            raise PatternError(
+                f"Target pattern {pattern!r} contains the regex character {c!r} at {i}; a target is "
+                "a replacement template. Put variable parts in a capture group of the source and "
+                "refer to them with \\1..\\9."
+            )
+        else:
+            buf.append(c)
+            i += 1
+    flush()
+    return TargetPattern(pattern, tuple(pieces), anchored, tuple(looks))
+
+
+# --------------------------------------------------------------------------- reversal
+
+
+def _group_texts(toks: list[_Tok]) -> dict[int, str]:
+    """Map each user capture group (1-based, stars excluded) to its inner regex text."""
+    texts: dict[int, str] = {}
+    stack: list[tuple[int | None, int]] = []  # (user group number or None, token index)
+    user_no = 0
+    for idx, tok in enumerate(toks):
+        if tok.kind == "open":
+            if tok.value == "capture":
+                user_no += 1
+                stack.append((user_no, idx))
+            else:
+                stack.append((None, idx))
+        elif tok.kind == "close" and stack:
+            num, start = stack.pop()
+            if num is not None:
+                inner = toks[start + 1 : idx]
+                texts[num] = "".join(_noncapturing(t) for t in inner)
+    return texts
+
+
+def _noncapturing(tok: _Tok) -> str:
+    if tok.kind == "open" and tok.value == "capture":
+        return "(?:"
+    if tok.kind == "star":
+        return "*"
+    return tok.text
+
+
+def reverse_pair(source: str, target: str) -> tuple[str, str]:
+    """Turn a (source regex, target template) pair into its inverse pair.
+
+    The target becomes a regex (literal text escaped, ``\\k`` becomes the text of the source's
+    group k as a new capture group, ``*`` the wildcard); the source becomes a template (literal
+    text kept, anchors and look-arounds dropped, capture groups become back-references).
+
+    Raises:
+        PatternError: when the source has parts that the target does not keep (a quantified
+            literal, a class or an alternation outside any capture group, or a group the target
+            never references), since the original key could not be rebuilt from the target.
+
+    Example:
+        >>> reverse_pair(r"^(?!model\\.)(.+)", r"model.\\1")
+        ('^model\\\\.(.+)', '\\\\1')
+    """
+    src_toks = _tokenize(source)
+    tgt = parse_target(target)
+    group_texts = _group_texts(src_toks)
+    anchored = (bool(src_toks) and src_toks[0].kind == "anchor" and src_toks[0].text == "^") or tgt.anchored
+
+    # New source: the target as a regex.
+    new_src: list[str] = ["^"] if anchored else []
+    new_group_of_old: dict[int, int] = {}
+    new_group_no = 0
+    looks = dict(tgt.lookarounds)
+    for pos, piece in enumerate(tgt.pieces):
+        if pos in looks:
+            new_src.append(looks[pos])
+        if isinstance(piece, str):
+            new_src.append(_escape_literal(piece))
+        elif piece[0] == "star":
+            new_src.append("*")
+        else:
+            k = piece[1]
+            if k not in group_texts:
+                raise PatternError(
+                    f"Target {target!r} refers to \\{k}, but source {source!r} has only "
+                    f"{len(group_texts)} capture group(s)."
+                )
+            new_group_no += 1
+            new_group_of_old.setdefault(k, new_group_no)
+            new_src.append(f"({group_texts[k]})")
+    if len(tgt.pieces) in looks:
+        new_src.append(looks[len(tgt.pieces)])
+
+    # New target: the source as a template.
+    out: list[str] = []
+    depth_skip = 0  # inside a look-around or a captured group: skip tokens
+    user_no = 0
+    for tok in src_toks:
+        if depth_skip:
+            if tok.kind == "open":
+                if tok.value == "capture":
+                    user_no += 1
+                depth_skip += 1
+            elif tok.kind == "close":
+                depth_skip -= 1
+            continue
+        if tok.kind == "anchor":
+            continue
+        if tok.kind == "open" and tok.value == "look":
+            depth_skip = 1
+            continue
+        if tok.kind == "open" and tok.value == "capture":
+            user_no += 1
+            if user_no not in new_group_of_old:
+                raise PatternError(
+                    f"Cannot reverse ({source!r} -> {target!r}): group \\{user_no} of the source is "
+                    "not used in the target, so the original key could not be rebuilt. Refer to it "
+                    "in the target or make it a look-around."
+                )
+            out.append(f"\\{new_group_of_old[user_no]}")
+            depth_skip = 1
+            continue
+        if tok.kind == "star":
+            out.append("*")
+        elif tok.kind == "literal":
+            out.append(tok.value if tok.value != "." else r"\.")
+        elif tok.kind == "any":
+            out.append(r"\.")
+        else:
+            raise PatternError(
+                f"Cannot reverse source {source!r}: {tok.text!r} matches variable text outside a "
+                "capture group, so the original key could not be rebuilt. Wrap it in a capture "
+                "group and refer to it from the target."
+            )
+    return "".join(new_src), "".join(out)
+
+
+def _escape_literal(text: str) -> str:
+    return "".join("\\" + ch if ch in ".^$*+?{}[]\\|()" else ch for ch in text)
