@@ -1,32 +1,576 @@
-"""Fast routing: share one routing decision between keys that differ only in their indices.
+r"""Fast routing: keys that differ only in their indices share one routing decision.
 
-This module starts as the exact per-key path; :class:`TemplateRouter` is the seam where the
-template cache plugs in.
+A checkpoint of a large model has few *shapes* of keys and many indices:
+``model.layers.{L}.block_sparse_moe.experts.{E}.w{1,2,3}.weight`` covers most of a MoE checkpoint.
+:class:`TemplateRouter` routes one representative per shape through the exact path
+(:meth:`surgery.routing._Router.route`) and turns the result into a *format*: literal text plus
+slices of the key. Every other key of that shape is then routed by slicing, with no regex at all.
+
+**Key classes.** A *numeric component* is a dotted component made only of ASCII digits
+(``12`` in ``layers.12.``). Its digits are *free*; every other digit (``1`` in ``w1``) is *fixed*.
+A key's *template* is the key with every digit replaced by ``0`` (one ``str.translate`` for all
+keys at once); two keys are in one class when they have the same template and the same fixed
+digits. Within a class the free digits sit at the same positions, in runs of the same lengths.
+
+**Why a shared decision is exact.** A regex engine's run is decided by the outcomes of its
+single-character tests. A test is *uniform* when it accepts every ASCII digit or none of them
+(``\d``, ``.``, ``[^.]``, letters, ``\b``); a transform list whose tests are all uniform cannot
+tell the members of a class apart, so every member takes the same path, copies text from the same
+positions and produces the same output up to the free digits it copied. One exception is admitted
+and checked: a non-uniform test (the ``1`` of ``w1``) next to a *guard* in the same literal run,
+where the guard is a single-character test that accepts no digit and no dot (the ``w``). A free
+digit's neighbours are digits, dots or the end of the string, so the guard fails next to it
+whatever its value, and the ``1`` never decides anything there. This holds in the original key by
+construction and is re-checked on the intermediate key after every renaming that fires.
+Backreferences, unguarded digit literals and digit subsets (``[0-3]``) make the whole list
+*unsafe*: :attr:`TemplateRouter.exact_only` is then set and every key takes the exact path.
+
+A ``scope_prefix`` with digits (``model.layers.3``) compares free digits with a literal. The class
+is then split on those positions (each value gets its own class), which keeps it exact.
+
+**Formats.** For a class with ``n`` free digits the representative is routed once per *probe*:
+probe 0 sets every free digit to ``0``; probe ``d`` sets free digit ``i`` to ``1 +`` the ``d``-th
+base-9 digit of ``i``. A character of the output that is equal in all probes is literal; any
+other character spells out which free digit it was copied from. Each class is also checked against
+the exact route of a real key; any disagreement falls back to the exact path for that class.
+
+A class is built on its second key: a key seen once is routed exactly (building costs a few exact
+routes, which a one-off key such as ``lm_head.weight`` would never repay).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Sequence
+from functools import lru_cache
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigurationError
+
+try:  # Python 3.11+
+    from re import _constants as _sre  # type: ignore[attr-defined]
+    from re import _parser as _sre_parse  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_constants as _sre  # type: ignore[no-redef]
+    import sre_parse as _sre_parse  # type: ignore[no-redef]
 
 if TYPE_CHECKING:
     from .routing import _Router
+    from .transforms import WeightTransform
 
-__all__ = ["TemplateRouter"]
+__all__ = [
+    "GUARDED",
+    "UNIFORM",
+    "UNSAFE",
+    "Decision",
+    "KeyClass",
+    "TemplateRouter",
+    "key_templates",
+    "pattern_safety",
+    "transform_safety",
+]
 
+#: ``(first target, renamings fired, converter, pattern index, wildcard texts, all targets)``.
 Decision = tuple[str, tuple[int, ...], "int | None", "int | None", tuple[str, ...], tuple[str, ...]]
+
+UNIFORM = 0  #: every character test accepts all digits or none
+GUARDED = 1  #: uniform as long as free digits sit between digits, dots and the string ends
+UNSAFE = 2  #: a test may tell free digits apart; the list must route every key exactly
+
+_DIGITS = frozenset("0123456789")
+_PROBE = _DIGITS | {"."}
+_ZERO = str.maketrans("123456789", "000000000")
+
+# --------------------------------------------------------------------------- static analysis
+
+
+class _Unsafe(Exception):
+    """A regex construct the analysis does not understand (always treated as unsafe)."""
+
+
+def _op(name: str) -> object:
+    return getattr(_sre, name, object())  # a fresh object never equals a real opcode
+
+
+_LITERAL, _NOT_LITERAL, _ANY, _IN = _op("LITERAL"), _op("NOT_LITERAL"), _op("ANY"), _op("IN")
+_RANGE, _NEGATE, _CATEGORY = _op("RANGE"), _op("NEGATE"), _op("CATEGORY")
+_AT, _BRANCH, _SUBPATTERN = _op("AT"), _op("BRANCH"), _op("SUBPATTERN")
+_ASSERTS = (_op("ASSERT"), _op("ASSERT_NOT"))
+_REPEATS = (_op("MAX_REPEAT"), _op("MIN_REPEAT"), _op("POSSESSIVE_REPEAT"))
+_ATOMIC = _op("ATOMIC_GROUP")
+_CATEGORIES: dict[object, frozenset[str]] = {
+    _op("CATEGORY_DIGIT"): _DIGITS,
+    _op("CATEGORY_NOT_DIGIT"): frozenset("."),
+    _op("CATEGORY_WORD"): _DIGITS,
+    _op("CATEGORY_NOT_WORD"): frozenset("."),
+    _op("CATEGORY_SPACE"): frozenset(),
+    _op("CATEGORY_NOT_SPACE"): _PROBE,
+    _op("CATEGORY_LINEBREAK"): frozenset(),
+    _op("CATEGORY_NOT_LINEBREAK"): _PROBE,
+}
+
+
+def _accepts(op: object, av: Any) -> frozenset[str] | None:
+    """Which of ``0-9`` and ``.`` a single-character test accepts; ``None`` for other nodes."""
+    if op is _LITERAL:
+        return _PROBE & {chr(av)}
+    if op is _NOT_LITERAL:
+        return _PROBE - {chr(av)}
+    if op is _ANY:
+        return _PROBE
+    if op is not _IN:
+        return None
+    got: set[str] = set()
+    negate = False
+    for item_op, item in av:
+        if item_op is _NEGATE:
+            negate = True
+        elif item_op is _LITERAL:
+            got.add(chr(item))
+        elif item_op is _RANGE:
+            got.update(c for c in _PROBE if item[0] <= ord(c) <= item[1])
+        elif item_op is _CATEGORY and item in _CATEGORIES:
+            got.update(_CATEGORIES[item])
+        else:
+            raise _Unsafe(item_op)
+    return frozenset(_PROBE - got if negate else _PROBE & got)
+
+
+def _is_guard(items: list[tuple[object, Any]], j: int) -> bool:
+    if not 0 <= j < len(items):
+        return False
+    acc = _accepts(*items[j])
+    return acc is not None and not acc
+
+
+def _sequence_safety(items: list[tuple[object, Any]]) -> int:
+    worst = UNIFORM
+    for idx, (op, av) in enumerate(items):
+        acc = _accepts(op, av)
+        if acc is not None:
+            digits = acc & _DIGITS
+            if digits and digits != _DIGITS:
+                if not (_is_guard(items, idx - 1) or _is_guard(items, idx + 1)):
+                    return UNSAFE
+                worst = GUARDED
+            continue
+        if op is _AT:
+            continue  # anchors and \b: every digit is a word character
+        if op is _BRANCH:
+            parts = av[1]
+        elif op is _SUBPATTERN:
+            parts = [av[-1]]
+        elif op in _ASSERTS or op in _REPEATS:
+            parts = [av[-1]]
+        elif op is _ATOMIC:
+            parts = [av]
+        else:
+            return UNSAFE  # backreferences, conditionals, anything unknown
+        for part in parts:
+            worst = max(worst, _sequence_safety(list(part)))
+            if worst == UNSAFE:
+                return UNSAFE
+    return worst
+
+
+@lru_cache(maxsize=4096)
+def pattern_safety(pattern: str, flags: int = 0) -> int:
+    r"""Classify a compiled regex: :data:`UNIFORM`, :data:`GUARDED` or :data:`UNSAFE`.
+
+    Args:
+        pattern: regex text (as compiled, e.g. ``SourcePattern.regex.pattern``).
+        flags: the regex flags.
+
+    Returns:
+        How the regex treats free digits (see the module docstring).
+
+    Example:
+        >>> pattern_safety(r"experts\.(\d+)\.w1\.weight") == GUARDED
+        True
+        >>> pattern_safety(r"layers\.0\.") == UNSAFE
+        True
+    """
+    try:
+        tree = _sre_parse.parse(pattern, flags)
+        return _sequence_safety(list(tree))
+    except (_Unsafe, Exception):
+        return UNSAFE
+
+
+def transform_safety(transform: WeightTransform) -> int:
+    """The worst :func:`pattern_safety` over a transform's compiled source patterns."""
+    return max(pattern_safety(sp.regex.pattern, sp.regex.flags) for sp in transform._sources)
+
+
+# --------------------------------------------------------------------------- templates
+
+
+def key_templates(keys: Sequence[str]) -> list[str]:
+    """Every key with its digits replaced by ``0``, computed in one pass over all keys.
+
+    Example:
+        >>> key_templates(["layers.12.w1", "layers.7.w3"])
+        ['layers.00.w0', 'layers.0.w0']
+    """
+    out = "\n".join(keys).translate(_ZERO).split("\n")
+    if len(out) != len(keys):  # a key contains a newline: template one by one
+        out = [k.translate(_ZERO) for k in keys]
+    return out
+
+
+def _digit_layout(template: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Positions of free digits (numeric components) and of fixed digits in a template."""
+    free: list[int] = []
+    fixed: list[int] = []
+    n = len(template)
+    i = template.find("0")
+    while i >= 0:
+        j = i
+        while j < n and template[j] == "0":
+            j += 1
+        component = (i == 0 or template[i - 1] == ".") and (j == n or template[j] == ".")
+        (free if component else fixed).extend(range(i, j))
+        i = template.find("0", j)
+    return tuple(free), tuple(fixed)
+
+
+# --------------------------------------------------------------------------- key classes
+
+Pieces = tuple["str | tuple[int, int]", ...]
+
+
+class KeyClass:
+    """A node of the class tree: a split on some key positions, or a class with a shared decision.
+
+    ``sel`` is set on a split (``children`` maps the selected characters to child nodes). A class
+    has ``mode`` ``-1`` while its keys take the exact path (not built yet, or not shareable), and
+    ``0``/``1``/``2`` once its decision is a format: no wildcard index, one index read from one
+    slice ``key[ia:ib]``, or indices built from pieces. ``ta:tb`` spans every key position the
+    targets copy, so ``key[ta:tb]`` identifies the target group; ``slots`` is the router's cache
+    of that group per span.
+    """
+
+    __slots__ = (
+        "children",
+        "conv",
+        "final",
+        "fired",
+        "first",
+        "free",
+        "ia",
+        "ib",
+        "mode",
+        "pat",
+        "seen",
+        "sel",
+        "slots",
+        "stars",
+        "ta",
+        "targets",
+        "tb",
+    )
+
+    def __init__(self, free: tuple[int, ...], fixed: tuple[int, ...] = ()) -> None:
+        self.free = free
+        self.sel: Any = itemgetter(*fixed) if fixed else None
+        self.children: dict[Any, KeyClass] = {}
+        self.mode = -1
+        self.seen = 0
+        self.final = False
+        self.fired: tuple[int, ...] = ()
+        self.conv: int | None = None
+        self.pat: int | None = None
+        self.first: Pieces = ()
+        self.targets: tuple[Pieces, ...] = ()
+        self.stars: tuple[Pieces, ...] = ()
+        self.ta = self.tb = self.ia = self.ib = 0
+        self.slots: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        if self.sel is not None:
+            return f"KeyClass(split, {len(self.children)} children)"
+        state = {-1: "exact"}.get(self.mode, f"format {self.first!r}")
+        return f"KeyClass({state}, free={self.free})"
+
+    @staticmethod
+    def text(key: str, pieces: Pieces) -> str:
+        """Fill a format from ``key``."""
+        return "".join([p if p.__class__ is str else key[p[0] : p[1]] for p in pieces])  # type: ignore[index]
+
+    def first_of(self, key: str) -> str:
+        """The first target key of ``key`` (the target group)."""
+        return self.text(key, self.first)
+
+    def index(self, key: str) -> tuple[int, ...]:
+        """The wildcard indices of ``key``."""
+        return tuple(int(self.text(key, p)) for p in self.stars)
+
+    def targets_of(self, key: str) -> tuple[str, ...]:
+        """Every target key of ``key``."""
+        return tuple(self.text(key, p) for p in self.targets)
+
+    def decision(self, key: str) -> Decision:
+        """The full routing decision for ``key`` (a built class only)."""
+        stars = tuple(self.text(key, p) for p in self.stars)
+        return self.first_of(key), self.fired, self.conv, self.pat, stars, self.targets_of(key)
+
+
+def _provenance(strings: Sequence[str], n_free: int) -> list[str | int] | None:
+    """Per output position: the literal character, or which free digit it was copied from."""
+    base = strings[0]
+    size = len(base)
+    if any(len(s) != size for s in strings):
+        return None
+    out: list[str | int] = []
+    for p in range(size):
+        c0 = base[p]
+        codes = [s[p] for s in strings[1:]]
+        if all(c == c0 for c in codes):
+            out.append(c0)
+            continue
+        if c0 != "0":
+            return None
+        i = 0
+        for d, c in enumerate(codes):
+            if not "1" <= c <= "9":
+                return None
+            i += (ord(c) - 49) * 9**d
+        if i >= n_free:
+            return None
+        out.append(i)
+    return out
+
+
+def _pieces(prov: list[str | int], free: tuple[int, ...]) -> Pieces:
+    """Compress a provenance into literal strings and ``(start, stop)`` slices of the key."""
+    out: list[str | tuple[int, int]] = []
+    for x in prov:
+        last = out[-1] if out else None
+        if isinstance(x, str):
+            if isinstance(last, str):
+                out[-1] = last + x
+            else:
+                out.append(x)
+        else:
+            pos = free[x]
+            if isinstance(last, tuple) and last[1] == pos:
+                out[-1] = (last[0], pos + 1)
+            else:
+                out.append((pos, pos + 1))
+    return tuple(out)
+
+
+def _isolated(prov: list[str | int]) -> bool:
+    """Whether every copied free digit still sits between digits, dots and the string ends."""
+    for p, x in enumerate(prov):
+        if isinstance(x, int):
+            for q in (p - 1, p + 1):
+                if 0 <= q < len(prov):
+                    nb = prov[q]
+                    if isinstance(nb, str) and nb not in _PROBE:
+                        return False
+    return True
+
+
+def _scope_dependence(prov: list[str | int], scope: str, free: tuple[int, ...]) -> set[int]:
+    """Key positions whose free digit decides whether ``key.startswith(scope + ".")``."""
+    head = scope + "."
+    if len(prov) < len(head):
+        return set()
+    dep: set[int] = set()
+    for q, ch in enumerate(head):
+        x = prov[q]
+        if isinstance(x, str):
+            if x != ch:
+                return set()  # a fixed character already decides: never in scope
+        elif ch in _DIGITS:
+            dep.add(free[x])
+        else:
+            return set()  # a digit never equals a non-digit
+    return dep
+
+
+# --------------------------------------------------------------------------- router
 
 
 class TemplateRouter:
-    """Route keys through a compiled :class:`~surgery.routing._Router`."""
+    """Route keys through a compiled :class:`~surgery.routing._Router`, sharing decisions.
+
+    One instance serves one :func:`~surgery.routing.route_keys` call (class caches refer to that
+    call's target groups).
+
+    Attributes:
+        router: the exact router.
+        exact_only: the list has a pattern that may tell indices apart; every key goes exact.
+        table: template → class tree.
+    """
 
     def __init__(self, router: _Router) -> None:
         self.router = router
+        self.route_exact = router.route
+        order = [t for _, t in router.renamings] + [c for _, c in router.converters]
+        safety = [transform_safety(t) for t in order]
+        self.exact_only = UNSAFE in safety
+        # After renaming i fires, do later transforms rely on guards (free digits kept isolated)?
+        self._guarded_after = [GUARDED in safety[i + 1 :] for i in range(len(router.renamings))]
+        self.table: dict[str, KeyClass] = {}
 
+    # ------------------------------------------------------------------ public helpers
     def route_one(self, key: str) -> Decision:
-        return self.router.route(key)
+        """Route one key (shared decision where available, else exact)."""
+        return self.decide(key)
 
     def route_many(self, keys: Iterable[str]) -> Iterator[tuple[str, Decision]]:
-        route = self.router.route
-        for key in keys:
-            yield key, route(key)
+        """Route many keys, yielding ``(key, decision)`` in order."""
+        keys = list(keys)
+        if self.exact_only:
+            for key in keys:
+                yield key, self.route_exact(key)
+            return
+        for key, template in zip(keys, key_templates(keys)):
+            yield key, self._decide_leaf(self.leaf(key, template), key)
+
+    def decide(self, key: str) -> Decision:
+        if self.exact_only:
+            return self.route_exact(key)
+        return self._decide_leaf(self.leaf(key, key.translate(_ZERO)), key)
+
+    def _decide_leaf(self, leaf: KeyClass, key: str) -> Decision:
+        return leaf.decision(key) if leaf.mode >= 0 else self.route_exact(key)
+
+    # ------------------------------------------------------------------ the class tree
+    def node(self, template: str) -> KeyClass:
+        """The root node for ``template`` (created on first use)."""
+        node = self.table.get(template)
+        if node is None:
+            node = self.table[template] = KeyClass(*_digit_layout(template))
+        return node
+
+    def child(self, node: KeyClass, key: str) -> KeyClass:
+        """The child of split ``node`` that ``key`` belongs to (created on first use)."""
+        sub = node.sel(key)
+        child = node.children.get(sub)
+        if child is None:
+            child = node.children[sub] = KeyClass(node.free)
+        return child
+
+    def leaf(self, key: str, template: str) -> KeyClass:
+        """Walk ``key`` to its class and count it (see :meth:`promote`)."""
+        return self.promote(self.node(template), key)
+
+    def promote(self, node: KeyClass, key: str) -> KeyClass:
+        """Walk from ``node`` to ``key``'s class, building the class on its second key.
+
+        Raises:
+            ConfigurationError: two converters claim ``key`` (from the exact path).
+        """
+        while True:
+            if node.sel is not None:
+                node = node.children.get(node.sel(key)) or self.child(node, key)
+                continue
+            if node.mode >= 0 or node.final:
+                return node
+            node.seen += 1
+            if node.seen < 2:
+                return node
+            self._build(node, key)
+            if node.sel is None:
+                return node
+
+    # ------------------------------------------------------------------ building a class
+    def _build(self, node: KeyClass, key: str) -> None:
+        exact = self.route_exact(key)  # raises for overlapping converters, like the exact path
+        free = node.free
+        n = len(free)
+        n_codes = 1
+        while 9**n_codes < n:
+            n_codes += 1
+        chars = list(key)
+        probes = []
+        for d in range(n_codes + 1):
+            for i, pos in enumerate(free):
+                chars[pos] = "0" if d == 0 else str(1 + (i // 9 ** (d - 1)) % 9)
+            probes.append("".join(chars))
+        verdict = self._check_chain(probes, free)
+        if isinstance(verdict, set):  # a scope compares free digits: split on them
+            node.sel = itemgetter(*sorted(verdict))
+            node.free = tuple(p for p in free if p not in verdict)
+            return
+        if not verdict or not self._set_format(node, probes, free):
+            node.final = True
+            return
+        if node.decision(key) != exact:  # defensive: never share a decision the exact path disowns
+            node.mode = -1
+            node.final = True
+
+    def _check_chain(self, probes: list[str], free: tuple[int, ...]) -> bool | set[int]:
+        """Replay the renamings on all probes; check scopes and that free digits stay isolated.
+
+        Returns ``True`` when a shared decision is sound, ``False`` when it is not, or the key
+        positions to split on when a scope prefix compares free digits.
+        """
+        current = probes
+        n = len(free)
+        for pos, (_, t) in enumerate(self.router.renamings):
+            if t.scope_prefix:
+                prov = _provenance(current, n)
+                if prov is None:
+                    return False
+                dep = _scope_dependence(prov, t.scope_prefix, free)
+                if dep:
+                    return dep
+            outs = [t.rename_source_key(c) for c in current]
+            if len({p for _, p in outs}) != 1:
+                return False
+            if outs[0][1] is not None:
+                current = [o for o, _ in outs]
+                if self._guarded_after[pos]:
+                    prov = _provenance(current, n)
+                    if prov is None or not _isolated(prov):
+                        return False
+        scoped = [c.scope_prefix for _, c in self.router.converters if c.scope_prefix]
+        if scoped:
+            prov = _provenance(current, n)
+            if prov is None:
+                return False
+            for scope in scoped:
+                dep = _scope_dependence(prov, scope, free)
+                if dep:
+                    return dep
+        return True
+
+    def _set_format(self, node: KeyClass, probes: list[str], free: tuple[int, ...]) -> bool:
+        try:
+            decisions = [self.route_exact(p) for p in probes]
+        except ConfigurationError:
+            return False
+        _, fired, conv, pat, stars, targets = decisions[0]
+        for d in decisions[1:]:
+            if d[1] != fired or d[2] != conv or d[3] != pat or len(d[4]) != len(stars) or len(d[5]) != len(targets):
+                return False
+        n = len(free)
+
+        def fmt(texts: list[str]) -> Pieces | None:
+            prov = _provenance(texts, n)
+            return None if prov is None else _pieces(prov, free)
+
+        first = fmt([d[0] for d in decisions])
+        target_fmts = [fmt([d[5][j] for d in decisions]) for j in range(len(targets))]
+        star_fmts = [fmt([d[4][j] for d in decisions]) for j in range(len(stars))]
+        if first is None or any(f is None for f in target_fmts) or any(f is None for f in star_fmts):
+            return False
+        node.fired, node.conv, node.pat = fired, conv, pat
+        node.first = first
+        node.targets = tuple(f for f in target_fmts if f is not None)
+        node.stars = tuple(f for f in star_fmts if f is not None)
+        spans = [p for f in (first, *node.targets) for p in f if isinstance(p, tuple)]
+        node.ta = min((a for a, _ in spans), default=0)
+        node.tb = max((b for _, b in spans), default=0)
+        if not node.stars:
+            node.mode = 0
+        elif len(node.stars) == 1 and len(node.stars[0]) == 1 and isinstance(node.stars[0][0], tuple):
+            node.ia, node.ib = node.stars[0][0]
+            node.mode = 1
+        else:
+            node.mode = 2
+        return True

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, TypeAlias
 
 import torch
@@ -32,21 +32,22 @@ import torch
 from .errors import ConversionError
 
 __all__ = [
-    "Slot",
-    "OpContext",
-    "ConversionOp",
     "Chunk",
-    "Split",
     "Concatenate",
+    "Conv3dToLinear",
+    "ConversionOp",
+    "Interleave",
+    "LinearToConv3d",
     "MergeModulelist",
+    "OpContext",
+    "PermuteForRope",
+    "Slot",
+    "Split",
     "SplitModulelist",
     "Transpose",
-    "PermuteForRope",
-    "Interleave",
-    "Conv3dToLinear",
-    "LinearToConv3d",
-    "run_chain",
     "reverse_chain",
+    "run_chain",
+    "stage_contexts",
 ]
 
 Slot: TypeAlias = "torch.Tensor | list[torch.Tensor]"
@@ -59,7 +60,9 @@ class OpContext:
     Attributes:
         n_targets: number of target patterns of the converter (how many slots the chain must end with).
         target_shapes: shape of each target tensor where known (the model's parameter when loading,
-            the recorded checkpoint tensor when saving); ``Split(sizes=None)`` reads it.
+            the recorded checkpoint tensor when saving; for a ``*`` target, the shape of one of its
+            tensors); ``Split(sizes=None)`` reads it. :func:`run_chain` hands each op these shapes
+            as they look at that op's stage of the chain (see :meth:`ConversionOp.input_shape`).
         config: the sub-model's ``config`` object, if any (``PermuteForRope(config_attribute=...)``).
         source_keys / target_keys: for error messages.
         transform: a short description of the transform, for error messages.
@@ -77,7 +80,9 @@ class OpContext:
         if self.transform:
             parts.append(f"in {self.transform}")
         if self.target_keys:
-            parts.append(f"for target {', '.join(self.target_keys[:3])}{' ...' if len(self.target_keys) > 3 else ''}")
+            parts.append(
+                f"for target {', '.join(self.target_keys[:3])}{' ...' if len(self.target_keys) > 3 else ''}"
+            )
         if self.source_keys:
             parts.append(
                 f"from {', '.join(self.source_keys[:3])}{' ...' if len(self.source_keys) > 3 else ''}"
@@ -103,8 +108,23 @@ class ConversionOp:
         """The op that undoes this one exactly."""
         raise NotImplementedError(f"{type(self).__name__} must implement reverse_op")
 
+    def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The shape of one input tensor that this op turns into a tensor of ``shape``.
+
+        Optional. :func:`run_chain` uses it to tell an earlier op (a ``Split`` without sizes) what
+        the targets look like at its stage. ``-1`` marks a size the op cannot know; ``None`` (the
+        default) means the op does not say, and earlier ops then see the final target shapes.
+        """
+        return None
+
     def _fail(self, ctx: OpContext, message: str) -> ConversionError:
-        return ConversionError(f"{self!r} {ctx.where()}: {message}".replace("  ", " "))
+        return ConversionError(f"{self!r}{_at(ctx)}: {message}")
+
+
+def _at(ctx: OpContext) -> str:
+    """`` in <transform> for target <keys> from <keys>`` (empty when the context names nothing)."""
+    where = ctx.where()
+    return f" {where}" if where else ""
 
 
 def _one_tensor(op: ConversionOp, slots: list[Slot], ctx: OpContext) -> torch.Tensor:
@@ -155,7 +175,7 @@ class Chunk(ConversionOp):
                 f"cannot split dim {self.dim} of size {size} (shape {tuple(t.shape)}) into {n} equal parts; "
                 "use Split(sizes=...) for unequal parts (e.g. grouped-query q/k/v).",
             )
-        return [c.contiguous() for c in torch.split(t, size // n, dim=self.dim)]
+        return [c.contiguous() for c in torch.tensor_split(t, n, dim=self.dim)]
 
     @property
     def reverse_op(self) -> ConversionOp:
@@ -183,7 +203,7 @@ class Split(ConversionOp):
         if self.sizes is not None:
             return list(self.sizes)
         shapes = ctx.target_shapes
-        if shapes and all(s is not None and len(s) == t.ndim for s in shapes):
+        if shapes and all(s is not None and len(s) == t.ndim and s[self.dim] >= 0 for s in shapes):
             return [s[self.dim] for s in shapes]  # type: ignore[index]
         n = ctx.n_targets
         size = t.shape[self.dim]
@@ -224,9 +244,7 @@ class Concatenate(ConversionOp):
         tensors: list[torch.Tensor] = []
         for s in slots:
             if isinstance(s, list):
-                raise self._fail(
-                    ctx, "got a list gathered by '*'; merge it first with MergeModulelist."
-                )
+                raise self._fail(ctx, "got a list gathered by '*'; merge it first with MergeModulelist.")
             tensors.append(s)
         first = tensors[0]
         _check_dim(self, ctx, first, self.dim)
@@ -262,15 +280,19 @@ class MergeModulelist(ConversionOp):
                 raise self._fail(ctx, "got an empty list of tensors.")
             shapes = {tuple(t.shape) for t in items}
             if len(shapes) != 1 or len({t.dtype for t in items}) != 1:
-                raise self._fail(
-                    ctx, f"cannot stack tensors of different shapes/dtypes: {sorted(shapes)}."
-                )
+                raise self._fail(ctx, f"cannot stack tensors of different shapes/dtypes: {sorted(shapes)}.")
             out.append(torch.stack(items, dim=self.dim))
         return out
 
     @property
     def reverse_op(self) -> ConversionOp:
         return SplitModulelist(dim=self.dim)
+
+    def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        if not -len(shape) <= self.dim < len(shape):
+            return None
+        d = self.dim % len(shape)
+        return shape[:d] + shape[d + 1 :]
 
 
 @dataclass(frozen=True)
@@ -285,12 +307,23 @@ class SplitModulelist(ConversionOp):
             if isinstance(s, list):
                 raise self._fail(ctx, "expects tensors, got a list; it splits stacked tensors.")
             _check_dim(self, ctx, s, self.dim)
+            if s.shape[self.dim] == 0:
+                raise self._fail(
+                    ctx, f"dim {self.dim} of shape {tuple(s.shape)} is empty: there is nothing to unstack."
+                )
             out.append([t.contiguous() for t in torch.unbind(s, dim=self.dim)])
         return out
 
     @property
     def reverse_op(self) -> ConversionOp:
         return MergeModulelist(dim=self.dim)
+
+    def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        n = len(shape) + 1  # the stacked tensor has one more dim, of unknown size
+        if not -n <= self.dim < n:
+            return None
+        d = self.dim % n
+        return (*shape[:d], -1, *shape[d:])
 
 
 @dataclass(frozen=True)
@@ -311,6 +344,15 @@ class Transpose(ConversionOp):
     @property
     def reverse_op(self) -> ConversionOp:
         return Transpose(dim0=self.dim1, dim1=self.dim0)
+
+    def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        n = len(shape)
+        if not (-n <= self.dim0 < n and -n <= self.dim1 < n):
+            return None
+        out = list(shape)
+        a, b = self.dim0 % n, self.dim1 % n
+        out[a], out[b] = out[b], out[a]
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -353,8 +395,10 @@ class PermuteForRope(ConversionOp):
         heads = self._heads(ctx)
 
         def fn(t: torch.Tensor) -> torch.Tensor:
+            if t.ndim not in (1, 2):
+                raise self._fail(ctx, f"expects a 1-D bias or a 2-D weight, got shape {tuple(t.shape)}.")
             rows = t.shape[0]
-            if t.ndim not in (1, 2) or rows % (2 * heads):
+            if rows % (2 * heads):
                 raise self._fail(
                     ctx,
                     f"shape {tuple(t.shape)} does not hold {heads} heads of even size along dim 0.",
@@ -369,6 +413,9 @@ class PermuteForRope(ConversionOp):
     @property
     def reverse_op(self) -> ConversionOp:
         return PermuteForRope(self.num_heads, self.config_attribute, inverse=not self.inverse)
+
+    def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        return shape
 
 
 @dataclass(frozen=True)
@@ -398,6 +445,9 @@ class Interleave(ConversionOp):
     def reverse_op(self) -> ConversionOp:
         return Interleave(dim=self.dim, inverse=not self.inverse)
 
+    def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        return shape
+
 
 def _kernel(kernel_size: Sequence[int]) -> tuple[int, int, int]:
     k = tuple(int(x) for x in kernel_size)
@@ -420,12 +470,18 @@ class Conv3dToLinear(ConversionOp):
         t = _one_tensor(self, slots, ctx)
         expected = (self.in_channels, *self.kernel_size)
         if t.ndim != 5 or tuple(t.shape[1:]) != expected:
-            raise self._fail(ctx, f"expects a Conv3d weight of shape (out, {', '.join(map(str, expected))}), got {tuple(t.shape)}.")
-        return [t.reshape(t.shape[0], -1).contiguous()]
+            raise self._fail(
+                ctx,
+                f"expects a Conv3d weight of shape (out, {', '.join(map(str, expected))}), got {tuple(t.shape)}.",
+            )
+        return [t.reshape(t.shape[0], math.prod(expected)).contiguous()]
 
     @property
     def reverse_op(self) -> ConversionOp:
         return LinearToConv3d(self.in_channels, self.kernel_size)
+
+    def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        return (shape[0], self.in_channels, *self.kernel_size) if len(shape) == 2 else None
 
 
 @dataclass(frozen=True)
@@ -449,26 +505,57 @@ class LinearToConv3d(ConversionOp):
     def reverse_op(self) -> ConversionOp:
         return Conv3dToLinear(self.in_channels, self.kernel_size)
 
+    def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        return (shape[0], self.in_channels * math.prod(self.kernel_size)) if len(shape) == 5 else None
+
 
 def run_chain(operations: Sequence[ConversionOp], slots: list[Slot], ctx: OpContext) -> list[Slot]:
     """Run ``operations`` in order over ``slots`` and check the chain ends with one slot per target.
 
+    Each op sees ``ctx.target_shapes`` as they look right after it: the final shapes are carried
+    back through the later ops with :meth:`ConversionOp.input_shape`, so the ``Split`` that undoes
+    ``[MergeModulelist(0), Concatenate(1)]`` splits the stacked tensor by the per-expert sizes.
+
     Raises:
         ConversionError: from any op, or when the slot count does not match ``ctx.n_targets``.
     """
-    for op in operations:
+    stage_ctx = stage_contexts(operations, ctx)
+    for op, op_ctx in zip(operations, stage_ctx):
         try:
-            slots = op.convert(slots, ctx)
+            slots = op.convert(slots, op_ctx)
         except ConversionError:
             raise
         except Exception as exc:  # a custom op's own error: name the op and keys
-            raise ConversionError(f"{op!r} {ctx.where()} raised {type(exc).__name__}: {exc}") from exc
+            raise ConversionError(f"{op!r}{_at(ctx)} raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(slots, list):
+            raise ConversionError(
+                f"{op!r}{_at(ctx)} returned {type(slots).__name__}; convert() must return a list of slots."
+            )
     if len(slots) != ctx.n_targets:
         raise ConversionError(
-            f"the op chain {list(operations)!r} {ctx.where()} produced {len(slots)} tensors for "
+            f"the op chain {list(operations)!r}{_at(ctx)} produced {len(slots)} tensors for "
             f"{ctx.n_targets} target pattern(s); add a Chunk/Split or Concatenate so the counts agree."
         )
     return slots
+
+
+def stage_contexts(operations: Sequence[ConversionOp], ctx: OpContext) -> list[OpContext]:
+    """One context per op, whose ``target_shapes`` are the final ones carried back to that op.
+
+    Use it when running ops one by one instead of through :func:`run_chain`.
+    """
+    contexts = [ctx] * len(operations)
+    shapes = ctx.target_shapes
+    if shapes is None:
+        return contexts
+    for k in range(len(operations) - 1, -1, -1):
+        if shapes is not ctx.target_shapes:
+            contexts[k] = replace(ctx, target_shapes=shapes)
+        earlier = tuple(None if s is None else operations[k].input_shape(tuple(s)) for s in shapes)
+        if any(e is None and s is not None for e, s in zip(earlier, shapes)):
+            break  # this op does not say; earlier ops see the final shapes
+        shapes = earlier
+    return contexts
 
 
 def reverse_chain(operations: Sequence[ConversionOp]) -> list[ConversionOp]:

@@ -26,17 +26,18 @@ from dataclasses import dataclass, field
 from .errors import PatternError
 
 __all__ = [
+    "STAR_GROUP_PREFIX",
     "SourcePattern",
     "TargetPattern",
     "compile_source",
     "parse_target",
     "reverse_pair",
-    "STAR_GROUP_PREFIX",
 ]
 
 STAR_GROUP_PREFIX = "_star"
 _NAME_BOUNDARY = r"(?![A-Za-z0-9_])"
 _DIGITS = r"\d+"
+_BRACE_QUANT = re.compile(r"\{(?:\d+(?:,\d*)?|,\d+)\}\??")
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -116,11 +117,9 @@ def _tokenize(pattern: str) -> list[_Tok]:
                 j += 1
             toks.append(_Tok("quant", pattern[i:j]))
             i = j
-        elif c == "{" and re.match(r"\{\d*(,\d*)?\}", pattern[i:]):
-            m = re.match(r"\{\d*(,\d*)?\}\??", pattern[i:])
-            assert m is not None  # checked by the condition above
-            toks.append(_Tok("quant", m.group(0)))
-            i += len(m.group(0))
+        elif c == "{" and (brace := _BRACE_QUANT.match(pattern, i)) is not None:
+            toks.append(_Tok("quant", brace.group(0)))
+            i = brace.end()
         elif c == "|":
             toks.append(_Tok("alt", "|"))
             i += 1
@@ -174,7 +173,7 @@ class SourcePattern:
         return bool(self.star_groups)
 
     def body(self) -> str:
-        """The regex text without a name-boundary suffix, for building alternations."""
+        """The compiled regex text (wildcard groups and name boundary included)."""
         return self.regex.pattern
 
 
@@ -218,7 +217,9 @@ def compile_source(pattern: str) -> SourcePattern:
     try:
         regex = re.compile(text)
     except re.error as exc:
-        raise PatternError(f"Source pattern {pattern!r} is not a valid regex: {exc}. Fix the pattern.") from exc
+        raise PatternError(
+            f"Source pattern {pattern!r} is not a valid regex: {exc}. Fix the pattern."
+        ) from exc
     anchored = bool(toks) and toks[0].kind == "anchor" and toks[0].text == "^"
     return SourcePattern(pattern, regex, tuple(star_groups), tuple(user_groups), anchored)
 
@@ -395,13 +396,27 @@ def reverse_pair(source: str, target: str) -> tuple[str, str]:
     new_group_of_old: dict[int, int] = {}
     new_group_no = 0
     looks = dict(tgt.lookarounds)
+    after_star = False
     for pos, piece in enumerate(tgt.pieces):
         if pos in looks:
             new_src.append(looks[pos])
+        if after_star and not (isinstance(piece, str) and piece.startswith(".") and pos not in looks):
+            raise PatternError(
+                f"Cannot reverse ({source!r} -> {target!r}): the '*' of the target must be followed by "
+                "'.', as in 'experts.*.weight', so that it reads as the index wildcard again."
+            )
         if isinstance(piece, str):
-            new_src.append(_escape_literal(piece))
+            # Right after a wildcard the dot stays unescaped: '*.' is how a source spells the wildcard.
+            new_src.append("." + _escape_literal(piece[1:]) if after_star else _escape_literal(piece))
+            after_star = False
         elif piece[0] == "star":
+            if pos and isinstance(tgt.pieces[pos - 1], tuple):
+                raise PatternError(
+                    f"Cannot reverse ({source!r} -> {target!r}): a '*' right after a reference or another "
+                    "'*' would read as a regex quantifier; put a literal '.' between them."
+                )
             new_src.append("*")
+            after_star = True
         else:
             k = piece[1]
             if k not in group_texts:
@@ -412,6 +427,11 @@ def reverse_pair(source: str, target: str) -> tuple[str, str]:
             new_group_no += 1
             new_group_of_old.setdefault(k, new_group_no)
             new_src.append(f"({group_texts[k]})")
+    if after_star:
+        raise PatternError(
+            f"Cannot reverse ({source!r} -> {target!r}): the target ends with '*'; a wildcard must be "
+            "followed by '.', as in 'experts.*.weight'."
+        )
     if len(tgt.pieces) in looks:
         new_src.append(looks[len(tgt.pieces)])
 

@@ -6,20 +6,24 @@ the result, and files the key under the *target group* it feeds. A target group 
 loader materializes as one unit: a plain tensor, or every key a converter gathers for one runtime
 parameter (all experts of one layer, say).
 
-Routing is exact and cheap: each transform list is compiled once, and keys that share a shape
-(the same text up to their numeric indices) share one routing decision wherever the patterns
-provably cannot tell indices apart (see :mod:`surgery.fastroute`).
+Routing is exact and cheap: keys that share a shape (the same text up to their numeric indices)
+share one routing decision wherever the patterns provably cannot tell indices apart (see
+:mod:`surgery.fastroute`); per key only slices of the key are read. :class:`KeyRoute` objects are
+made on access from those shared decisions (:class:`RouteTable`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import ConfigurationError
+from .fastroute import Decision, KeyClass, TemplateRouter, key_templates
 from .transforms import WeightConverter, WeightTransform, split_transforms
 
-__all__ = ["KeyRoute", "TargetGroup", "RouteConflict", "Routing", "route_keys", "route_key"]
+__all__ = ["KeyRoute", "RouteConflict", "RouteTable", "Routing", "TargetGroup", "route_key", "route_keys"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,24 +83,71 @@ class RouteConflict:
         return f"{self.first!r} and {self.second!r} both land on {self.target_key!r}"
 
 
+class RouteTable(Mapping[str, KeyRoute]):
+    """Checkpoint key → :class:`KeyRoute`, read-only; routes are made on access.
+
+    Keys of one shape share one decision; storing that decision instead of one object per key is
+    what keeps routing a large checkpoint cheap. Iteration follows the order keys were routed in.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self, entries: dict[str, KeyRoute | KeyClass]) -> None:
+        self._entries = entries
+
+    def __getitem__(self, key: str) -> KeyRoute:
+        entry = self._entries[key]
+        if entry.__class__ is KeyRoute:
+            return entry  # type: ignore[return-value]
+        c: KeyClass = entry  # type: ignore[assignment]
+        return KeyRoute(key, c.first_of(key), c.fired, c.conv, c.pat, c.index(key))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __repr__(self) -> str:
+        return f"RouteTable({len(self._entries)} keys)"
+
+
 @dataclass
 class Routing:
-    """The result of :func:`route_keys`."""
+    """The result of :func:`route_keys`.
+
+    Attributes:
+        transforms: the transform list the keys went through.
+        routes: every routed key's :class:`KeyRoute` (a :class:`RouteTable` or a ``dict``).
+        groups: target groups by first target key, in the order their first key was routed.
+        conflicts: keys refused because another key already landed there, in routing order.
+    """
 
     transforms: tuple[WeightTransform, ...]
-    routes: dict[str, KeyRoute]
+    routes: Mapping[str, KeyRoute]
     groups: dict[str, TargetGroup]
     conflicts: list[RouteConflict]
 
     def fired(self, source_keys: Iterable[str] | None = None) -> list[int]:
         """Indices of the transforms that fired on ``source_keys`` (all routed keys by default)."""
-        keys = self.routes.keys() if source_keys is None else source_keys
+        raw: Mapping[str, Any] = self.routes._entries if isinstance(self.routes, RouteTable) else self.routes
+        entries = raw.values() if source_keys is None else (raw[k] for k in source_keys)
         seen: set[int] = set()
-        for k in keys:
-            r = self.routes[k]
-            seen.update(r.renamings)
-            if r.converter is not None:
-                seen.add(r.converter)
+        shared: set[int] = set()
+        for e in entries:
+            if e.__class__ is KeyRoute:
+                renamings, converter = e.renamings, e.converter
+            elif id(e) in shared:
+                continue
+            else:
+                shared.add(id(e))
+                renamings, converter = e.fired, e.conv
+            seen.update(renamings)
+            if converter is not None:
+                seen.add(converter)
         return sorted(seen)
 
 
@@ -110,7 +161,7 @@ class _Router:
         self.renamings = [(index[id(t)], t) for t in renamings]
         self.converters = [(index[id(t)], t) for t in converters]
 
-    def route(self, key: str) -> tuple[str, tuple[int, ...], int | None, int | None, tuple[str, ...], tuple[str, ...]]:
+    def route(self, key: str) -> Decision:
         """Exact routing of one key: (first target, renamings, converter, pattern, stars, all targets)."""
         fired: list[int] = []
         current = key
@@ -160,13 +211,14 @@ def route_keys(
             renamings always fire first).
         runtime_keys: the model's runtime keys. With ``base_model_prefix`` they decide, per key,
             whether adding or stripping that prefix names a real parameter.
-        base_model_prefix: e.g. ``"model"``; see the class docstring of :class:`KeyRoute`.
+        base_model_prefix: e.g. ``"model"``: a key whose targets are not runtime keys is routed
+            again with the prefix stripped (or added), and takes that route if its targets are.
 
     Returns:
         A :class:`Routing` with one :class:`KeyRoute` per key and the target groups.
 
     Raises:
-        ConfigurationError: two converters claim the same key.
+        ConfigurationError: two converters claim the same key, or a key is not a string.
 
     Example:
         >>> from surgery import WeightRenaming
@@ -174,23 +226,41 @@ def route_keys(
         >>> r.routes["a.gamma"].target_key
         'a.weight'
     """
-    from .fastroute import TemplateRouter
-
+    keys = keys if isinstance(keys, list) else list(keys)
+    _check_str(keys)
     router = TemplateRouter(_Router(transforms))
+    filer = _Filer(router, runtime_keys, base_model_prefix)
+    if router.exact_only:
+        file = filer.file
+        route = router.route_exact
+        for key in keys:
+            file(key, route(key))
+    else:
+        _route_shared(keys, router, filer)
+    return Routing(router.router.transforms, RouteTable(filer.entries), filer.groups, filer.conflicts)
+
+
+def _route_keys_exact(
+    keys: Iterable[str],
+    transforms: Sequence[WeightTransform],
+    *,
+    runtime_keys: Collection[str] | None = None,
+    base_model_prefix: str | None = None,
+) -> Routing:
+    """:func:`route_keys` computed key by key on the exact path (the reference; slow)."""
+    router = _Router(transforms)
     use_prefix = bool(base_model_prefix) and runtime_keys is not None
     known = runtime_keys if runtime_keys is not None else ()
     pre = f"{base_model_prefix}." if base_model_prefix else ""
     routes: dict[str, KeyRoute] = {}
     groups: dict[str, TargetGroup] = {}
     conflicts: list[RouteConflict] = []
-    transforms_t = router.router.transforms
-
-    for key, decision in router.route_many(keys):
-        first, fired, conv, pat, stars, targets = decision
+    for key in keys:
+        first, fired, conv, pat, stars, targets = router.route(key)
         base = ""
         if use_prefix and not _names_real(targets, known):
             alt_key = key[len(pre) :] if key.startswith(pre) else pre + key
-            alt = router.route_one(alt_key)
+            alt = router.route(alt_key)
             if _names_real(alt[5], known):
                 first, fired, conv, pat, stars, targets = alt
                 base = "-" if key.startswith(pre) else "+"
@@ -207,8 +277,149 @@ def route_keys(
             conflicts.append(RouteConflict(first, slot[index], key))
             continue
         slot[index] = key
-    del transforms_t
-    return Routing(router.router.transforms, routes, groups, conflicts)
+    return Routing(router.transforms, routes, groups, conflicts)
+
+
+def _check_str(keys: list[Any]) -> None:
+    try:
+        "".join(keys)
+    except TypeError:
+        bad = next(k for k in keys if not isinstance(k, str))
+        raise ConfigurationError(
+            f"Checkpoint keys must be strings, got {bad!r}; pass the tensor names."
+        ) from None
+
+
+def _route_shared(keys: list[str], router: TemplateRouter, filer: _Filer) -> None:
+    """The hot loop: walk each key to its class, read its group and index from slices, file it.
+
+    Everything unusual (a class not built yet, a refused key, a prefix retry, a collision) goes
+    through :class:`_Filer`, whose semantics are the exact path's.
+    """
+    entries = filer.entries
+    table_get = router.table.get
+    node = router.node
+    child = router.child
+    slow = filer.slow
+    open_slot = filer.open_slot
+    refused = filer.refused
+    clash = filer.clash
+    for k, t in zip(keys, key_templates(keys)):
+        c = table_get(t) or node(t)
+        sel = c.sel
+        while sel is not None:
+            c = c.children.get(sel(k)) or child(c, k)
+            sel = c.sel
+        mode = c.mode
+        if mode < 0:
+            slow(k, c)
+            continue
+        slot = c.slots.get(k[c.ta : c.tb])
+        if slot is None:
+            slot = open_slot(k, c)
+        if slot.__class__ is not dict:
+            refused(k, c, slot)
+            continue
+        entries[k] = c
+        if mode == 1:
+            ix = (int(k[c.ia : c.ib]),)
+        elif mode == 0:
+            ix = ()
+        else:
+            ix = c.index(k)
+        if ix in slot:
+            clash(k, c, slot[ix])
+        else:
+            slot[ix] = k
+
+
+class _Clash:
+    """Cached verdict: the group exists under another converter; every key sent there conflicts."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: TargetGroup) -> None:
+        self.group = group
+
+
+_RETRY = object()  # cached verdict: targets are not runtime keys; try the base-model prefix per key
+
+
+class _Filer:
+    """Files routed keys into groups with the exact path's semantics (state of one call)."""
+
+    def __init__(
+        self, router: TemplateRouter, runtime_keys: Collection[str] | None, base_model_prefix: str | None
+    ) -> None:
+        self.router = router
+        self.entries: dict[str, KeyRoute | KeyClass] = {}
+        self.groups: dict[str, TargetGroup] = {}
+        self.conflicts: list[RouteConflict] = []
+        self.use_prefix = bool(base_model_prefix) and runtime_keys is not None
+        known: Collection[str] = runtime_keys if runtime_keys is not None else ()
+        if self.use_prefix and not isinstance(known, (AbstractSet, Mapping)):
+            known = set(known)
+        self.known = known
+        self.pre = f"{base_model_prefix}." if base_model_prefix else ""
+
+    def file(self, key: str, decision: Decision) -> None:
+        """Route ``key`` given its decision (base-model prefix retry included) and file it."""
+        first, fired, conv, pat, stars, targets = decision
+        base = ""
+        if self.use_prefix and not _names_real(targets, self.known):
+            pre = self.pre
+            alt_key = key[len(pre) :] if key.startswith(pre) else pre + key
+            alt = self.router.decide(alt_key)
+            if _names_real(alt[5], self.known):
+                first, fired, conv, pat, stars, targets = alt
+                base = "-" if key.startswith(pre) else "+"
+        index = tuple(int(s) for s in stars)
+        self.entries[key] = KeyRoute(key, first, fired, conv, pat, index, base)
+        group = self.groups.get(first)
+        if group is None:
+            group = self.groups[first] = TargetGroup(first, conv, targets)
+        elif group.converter != conv:
+            self.conflicts.append(RouteConflict(first, group.source_keys[0], key))
+            return
+        slot = group.sources.setdefault(pat if pat is not None else 0, {})
+        if index in slot:
+            self.conflicts.append(RouteConflict(first, slot[index], key))
+            return
+        slot[index] = key
+
+    def slow(self, key: str, node: KeyClass) -> None:
+        """A key whose class is not built (or not shareable): count it, then route it."""
+        leaf = self.router.promote(node, key)
+        self.file(key, leaf.decision(key) if leaf.mode >= 0 else self.router.route_exact(key))
+
+    def open_slot(self, key: str, c: KeyClass) -> Any:
+        """First key of class ``c`` for its group: find or make the group; cache the verdict."""
+        first = c.first_of(key)
+        targets = c.targets_of(key)
+        verdict: Any
+        if self.use_prefix and not _names_real(targets, self.known):
+            verdict = _RETRY
+        else:
+            group = self.groups.get(first)
+            if group is None:
+                group = self.groups[first] = TargetGroup(first, c.conv, targets)
+            if group.converter != c.conv:
+                verdict = _Clash(group)
+            else:
+                verdict = group.sources.setdefault(c.pat if c.pat is not None else 0, {})
+        c.slots[key[c.ta : c.tb]] = verdict
+        return verdict
+
+    def refused(self, key: str, c: KeyClass, verdict: Any) -> None:
+        if verdict is _RETRY:
+            self.file(key, c.decision(key))
+            return
+        self.entries[key] = c
+        group = verdict.group
+        self.conflicts.append(RouteConflict(group.key, group.source_keys[0], key))
+
+    def clash(self, key: str, c: KeyClass, existing: str) -> None:
+        self.conflicts.append(RouteConflict(c.first_of(key), existing, key))
 
 
 def _names_real(targets: tuple[str, ...], known: Collection[str]) -> bool:

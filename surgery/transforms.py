@@ -19,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -32,11 +34,11 @@ from .ops import ConversionOp, OpContext, Slot, reverse_chain, run_chain
 from .patterns import SourcePattern, TargetPattern, compile_source, parse_target, reverse_pair
 
 __all__ = [
-    "TransformMatch",
-    "WeightTransform",
-    "WeightRenaming",
     "PrefixChange",
+    "TransformMatch",
     "WeightConverter",
+    "WeightRenaming",
+    "WeightTransform",
     "legacy_renamings",
     "split_transforms",
 ]
@@ -62,6 +64,14 @@ def _as_tuple(patterns: str | Sequence[str], what: str) -> tuple[str, ...]:
     return out
 
 
+def _check_scope(scope_prefix: object) -> None:
+    if scope_prefix is not None and (not isinstance(scope_prefix, str) or scope_prefix.endswith(".")):
+        raise ConfigurationError(
+            f'scope_prefix must be a dotted module path without a trailing dot ("" for the root), '
+            f"got {scope_prefix!r}."
+        )
+
+
 class WeightTransform:
     """Base of all transforms: source patterns → target patterns, optionally scoped.
 
@@ -80,22 +90,27 @@ class WeightTransform:
     ) -> None:
         self.source_patterns: tuple[str, ...] = _as_tuple(source_patterns, "source_patterns")
         self.target_patterns: tuple[str, ...] = _as_tuple(target_patterns, "target_patterns")
-        if scope_prefix is not None and (not isinstance(scope_prefix, str) or scope_prefix.endswith(".")):
-            raise ConfigurationError(
-                f"scope_prefix must be a dotted module path without a trailing dot, got {scope_prefix!r}."
-            )
+        _check_scope(scope_prefix)
         self.scope_prefix = scope_prefix
         self._sources: tuple[SourcePattern, ...] = tuple(compile_source(p) for p in self.source_patterns)
         self._targets: tuple[TargetPattern, ...] = tuple(parse_target(p) for p in self.target_patterns)
-        min_groups = min(len(s.user_groups) for s in self._sources)
-        for t in self._targets:
-            if t.max_ref > min_groups:
-                raise PatternError(
-                    f"Target {t.text!r} refers to \\{t.max_ref}, but source pattern(s) "
-                    f"{list(self.source_patterns)} have only {min_groups} capture group(s). "
-                    "Add the group to the source or fix the reference."
-                )
+        self._check_references()
         self._used = False
+
+    def _pairwise(self) -> bool:
+        """Whether source i renames to target i (otherwise every source feeds every target)."""
+        return len(self._targets) == len(self._sources) and len(self._targets) > 1
+
+    def _check_references(self) -> None:
+        """Every ``\\k`` of a target must name a capture group of each source that feeds it."""
+        for j, t in enumerate(self._targets):
+            feeding = [self._sources[j]] if self._pairwise() else list(self._sources)
+            for sp in feeding:
+                if t.max_ref > len(sp.user_groups):
+                    raise PatternError(
+                        f"Target {t.text!r} refers to \\{t.max_ref}, but source pattern {sp.text!r} has only "
+                        f"{len(sp.user_groups)} capture group(s). Add the group to the source or fix the reference."
+                    )
 
     # ------------------------------------------------------------------ identity
     def __repr__(self) -> str:
@@ -117,9 +132,8 @@ class WeightTransform:
 
     def scoped(self, scope_prefix: str | None) -> WeightTransform:
         """A fresh copy scoped to ``scope_prefix``."""
+        _check_scope(scope_prefix)
         new = self.copy()
-        if scope_prefix is not None and scope_prefix.endswith("."):
-            raise ConfigurationError(f"scope_prefix {scope_prefix!r} must not end with a dot.")
         new.scope_prefix = scope_prefix
         return new
 
@@ -154,13 +168,11 @@ class WeightTransform:
 
     def target_index(self, pattern_index: int) -> int:
         """Which target a match of source ``pattern_index`` is renamed to (pairwise, else the first)."""
-        return pattern_index if len(self._targets) == len(self._sources) else 0
+        return pattern_index if self._pairwise() else 0
 
     def target_keys(self, m: TransformMatch) -> tuple[str, ...]:
         """Every runtime key this match produces (``*`` kept where the op chain fills it)."""
-        targets = self._targets if len(self._targets) != len(self._sources) or len(self._targets) == 1 else (
-            self._targets[m.pattern_index],
-        )
+        targets = (self._targets[m.pattern_index],) if self._pairwise() else self._targets
         return tuple(m.prefix + t.expand(m.groups, m.stars) + m.suffix for t in targets)
 
     def rename_source_key(self, source_key: str) -> tuple[str, str | None]:
@@ -251,11 +263,18 @@ class PrefixChange(WeightRenaming):
         scope_prefix: str | None = None,
     ) -> None:
         if (prefix_to_add is None) == (prefix_to_remove is None):
-            raise ConfigurationError("PrefixChange needs exactly one of prefix_to_add=... or prefix_to_remove=....")
-        for name, value in (("prefix_to_add", prefix_to_add), ("prefix_to_remove", prefix_to_remove),
-                            ("model_prefix", model_prefix)):
+            raise ConfigurationError(
+                "PrefixChange needs exactly one of prefix_to_add=... or prefix_to_remove=...."
+            )
+        for name, value in (
+            ("prefix_to_add", prefix_to_add),
+            ("prefix_to_remove", prefix_to_remove),
+            ("model_prefix", model_prefix),
+        ):
             if value is not None and (not value or value.startswith(".") or value.endswith(".")):
-                raise ConfigurationError(f"PrefixChange({name}={value!r}): give a dotted name without outer dots.")
+                raise ConfigurationError(
+                    f"PrefixChange({name}={value!r}): give a dotted name without outer dots."
+                )
         self.prefix_to_add = prefix_to_add
         self.prefix_to_remove = prefix_to_remove
         self.model_prefix = model_prefix
@@ -265,12 +284,16 @@ class PrefixChange(WeightRenaming):
             src = rf"^{head}(?!{re.escape(prefix_to_add)}\.)(.+)"
             tgt = head_t + prefix_to_add + r".\1"
         else:
-            src = rf"^{head}{re.escape(prefix_to_remove)}\.(.+)"  # type: ignore[arg-type]
+            src = rf"^{head}{re.escape(str(prefix_to_remove))}\.(.+)"  # checked above: not None
             tgt = head_t + r"\1"
         super().__init__(src, tgt, scope_prefix=scope_prefix)
 
     def __repr__(self) -> str:
-        what = f"prefix_to_add={self.prefix_to_add!r}" if self.prefix_to_add else f"prefix_to_remove={self.prefix_to_remove!r}"
+        what = (
+            f"prefix_to_add={self.prefix_to_add!r}"
+            if self.prefix_to_add
+            else f"prefix_to_remove={self.prefix_to_remove!r}"
+        )
         mp = f", model_prefix={self.model_prefix!r}" if self.model_prefix else ""
         scope = f", scope_prefix={self.scope_prefix!r}" if self.scope_prefix is not None else ""
         return f"PrefixChange({what}{mp}{scope})"
@@ -308,14 +331,18 @@ class WeightConverter(WeightTransform):
         bad = [op for op in ops if not isinstance(op, ConversionOp)]
         if bad:
             raise ConfigurationError(f"{self!r}: operations must be ConversionOp instances, got {bad!r}.")
-        if len(self.source_patterns) > 1 and len(self.target_patterns) > 1 and not any(
-            op.supports_many_to_many for op in ops
+        if (
+            len(self.source_patterns) > 1
+            and len(self.target_patterns) > 1
+            and not any(op.supports_many_to_many for op in ops)
         ):
             raise ConfigurationError(
                 f"{self!r} maps {len(self.source_patterns)} sources to {len(self.target_patterns)} targets; "
                 "N→M needs an op with supports_many_to_many=True. Split it into N→1 or 1→N converters."
             )
-        if not ops and (len(self.source_patterns) != len(self.target_patterns) or any(s.has_star for s in self._sources)):
+        if not ops and (
+            len(self.source_patterns) != len(self.target_patterns) or any(s.has_star for s in self._sources)
+        ):
             raise ConfigurationError(f"{self!r} has no operations; only a 1→1 rename can do without one.")
         self.operations: tuple[ConversionOp, ...] = ops
         self._reset_state()
@@ -329,15 +356,48 @@ class WeightConverter(WeightTransform):
 
     def __repr__(self) -> str:
         base = super().__repr__()
-        return f"{base[:-1]}, operations={list(self.operations)!r})"
+        return f"{base[:-1]}, operations={list(getattr(self, 'operations', ()))!r})"
 
     def target_keys(self, m: TransformMatch) -> tuple[str, ...]:
         return tuple(m.prefix + t.expand(m.groups, m.stars) + m.suffix for t in self._targets)
 
+    def _pairwise(self) -> bool:
+        return False  # every source feeds every target of a converter
+
+    @property
+    def _target_stars(self) -> int:
+        """How many wildcards the targets keep; a source's wildcards beyond these are gathered."""
+        return max((t.n_stars for t in self._targets), default=0)
+
+    def _gathered(self, pattern_index: int) -> int:
+        """How many trailing wildcards of source ``pattern_index`` are gathered into one target."""
+        return max(0, len(self._sources[pattern_index].star_groups) - self._target_stars)
+
+    def gathers_from(self, pattern_index: int) -> bool:
+        """Whether keys of source ``pattern_index`` are gathered into a list (ordered by index)."""
+        return self._gathered(pattern_index) > 0
+
     @property
     def gathers(self) -> bool:
-        """Whether the sources have an index wildcard that the targets do not (a merge)."""
-        return any(s.has_star for s in self._sources) and not any(t.n_stars for t in self._targets)
+        """Whether a source has more index wildcards than the targets keep (a merge).
+
+        ``experts.*.w1 -> experts.gate`` gathers every expert; so does
+        ``layers.*.experts.*.w1 -> layers.*.experts.gate`` (one merge per layer: the targets keep
+        the first wildcard, the second is gathered).
+        """
+        return any(self._gathered(i) for i in range(len(self._sources)))
+
+    def gather_index(self, m: TransformMatch) -> tuple[int, ...]:
+        """The gathered wildcard values of a match: its position in the merge (``()`` if none).
+
+        Example:
+            >>> from surgery import ops
+            >>> c = WeightConverter("layers.*.experts.*.w1", "layers.*.experts.gate", [ops.MergeModulelist()])
+            >>> c.gather_index(c.match("model.layers.3.experts.10.w1.weight"))
+            (10,)
+        """
+        n = self._gathered(m.pattern_index)
+        return tuple(int(x) for x in m.stars[len(m.stars) - n :]) if n else ()
 
     # ------------------------------------------------------------------ collection
     def add_tensor(
@@ -351,12 +411,23 @@ class WeightConverter(WeightTransform):
     ) -> None:
         """File ``tensor`` (or a future / zero-argument callable) for ``target_key``.
 
-        ``index`` is the value the wildcard captured; it decides the position in the merge.
+        Args:
+            target_key: the group's first target key (``route_keys`` gives it).
+            source_key: the checkpoint key, for error messages.
+            source_pattern: the source pattern that matched, as text or as its index.
+            tensor: a tensor, a :class:`~concurrent.futures.Future` of one, or a zero-argument callable.
+            index: the values the wildcards captured (:meth:`gather_index`, or every wildcard of the
+                source: the ones the targets keep are dropped); it decides the position in the merge.
 
         Raises:
-            ConversionError: when another key already landed at the same position.
+            ConversionError: when another key already landed at the same position, or
+                ``source_pattern`` is not one of this converter's patterns.
         """
-        i = source_pattern if isinstance(source_pattern, int) else self.source_patterns.index(source_pattern)
+        i = self._pattern_number(source_pattern)
+        n = self._gathered(i)
+        index = tuple(int(x) for x in index)
+        if len(index) > n:
+            index = index[len(index) - n :] if n else ()
         slot = self._collected.setdefault(target_key, {}).setdefault(i, {})
         names = self._sources_of.setdefault(target_key, {}).setdefault(i, {})
         if index in slot:
@@ -367,11 +438,34 @@ class WeightConverter(WeightTransform):
         slot[index] = tensor
         names[index] = source_key
 
+    def _pattern_number(self, source_pattern: str | int) -> int:
+        if isinstance(source_pattern, int) and not isinstance(source_pattern, bool):
+            if 0 <= source_pattern < len(self.source_patterns):
+                return source_pattern
+        elif source_pattern in self.source_patterns:
+            return self.source_patterns.index(source_pattern)
+        raise ConversionError(
+            f"{self!r}: {source_pattern!r} is not one of its source patterns {list(self.source_patterns)}; "
+            "pass the pattern text or its index as returned by rename_source_key() or match()."
+        )
+
     def pending_targets(self) -> list[str]:
         return list(self._collected)
 
-    def convert(self, target_key: str, ctx: OpContext | None = None) -> dict[str, torch.Tensor]:
+    def convert(
+        self,
+        target_key: str,
+        ctx: OpContext | None = None,
+        *,
+        target_keys: Sequence[str] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Run the op chain for ``target_key`` and return ``{runtime_key: tensor}``.
+
+        Args:
+            target_key: the group's first target key, as given to :meth:`add_tensor`.
+            ctx: target shapes and config for the ops (key names are filled in here).
+            target_keys: every target key of the group (``TargetGroup.target_keys``); without it they
+                are rebuilt from ``target_key`` and the target patterns.
 
         Raises:
             ConversionError: a source pattern got nothing, an index is missing from a merge, or an
@@ -383,7 +477,15 @@ class WeightConverter(WeightTransform):
             raise ConversionError(f"{self!r}: nothing was collected for {target_key!r}.")
         source_keys = tuple(k for i in sorted(names) for _, k in sorted(names[i].items()))
         slots = gather_slots(self, collected, names, target_key)
-        targets = self._expand_target_keys(target_key)
+        if target_keys is not None:
+            targets = tuple(target_keys)
+            if len(targets) != len(self._targets):
+                raise ConversionError(
+                    f"{self!r}: got {len(targets)} target keys {list(targets)} for {len(self._targets)} "
+                    f"target pattern(s); pass the group's target keys in pattern order."
+                )
+        else:
+            targets = self._expand_target_keys(target_key)
         base = ctx or OpContext()
         ctx = OpContext(
             n_targets=len(self._targets),
@@ -404,13 +506,17 @@ class WeightConverter(WeightTransform):
         # The first target's text sits somewhere inside the key; rebuild the others around it.
         m = _locate(first_target_key, self._targets[0])
         if m is None:
-            raise ConversionError(f"{self!r}: cannot locate {self.target_patterns[0]!r} in {first_target_key!r}.")
+            raise ConversionError(
+                f"{self!r}: cannot locate {self.target_patterns[0]!r} in {first_target_key!r}."
+            )
         prefix, groups, stars, suffix = m
         del first
         return tuple(prefix + t.expand(groups, stars) + suffix for t in self._targets)
 
 
-def _locate(key: str, target: TargetPattern) -> tuple[str, tuple[str, ...], tuple[str, ...] | None, str] | None:
+def _locate(
+    key: str, target: TargetPattern
+) -> tuple[str, tuple[str, ...], tuple[str, ...] | None, str] | None:
     """Find a target template inside a key: (prefix, groups, stars, suffix)."""
     parts: list[str] = []
     refs: list[tuple[str, int]] = []
@@ -423,11 +529,10 @@ def _locate(key: str, target: TargetPattern) -> tuple[str, tuple[str, ...], tupl
         else:
             parts.append(rf"(?P<r{len(refs)}>\d+|\*)")
             refs.append(p)
-    m = None
-    for m in re.finditer("".join(parts), key):
-        pass  # the last occurrence: targets are leaf names
-    if m is None:
+    found = list(re.finditer("".join(parts), key))
+    if not found:
         return None
+    m = found[-1]  # the last occurrence: targets are leaf names
     groups: dict[int, str] = {}
     stars: list[str] = []
     for i, (kind, n) in enumerate(refs):
@@ -460,7 +565,7 @@ def gather_slots(
                 f"{transform!r}: no checkpoint key matched source pattern {sp.text!r} for target "
                 f"{target_key!r}; the checkpoint is incomplete or the pattern is wrong."
             )
-        if sp.has_star and isinstance(transform, WeightConverter) and transform.gathers:
+        if isinstance(transform, WeightConverter) and transform.gathers_from(i):
             indices = sorted(got)
             _check_complete(transform, sp.text, indices, names.get(i, {}), target_key)
             slots.append([_resolve(got[ix]) for ix in indices])
@@ -481,23 +586,28 @@ def _check_complete(
     names: dict[tuple[int, ...], str],
     target_key: str,
 ) -> None:
+    """Gathered indices must run from 0 without a gap (and form a full grid for several wildcards)."""
     dims = len(indices[0])
     for d in range(dims):
         values = sorted({ix[d] for ix in indices})
-        expected = list(range(values[-1] + 1))
-        if values != expected:
-            missing = sorted(set(expected) - set(values))
+        missing = sorted(set(range(values[-1] + 1)) - set(values))
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+            example = names.get(indices[0], "")
             raise ConversionError(
-                f"{transform!r}: index {missing[0]} of {pattern!r} is missing for {target_key!r} "
-                f"(found {len(values)} indices up to {values[-1]}: "
-                f"{', '.join(names[ix] for ix in indices[:2])}, ...). "
+                f"{transform!r}: index {shown} of {pattern!r} is missing for {target_key!r} "
+                f"(found {len(values)} indices up to {values[-1]}, e.g. {example!r}). "
                 "Every index from 0 must be present; the checkpoint is incomplete."
             )
-    expected_count = 1
-    for d in range(dims):
-        expected_count *= len({ix[d] for ix in indices})
+    expected_count = math.prod(len({ix[d] for ix in indices}) for d in range(dims))
     if len(indices) != expected_count:
-        raise ConversionError(f"{transform!r}: the indices of {pattern!r} for {target_key!r} do not form a full grid.")
+        present = set(indices)
+        grid = itertools.product(*(sorted({ix[d] for ix in indices}) for d in range(dims)))
+        absent = next(ix for ix in grid if ix not in present)
+        raise ConversionError(
+            f"{transform!r}: index {absent} of {pattern!r} is missing for {target_key!r}; the gathered "
+            "indices must form a full grid. The checkpoint is incomplete."
+        )
 
 
 def _resolve(value: Any) -> Any:
@@ -508,7 +618,9 @@ def _resolve(value: Any) -> Any:
     return value
 
 
-def expand_outputs(targets: tuple[str, ...], out: list[Slot], transform: WeightTransform) -> dict[str, torch.Tensor]:
+def expand_outputs(
+    targets: tuple[str, ...], out: list[Slot], transform: WeightTransform
+) -> dict[str, torch.Tensor]:
     """Name the chain's output slots: a list output fills the target's ``*`` with its position."""
     result: dict[str, torch.Tensor] = {}
     for key, slot in zip(targets, out):

@@ -1,0 +1,219 @@
+"""A small Mixtral-style mixture-of-experts language model in pure torch.
+
+Its runtime layout is the fused-experts layout transformers 5 uses
+(``model.layers.{i}.mlp.experts.gate_up_proj`` of shape ``(E, 2*I, H)`` and ``down_proj`` of
+shape ``(E, H, I)``); :func:`original_state_dict` writes the classic per-expert checkpoint layout
+(``model.layers.{i}.block_sparse_moe.experts.{e}.w1/w2/w3.weight``) by hand, independently of
+the conversion engine, so tests and the demo compare the engine against an independent truth.
+The model declares ``config.model_type = "mixtral"``, so the built-in catalog's Mixtral mapping
+applies to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "ExampleMoEConfig",
+    "ExampleMoEExperts",
+    "ExampleMoEModel",
+    "ExampleMoEForCausalLM",
+    "build_moe_model",
+    "original_state_dict",
+]
+
+
+@dataclass
+class ExampleMoEConfig:
+    """Hyper-parameters of the example model (tiny by default)."""
+
+    model_type: str = "mixtral"
+    vocab_size: int = 64
+    hidden_size: int = 16
+    intermediate_size: int = 32
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    num_local_experts: int = 4
+    num_experts_per_tok: int = 2
+    rms_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be divisible by num_attention_heads={self.num_attention_heads}."
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads.")
+        if not 1 <= self.num_experts_per_tok <= self.num_local_experts:
+            raise ValueError("num_experts_per_tok must be between 1 and num_local_experts.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: ExampleMoEConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        rep = self.n_heads // self.n_kv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class ExampleMoEExperts(nn.Module):
+    """All experts of one layer as two fused parameters."""
+
+    def __init__(self, cfg: ExampleMoEConfig) -> None:
+        super().__init__()
+        e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        self.num_experts, self.intermediate_size = e, i
+        self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) * h**-0.5)
+        self.down_proj = nn.Parameter(torch.randn(e, h, i) * i**-0.5)
+
+    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            rows, slot = torch.nonzero(top_idx == e, as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, rows, y * top_w[rows, slot, None])
+        return out
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self, cfg: ExampleMoEConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
+        self.experts = ExampleMoEExperts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = self.gate(flat).softmax(-1)
+        top_w, top_idx = probs.topk(self.top_k, dim=-1)
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+        return self.experts(flat, top_idx, top_w.to(x.dtype)).reshape(shape)
+
+
+class _DecoderLayer(nn.Module):
+    def __init__(self, cfg: ExampleMoEConfig) -> None:
+        super().__init__()
+        self.self_attn = _Attention(cfg)
+        self.mlp = _MoEBlock(cfg)
+        self.input_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ExampleMoEModel(nn.Module):
+    """The decoder stack (the base model)."""
+
+    def __init__(self, cfg: ExampleMoEConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(_DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class ExampleMoEForCausalLM(nn.Module):
+    """Base model plus a language-model head; ``base_model_prefix = "model"``."""
+
+    base_model_prefix = "model"
+
+    def __init__(self, cfg: ExampleMoEConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = ExampleMoEModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model(input_ids))
+
+
+def build_moe_model(
+    config: ExampleMoEConfig | None = None,
+    *,
+    seed: int | None = 0,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> ExampleMoEForCausalLM:
+    """Build the example model with random weights (``device="meta"`` builds it without storage).
+
+    Example:
+        >>> model = build_moe_model()
+        >>> tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape)
+        (4, 64, 16)
+    """
+    cfg = config or ExampleMoEConfig()
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.device(device or "cpu"):
+        model = ExampleMoEForCausalLM(cfg)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
+
+
+def original_state_dict(model: ExampleMoEForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights in the classic Mixtral checkpoint layout, written by hand.
+
+    ``gate_up_proj[e]`` is ``cat(w1_e, w3_e)`` along rows and ``down_proj[e]`` is ``w2_e``;
+    the MoE block is named ``block_sparse_moe``.
+    """
+    out: dict[str, torch.Tensor] = {}
+    inter = model.config.intermediate_size
+    for key, value in model.state_dict().items():
+        if key.endswith(".mlp.experts.gate_up_proj"):
+            base = key.removesuffix(".mlp.experts.gate_up_proj") + ".block_sparse_moe.experts"
+            for e in range(value.shape[0]):
+                out[f"{base}.{e}.w1.weight"] = value[e, :inter].clone()
+                out[f"{base}.{e}.w3.weight"] = value[e, inter:].clone()
+        elif key.endswith(".mlp.experts.down_proj"):
+            base = key.removesuffix(".mlp.experts.down_proj") + ".block_sparse_moe.experts"
+            for e in range(value.shape[0]):
+                out[f"{base}.{e}.w2.weight"] = value[e].clone()
+        else:
+            out[key.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = value.clone()
+    return out

@@ -1,0 +1,67 @@
+"""Fusions: rewrite module instances with torch.fx, with reversible weight transforms.
+
+Map of the package:
+
+* ``spec``: :class:`FusionSpec`, the recipe a family implements (candidates, ``is_fusable``,
+  graph match, rewrite, weight transforms) and its declared options.
+* ``registry``: :func:`register_fusion` / :func:`get_fusion`; built-in fusions come lazily from
+  the ``surgery.catalogs`` entry points.
+* ``config``: :func:`validate_fusion_config` (``{"patch_embeddings": True}``, ``{"name": {...}}``).
+* ``rewrite``: the tracer, the on-the-side rewrite and :class:`FusedModule`.
+* ``plan``: :class:`FusionPlan`, rendered as text, dict, Mermaid or DOT.
+* ``apply``: :func:`preview_fusions`, :func:`apply_fusions` and the record the loader and saver
+  read (:func:`fusion_transforms`, :func:`fusion_config_of`, :func:`check_fusion_conflicts`).
+"""
+
+from .apply import (
+    RECORD_ATTRIBUTE,
+    FusionEntry,
+    FusionRecord,
+    apply_fusions,
+    check_fusion_conflicts,
+    fusion_config_of,
+    fusion_record,
+    fusion_transforms,
+    preview_fusions,
+)
+from .config import EnabledFusion, FusionConfig, validate_fusion_config
+from .plan import EXCLUDED, FUSED, SKIPPED, WOULD_FUSE, FusionCandidate, FusionPlan, GraphSnapshot, TensorInfo
+from .registry import find_fusion, fusion_registry_snapshot, get_fusion, list_fusions, register_fusion
+from .rewrite import FusedModule, FusionTracer, trace_module
+from .spec import COMMON_OPTIONS, FusionMatch, FusionOption, FusionSpec, GraphRewrite
+
+__all__ = [
+    "COMMON_OPTIONS",
+    "EXCLUDED",
+    "FUSED",
+    "RECORD_ATTRIBUTE",
+    "SKIPPED",
+    "WOULD_FUSE",
+    "EnabledFusion",
+    "FusedModule",
+    "FusionCandidate",
+    "FusionConfig",
+    "FusionEntry",
+    "FusionMatch",
+    "FusionOption",
+    "FusionPlan",
+    "FusionRecord",
+    "FusionSpec",
+    "FusionTracer",
+    "GraphRewrite",
+    "GraphSnapshot",
+    "TensorInfo",
+    "apply_fusions",
+    "check_fusion_conflicts",
+    "find_fusion",
+    "fusion_config_of",
+    "fusion_record",
+    "fusion_registry_snapshot",
+    "fusion_transforms",
+    "get_fusion",
+    "list_fusions",
+    "preview_fusions",
+    "register_fusion",
+    "trace_module",
+    "validate_fusion_config",
+]

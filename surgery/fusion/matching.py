@@ -1,0 +1,113 @@
+"""Small matchers over fx nodes, for specs whose patterns call modules.
+
+``torch.fx.subgraph_rewriter`` cannot match patterns that contain ``call_module`` nodes (pytorch
+issue #139163), so a spec walks the dataflow around a module call itself with these helpers:
+recognise reshapes (``x.view(...)``, ``x.reshape(...)``, ``torch.reshape``), flattens, and the
+shape-preserving casts a forward often puts in between (``.to(dtype)``, ``.contiguous()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = [
+    "flattens_to_width",
+    "is_passthrough",
+    "reshape_shape",
+    "single_user",
+    "skip_passthrough_back",
+    "skip_passthrough_forward",
+    "with_reshape_shape",
+]
+
+_RESHAPE_METHODS = frozenset({"view", "reshape"})
+_PASSTHROUGH_METHODS = frozenset({"to", "contiguous", "float", "half", "bfloat16", "double", "type"})
+
+
+def reshape_shape(node: fx.Node) -> tuple[Any, ...] | None:
+    """The target shape of a reshape node (ints and/or nodes), or ``None`` if it is no reshape."""
+    if node.op == "call_method" and node.target in _RESHAPE_METHODS and not node.kwargs:
+        rest = node.args[1:]
+        if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
+            return tuple(rest[0])
+        return tuple(rest)
+    if node.op == "call_function" and node.target is torch.reshape:
+        shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("shape")
+        return tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
+    return None
+
+
+def with_reshape_shape(graph: fx.Graph, node: fx.Node, shape: tuple[Any, ...]) -> fx.Node:
+    """Insert a reshape of the same kind as ``node`` (same input) to ``shape``; return it."""
+    src = node.args[0]
+    with graph.inserting_before(node):
+        if node.op == "call_method":
+            return graph.call_method(str(node.target), (src, *shape))
+        return graph.call_function(torch.reshape, (src, tuple(shape)))
+
+
+def flattens_to_width(node: fx.Node, width: int) -> bool:
+    """Whether ``node`` turns its input into ``(rows, width)``: a 2-D reshape or ``flatten(1)``."""
+    shape = reshape_shape(node)
+    if shape is not None:
+        return len(shape) == 2 and shape[1] == width
+    if node.op == "call_method" and node.target == "flatten":
+        args = list(node.args[1:])
+        start = args[0] if args else node.kwargs.get("start_dim", 0)
+        end = args[1] if len(args) > 1 else node.kwargs.get("end_dim", -1)
+        return bool(start == 1 and end == -1)
+    if node.op == "call_function" and node.target is torch.flatten:
+        start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
+        end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+        return bool(start == 1 and end == -1)
+    return False
+
+
+def is_passthrough(node: fx.Node) -> bool:
+    """A cast or layout call that keeps the shape and works the same on any rank."""
+    return (
+        node.op == "call_method"
+        and node.target in _PASSTHROUGH_METHODS
+        and "memory_format" not in node.kwargs
+        and not any(isinstance(a, torch.memory_format) for a in node.args[1:])
+    )
+
+
+def single_user(node: fx.Node) -> fx.Node | None:
+    """The only user of ``node``, or ``None`` when it has none or several."""
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def skip_passthrough_back(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """Walk from ``node``'s first input back over single-use passthrough calls.
+
+    Returns:
+        ``(the first node that is not such a call, the passthrough calls walked over)``.
+    """
+    chain: list[fx.Node] = []
+    current = node.args[0] if node.args else None
+    while isinstance(current, fx.Node) and is_passthrough(current) and len(current.users) == 1:
+        chain.append(current)
+        current = current.args[0]
+    return current, chain  # type: ignore[return-value]
+
+
+def skip_passthrough_forward(node: fx.Node) -> fx.Node | None:
+    """Walk from ``node`` forward over single-use passthrough calls to the next real use.
+
+    Returns:
+        The first user that is not a passthrough call, taking the walked value as its first
+        argument; ``None`` when a node on the way has zero or several users, or the value is
+        not the user's first argument.
+    """
+    current = node
+    while True:
+        user = single_user(current)
+        if user is None or not user.args or user.args[0] is not current:
+            return None
+        if not is_passthrough(user):
+            return user
+        current = user

@@ -1,0 +1,242 @@
+"""The fx rewrite engine: trace one candidate alone, let a spec rewrite it, build the replacement.
+
+* :class:`FusionTracer` traces only the candidate's own ``forward``: every child module is a
+  leaf (a ``call_module`` node), so the graph never reaches into the rest of the model and a
+  child's parameters stay where they are.
+* :func:`trace_module` leaves the candidate untouched: torch.fx stores tensor constants it meets
+  as attributes of the traced root; they are moved to the side instead.
+* :func:`examine_candidate` runs one spec on one candidate and returns the plan entry plus the
+  replacement module, built entirely on the side (the model is never touched here).
+* :class:`FusedModule` is the replacement: a :class:`torch.fx.GraphModule` named ``Fused`` + the
+  original class name, holding the original's children (the fused ones replaced), parameters,
+  buffers and public attributes, on the original's device and dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+from torch import fx, nn
+
+from ..errors import FusionError
+from .plan import SKIPPED, WOULD_FUSE, FusionCandidate, GraphSnapshot, tensor_infos
+from .spec import FusionSpec, GraphRewrite
+
+__all__ = ["FusedModule", "FusionTracer", "build_fused_module", "examine_candidate", "trace_module"]
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+class FusionTracer(fx.Tracer):
+    """A tracer that traces one module's own ``forward`` and treats every child as a leaf."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
+def trace_module(module: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
+    """Trace ``module`` alone with :class:`FusionTracer`, leaving it exactly as it was.
+
+    Returns:
+        ``(graph, constants)``: ``constants`` are the tensor constants the graph reads through
+        ``get_attr`` nodes that are not attributes of ``module``.
+
+    Raises:
+        FusionError: torch.fx could not trace the module (data-dependent control flow, ...).
+    """
+    before = set(module.__dict__)
+    try:
+        graph = FusionTracer().trace(module)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise FusionError(
+            f"torch.fx could not trace {type(module).__name__}.forward: {type(exc).__name__}: {first}"
+        ) from exc
+    finally:
+        # torch.fx parks constants on the traced root; take them back off so the module is unchanged.
+        added = {k: module.__dict__.pop(k) for k in list(module.__dict__) if k not in before}
+    return graph, added
+
+
+def module_hooks(module: nn.Module) -> list[str]:
+    """Names of the hook dicts of ``module`` that are not empty (a rewrite would drop them)."""
+    return [name.strip("_") for name in _HOOK_DICTS if getattr(module, name, None)]
+
+
+class FusedModule(fx.GraphModule):
+    """A module rewritten by a fusion.
+
+    A :class:`torch.fx.GraphModule` whose class name is ``Fused`` + the original class name,
+    with the original's children (fused ones replaced), parameters, buffers and public
+    attributes. ``fusion_name`` and ``original_class`` say where it came from. Deep copies keep
+    all of this.
+    """
+
+    fusion_name: str
+    original_class: type
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FusedModule:
+        res = super().__deepcopy__(memo)
+        res.__class__.__name__ = type(self).__name__  # GraphModule.__init__ resets it
+        for key in self.__dict__.get("_fusion_attrs", ()):
+            object.__setattr__(res, key, copy.deepcopy(self.__dict__[key], memo))
+        object.__setattr__(res, "_fusion_attrs", self.__dict__.get("_fusion_attrs", ()))
+        res._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
+        return res  # type: ignore[return-value]
+
+
+def _public_attributes(module: nn.Module) -> dict[str, Any]:
+    reserved = set(dir(FusedModule))
+    return {
+        k: v
+        for k, v in module.__dict__.items()
+        if not k.startswith("_") and k != "training" and k not in reserved
+    }
+
+
+def build_fused_module(
+    module: nn.Module,
+    graph: fx.Graph,
+    rewrite: GraphRewrite,
+    constants: dict[str, Any],
+    *,
+    class_name: str,
+    fusion: str,
+) -> FusedModule:
+    """Assemble the replacement for ``module`` from a rewritten ``graph`` (``module`` is not touched).
+
+    Children keep their order, with each replaced child's successor in its place; parameters,
+    buffers (persistence included) and public attributes are carried over; tensor constants
+    become non-persistent buffers, so they follow ``.to()`` and stay out of the ``state_dict``.
+    """
+    children: dict[str, nn.Module | None] = {}
+    for name, child in module._modules.items():
+        if name in rewrite.replaced:
+            new_name = rewrite.replaced[name]
+            children[new_name] = rewrite.new_modules[new_name]
+        else:
+            children[name] = child
+    for name, child in rewrite.new_modules.items():
+        children.setdefault(name, child)
+    # Plain (non-parameter, non-buffer) attributes the graph reads, e.g. a tensor kept as ``self.scale``.
+    plain = {
+        atom: module.__dict__[atom]
+        for node in graph.nodes
+        if node.op == "get_attr"
+        for atom in [str(node.target).split(".")[0]]
+        if atom not in constants and atom in module.__dict__
+    }
+    holder = nn.Module()
+    for name, child in children.items():
+        holder._modules[name] = child
+    for name, p in module._parameters.items():
+        holder._parameters[name] = p
+    for name, b in module._buffers.items():
+        holder._buffers[name] = b
+    for name, value in {**plain, **constants}.items():
+        object.__setattr__(holder, name, value)
+
+    fused = FusedModule(holder, graph, class_name)
+    # GraphModule copies only what the graph references (and may leave empty stand-ins on the way
+    # to a dotted get_attr); install the full set, in the original order, instead.
+    fused._modules.clear()
+    fused._modules.update(children)
+    fused._parameters.clear()
+    fused._parameters.update(module._parameters)
+    fused._buffers.clear()
+    fused._buffers.update(module._buffers)
+    fused._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+    for name, value in constants.items():
+        fused.__dict__.pop(name, None)
+        fused.register_buffer(name, value, persistent=False)
+    fused.training = module.training
+    attrs = {**_public_attributes(module), **plain}
+    for k, v in attrs.items():
+        object.__setattr__(fused, k, v)
+    object.__setattr__(fused, "fusion_name", fusion)
+    object.__setattr__(fused, "original_class", type(module))
+    object.__setattr__(fused, "_fusion_attrs", (*attrs, "fusion_name", "original_class"))
+    return fused
+
+
+def examine_candidate(
+    fusion: str,
+    spec: FusionSpec,
+    path: str,
+    module: nn.Module,
+    *,
+    materialize: bool,
+) -> tuple[FusionCandidate, FusedModule | None]:
+    """Run ``spec`` on one candidate: check, trace, match, rewrite, build the replacement.
+
+    Nothing here touches ``module`` or the model; the caller swaps the replacement in.
+
+    Returns:
+        ``(plan entry, replacement)``; the replacement is ``None`` when the candidate is skipped
+        (the entry's ``reason`` says why).
+
+    Raises:
+        FusionError: the spec matched but its rewrite failed (a bug in the spec; the message names
+            the path and the fusion).
+    """
+    cls = type(module).__name__
+    entry = FusionCandidate(fusion, path, cls, SKIPPED, "", params_before=tensor_infos(module))
+    ok, why = spec.is_fusable(module)
+    if not ok:
+        entry.reason = f"not fusable: {why}"
+        return entry, None
+    if not path:
+        entry.reason = (
+            "the root module cannot be replaced in place; apply the fusion to a model that contains it"
+        )
+        return entry, None
+    hooks = module_hooks(module)
+    if hooks:
+        entry.reason = (
+            f"has {', '.join(hooks)} registered on the instance, which a replacement would drop; "
+            "remove them, or apply the fusion before registering hooks"
+        )
+        return entry, None
+    try:
+        graph, constants = trace_module(module)
+    except FusionError as exc:
+        entry.reason = f"untraceable: {exc}"
+        return entry, None
+    entry.before = GraphSnapshot.of(graph)
+    matches, reason = spec.find_matches(module, graph)
+    if not matches:
+        entry.reason = f"no match: {reason}"
+        return entry, None
+    try:
+        transforms = spec.make_transforms(path, module, matches)
+        rewrite = spec.rewrite(module, graph, matches, materialize=materialize)
+        graph.lint()
+        fused = build_fused_module(
+            module, graph, rewrite, constants, class_name=spec.fused_class_name(module), fusion=fusion
+        )
+    except FusionError:
+        raise
+    except Exception as exc:
+        exclude = {fusion: {"exclude": ["^" + re.escape(path) + "$"]}}
+        raise FusionError(
+            f"Fusion {fusion!r} matched {path!r} ({cls}) but its rewrite failed: {type(exc).__name__}: {exc}. "
+            f"The model was left unchanged; skip this module with {exclude!r} and report the failure."
+        ) from exc
+    entry.status = WOULD_FUSE
+    entry.reason = "; ".join(m.description for m in matches)
+    entry.fused_class_name = type(fused).__name__
+    entry.after = GraphSnapshot.of(fused.graph)
+    entry.params_after = tensor_infos(fused)
+    entry.transforms = tuple(transforms)
+    return entry, fused

@@ -1,0 +1,181 @@
+"""The load plan: what a load will read, convert and set, computed from headers alone.
+
+:func:`surgery.plan_load` returns a :class:`LoadPlan` without reading a byte of tensor data, and
+:func:`surgery.load_checkpoint` executes exactly that plan. A plan renders as a compact table in
+which keys that differ only by their indices fold into one row (``layers.{0..31}``), and as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["PlanEntry", "LoadPlan", "fold_indices"]
+
+
+@dataclass
+class PlanEntry:
+    """One unit of work: the checkpoint keys that produce a set of runtime keys.
+
+    Attributes:
+        target_keys: runtime keys produced (wildcards expanded).
+        source_keys: checkpoint keys read, in pattern then index order.
+        transform: the converter (``repr``), or ``None`` for a plain (possibly renamed) tensor.
+        operations: the op chain, as text.
+        renamings: the renamings that fired on the source keys.
+        nbytes: bytes read from disk.
+        source_shapes / source_dtypes: per source key, from the headers.
+        target_shapes / target_dtype / device: where the tensors go.
+        mode: ``"direct"`` (read straight into the destination), ``"mmap"`` (memory-mapped,
+            assigned without a copy), ``"convert"`` (read, run the chain, set) or ``"skip"``.
+        status: ``"ok"``, ``"unexpected"``, ``"mismatch"``, ``"conflict"`` or ``"error"``.
+        message: why, when the status is not ``"ok"``.
+        tp: per target, the rank's slice ``(dim, start, stop)`` under tensor parallelism.
+    """
+
+    target_keys: tuple[str, ...]
+    source_keys: tuple[str, ...]
+    transform: str | None = None
+    operations: tuple[str, ...] = ()
+    renamings: tuple[str, ...] = ()
+    nbytes: int = 0
+    source_shapes: tuple[tuple[int, ...], ...] = ()
+    source_dtypes: tuple[str, ...] = ()
+    target_shapes: tuple[tuple[int, ...] | None, ...] = ()
+    target_dtype: str | None = None
+    device: str | None = None
+    mode: str = "convert"
+    status: str = "ok"
+    message: str = ""
+    tp: tuple[tuple[int, int, int] | None, ...] = ()
+
+
+@dataclass
+class LoadPlan:
+    """The full plan of a load, plus everything the report would flag."""
+
+    checkpoint: str
+    entries: list[PlanEntry] = field(default_factory=list)
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    transforms: list[str] = field(default_factory=list)
+    fusions: dict[str, Any] | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries if e.status in ("ok", "mismatch"))
+
+    @property
+    def problems(self) -> list[PlanEntry]:
+        return [e for e in self.entries if e.status not in ("ok",)]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["total_bytes"] = self.total_bytes
+        return d
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def render(self, *, max_rows: int = 60) -> str:
+        """A compact table; rows whose keys differ only by indices are folded."""
+        rows: dict[tuple[Any, ...], list[PlanEntry]] = {}
+        for e in self.entries:
+            sig = (
+                tuple(_template(k) for k in e.target_keys[:1]),
+                e.transform,
+                e.operations,
+                e.mode,
+                e.status,
+                tuple(_shape(s) for s in e.target_shapes[:1]),
+                len(e.source_keys),
+            )
+            rows.setdefault(sig, []).append(e)
+        lines = [
+            f"LoadPlan for {self.checkpoint}: {len(self.entries)} targets, "
+            f"{_human(self.total_bytes)} to read, {len(self.problems)} problem(s)"
+        ]
+        if self.fusions:
+            lines.append(f"fusions: {self.fusions}")
+        header = f"{'runtime key':<60} {'mode':<8} {'shape':<18} {'sources':<8} transform"
+        lines.append(header)
+        lines.append("-" * len(header))
+        for i, group in enumerate(rows.values()):
+            if i >= max_rows:
+                lines.append(f"... {len(rows) - max_rows} more rows")
+                break
+            e = group[0]
+            name = fold_indices([g.target_keys[0] for g in group]) if e.target_keys else "?"
+            extra = f" +{len(e.target_keys) - 1}" if len(e.target_keys) > 1 else ""
+            shape = _shape(e.target_shapes[0]) if e.target_shapes else "?"
+            what = "" if e.transform is None else f"{e.transform.split('(')[0]} {', '.join(e.operations)}"
+            if e.renamings and not what:
+                what = "renamed"
+            status = "" if e.status == "ok" else f"  [{e.status}: {e.message}]"
+            lines.append(f"{name + extra:<60} {e.mode:<8} {shape:<18} {len(e.source_keys):<8} {what}{status}")
+        if self.missing_keys:
+            lines.append(f"missing ({len(self.missing_keys)}): {fold_indices(self.missing_keys)}")
+        if self.unexpected_keys:
+            lines.append(f"unexpected ({len(self.unexpected_keys)}): {fold_indices(self.unexpected_keys)}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+_NUM = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def _template(key: str) -> str:
+    return _NUM.sub("#", key)
+
+
+def _shape(shape: tuple[int, ...] | None) -> str:
+    return "?" if shape is None else "(" + ", ".join(map(str, shape)) + ")"
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def _ranges(values: list[int]) -> str:
+    values = sorted(set(values))
+    parts: list[str] = []
+    start = prev = values[0]
+    for v in values[1:] + [None]:  # type: ignore[list-item]
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        parts.append(str(start) if start == prev else f"{start}..{prev}")
+        if v is not None:
+            start = prev = v
+    return parts[0] if len(parts) == 1 and ".." not in parts[0] else "{" + ",".join(parts) + "}"
+
+
+def fold_indices(keys: list[str]) -> str:
+    """Fold keys that differ only in numeric components: ``layers.{0..31}.mlp``.
+
+    Example:
+        >>> fold_indices(["a.0.w", "a.1.w", "a.2.w"])
+        'a.{0..2}.w'
+    """
+    if not keys:
+        return ""
+    groups: dict[str, list[list[int]]] = {}
+    for k in keys:
+        groups.setdefault(_template(k), []).append([int(x) for x in _NUM.findall(k)])
+    out: list[str] = []
+    for tpl, nums in groups.items():
+        pieces = tpl.split("#")
+        text = pieces[0]
+        for i, piece in enumerate(pieces[1:]):
+            text += _ranges([n[i] for n in nums]) + piece
+        out.append(text)
+    return ", ".join(out)

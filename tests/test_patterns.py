@@ -1,0 +1,210 @@
+r"""Specification of the pattern language: source regexes, target templates and their reversal."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from surgery.errors import PatternError, SurgeryError
+from surgery.patterns import compile_source, parse_target, reverse_pair
+
+# --------------------------------------------------------------------------- source patterns
+
+
+def test_source_is_a_regex_found_anywhere_in_the_key():
+    sp = compile_source(r"self_attn\.(q|k)_proj")
+    m = sp.regex.search("model.layers.0.self_attn.k_proj.weight")
+    assert m is not None
+    assert m.group(sp.user_groups[0]) == "k"
+
+
+def test_star_matches_one_run_of_digits_and_captures_it():
+    sp = compile_source("mlp.experts.*.w1.weight")
+    m = sp.regex.search("model.layers.0.mlp.experts.17.w1.weight")
+    assert m is not None
+    assert m.group(sp.star_groups[0]) == "17"
+    assert sp.regex.search("model.layers.0.mlp.experts.shared.w1.weight") is None
+
+
+def test_star_after_a_literal_is_the_wildcard_too():
+    sp = compile_source("ngram_embedding.shard_*.weight")
+    m = sp.regex.search("model.ngram_embedding.shard_3.weight")
+    assert m is not None
+    assert m.group(sp.star_groups[0]) == "3"
+
+
+def test_dot_star_escaped_dot_keeps_its_regex_meaning():
+    sp = compile_source(r"model.*\.weight")
+    assert not sp.has_star
+    assert sp.regex.search("model.anything.at.all.weight") is not None
+
+
+def test_star_after_a_group_is_a_regex_quantifier():
+    sp = compile_source(r"(ab)*.c")
+    assert not sp.has_star
+    assert sp.regex.search("ababxc") is not None
+
+
+def test_wildcards_and_user_groups_are_numbered_separately():
+    sp = compile_source(r"layers\.(\d+)\.experts.*.(w1|w3)")
+    m = sp.regex.search("model.layers.4.experts.12.w3.weight")
+    assert m is not None
+    assert [m.group(g) for g in sp.user_groups] == ["4", "w3"]
+    assert [m.group(g) for g in sp.star_groups] == ["12"]
+
+
+def test_a_pattern_ending_in_a_name_only_matches_a_whole_name():
+    sp = compile_source("q_proj.weight")
+    assert sp.regex.search("layers.0.q_proj.weight") is not None
+    assert sp.regex.search("layers.0.q_proj.weight_scale_inv") is None
+    assert sp.regex.search("layers.0.q_proj.weights") is None
+
+
+def test_a_pattern_ending_in_a_dot_or_underscore_has_no_name_boundary():
+    assert compile_source(r"hc_").regex.search("layers.0.hc_fn") is not None
+
+
+def test_caret_anchors_at_the_start_of_the_key():
+    sp = compile_source(r"^model\.")
+    assert sp.anchored
+    assert sp.regex.search("model.layers.0") is not None
+    assert sp.regex.search("lm.model.layers.0") is None
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [r"layers\.(\d+", r"[abc", "(?<name>x)", "trailing\\", r"(?i)q_proj", "a{2,1}"],
+    ids=[
+        "unbalanced-group",
+        "unterminated-class",
+        "pcre-named-group",
+        "lone-backslash",
+        "inline-flag",
+        "bad-repeat",
+    ],
+)
+def test_an_invalid_source_is_a_pattern_error_naming_the_pattern(pattern):
+    with pytest.raises(PatternError) as info:
+        compile_source(pattern)
+    assert repr(pattern) in str(info.value)
+    assert isinstance(info.value, SurgeryError)
+
+
+def test_a_back_reference_inside_a_source_is_refused():
+    with pytest.raises(PatternError, match=r"back-reference"):
+        compile_source(r"(a)\.\1")
+
+
+@pytest.mark.parametrize("pattern", ["", None, 3], ids=["empty", "none", "int"])
+def test_a_source_must_be_a_non_empty_string(pattern):
+    with pytest.raises(PatternError, match="non-empty string"):
+        compile_source(pattern)
+
+
+def test_brace_quantifiers_are_regex_quantifiers():
+    sp = compile_source(r"layers\.\d{1,2}\.mlp")
+    assert sp.regex.search("layers.12.mlp") is not None
+    assert sp.regex.search("layers.123.mlp") is None
+
+
+# --------------------------------------------------------------------------- target templates
+
+
+def test_every_reference_one_to_nine_expands():
+    source = compile_source(r"(a)(b)(c)(d)(e)(f)(g)(h)(i)")
+    target = parse_target(r"\9\8\7\6\5\4\3\2\1")
+    m = source.regex.search("abcdefghi")
+    assert m is not None
+    groups = tuple(m.group(g) for g in source.user_groups)
+    assert target.max_ref == 9
+    assert target.expand(groups) == "ihgfedcba"
+
+
+def test_a_target_is_literal_text_with_escaped_dots_accepted():
+    assert parse_target(r"model\.layers").literal == "model.layers"
+    assert parse_target("model.layers").literal == "model.layers"
+
+
+def test_a_target_star_takes_the_captured_index_or_stays_for_the_op_chain():
+    target = parse_target("experts.*.gate")
+    assert target.n_stars == 1
+    assert target.expand((), ("5",)) == "experts.5.gate"
+    assert target.expand() == "experts.*.gate"
+
+
+def test_a_target_caret_and_lookaround_are_kept_only_for_reversal():
+    target = parse_target(r"^(?!model\.)model.\1")
+    assert target.anchored
+    assert target.expand(("x",)) == "model.x"
+    assert target.lookarounds == ((0, r"(?!model\.)"),)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [r"mlp.(gate|up)", r"layers\.\d", "a+b", "a|b", "end$"],
+    ids=["group", "class-escape", "quantifier", "alternation", "dollar"],
+)
+def test_regex_syntax_in_a_target_is_a_pattern_error_naming_it(pattern):
+    with pytest.raises(PatternError) as info:
+        parse_target(pattern)
+    assert repr(pattern) in str(info.value)
+
+
+# --------------------------------------------------------------------------- reversal
+
+
+def test_reverse_drops_anchor_and_lookaround_from_the_new_target():
+    new_source, new_target = reverse_pair(r"^(?!model\.)(.+)", r"model.\1")
+    assert new_source == r"^model\.(.+)"
+    assert new_target == r"\1"
+
+
+def test_reverse_turns_capture_groups_into_back_references_and_references_into_groups():
+    new_source, new_target = reverse_pair(r"layers\.(\d+)\.(q|k)_proj", r"blocks.\1.attn.\2")
+    assert new_source == r"blocks\.(\d+)\.attn\.(q|k)"
+    assert new_target == r"layers\.\1\.\2_proj"
+
+
+def test_reverse_renumbers_groups_in_the_order_the_target_uses_them():
+    new_source, new_target = reverse_pair(r"(\w+)\.(\d+)\.x", r"\2.\1.y")
+    m = re.search(new_source, "3.foo.y")
+    assert m is not None and m.groups() == ("3", "foo")
+    assert new_target == r"\2\.\1\.x"
+
+
+def test_reverse_keeps_the_star_a_wildcard_on_both_sides():
+    new_source, new_target = reverse_pair("mlp.experts.*.w1", "mlp.experts.*.gate")
+    sp = compile_source(new_source)
+    m = sp.regex.search("model.mlp.experts.12.gate.weight")
+    assert m is not None and m.group(sp.star_groups[0]) == "12"
+    assert parse_target(new_target).n_stars == 1
+
+
+def test_reverse_of_the_reverse_matches_what_the_original_matched():
+    source, target = r"layers\.(\d+)\.(q|k)_proj", r"blocks.\1.attn.\2"
+    again = reverse_pair(*reverse_pair(source, target))
+    for key in ("model.layers.3.q_proj.weight", "x.layers.10.k_proj.bias"):
+        assert re.search(compile_source(again[0]).regex, key).group(0) == re.search(source, key).group(0)
+    assert again[1] == r"blocks\.\1\.attn\.\2"
+
+
+def test_reverse_refuses_variable_text_outside_a_group():
+    with pytest.raises(PatternError, match=r"outside a capture group"):
+        reverse_pair(r"layers\.\d+\.mlp", "blocks.mlp")
+
+
+def test_reverse_refuses_a_group_the_target_drops():
+    with pytest.raises(PatternError, match=r"group \\1 of the source is not used"):
+        reverse_pair(r"(\w+)\.mlp", "mlp")
+
+
+def test_reverse_refuses_a_target_reference_without_a_source_group():
+    with pytest.raises(PatternError) as info:
+        reverse_pair(r"(\w+)\.mlp", r"\2.mlp")
+    assert r"'\\2.mlp'" in str(info.value)
+
+
+def test_reverse_refuses_a_target_star_not_followed_by_a_dot():
+    with pytest.raises(PatternError, match=r"ends with '\*'"):
+        reverse_pair("shard_*.weight", "shards.*")
