@@ -1,0 +1,47 @@
+"""Import hygiene: `import surgery` is cheap and touches no global state."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+def _run(code: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], check=True, capture_output=True, text=True
+    )
+    return out.stdout.strip()
+
+
+def test_import_does_not_initialize_cuda_or_a_process_group() -> None:
+    out = _run(
+        """
+        import torch, surgery
+        import torch.distributed as dist
+        print(torch.cuda.is_initialized(), dist.is_available() and dist.is_initialized())
+        """
+    )
+    assert out == "False False"
+
+
+def test_import_does_not_load_the_catalog_or_networkx() -> None:
+    out = _run(
+        """
+        import sys, surgery
+        print('specs' in sys.modules, 'networkx' in sys.modules, 'transformers' in sys.modules)
+        """
+    )
+    assert out == "False False False"
+
+
+def test_public_names_are_exported() -> None:
+    import surgery
+
+    for name in (
+        "WeightRenaming", "PrefixChange", "WeightConverter", "register_checkpoint_conversion_mapping",
+        "get_model_conversion_mapping", "ModuleGraph", "load_checkpoint", "plan_load", "save_checkpoint",
+        "revert_state_dict", "preview_fusions", "apply_fusions", "register_fusion", "ops",
+    ):
+        assert name in surgery.__all__
+        assert getattr(surgery, name) is not None
