@@ -31,7 +31,9 @@ _DINOV2: list[WeightTransform] = [
     WeightRenaming("attention.attention.value", "attention.v_proj"),
     WeightRenaming("attention.output.dense", "attention.o_proj"),
     WeightRenaming("mlp.weights_out", "mlp.down_proj"),
-    WeightConverter("mlp.weights_in.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [ops.Chunk(dim=0)]),
+    WeightConverter(
+        "mlp.weights_in.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [ops.Chunk(dim=0)]
+    ),
     WeightConverter("mlp.weights_in.bias", ["mlp.gate_proj.bias", "mlp.up_proj.bias"], [ops.Chunk(dim=0)]),
 ]
 

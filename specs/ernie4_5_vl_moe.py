@@ -87,7 +87,11 @@ class FuseAndSplitTextVisionExperts(ops.ConversionOp):
         fused: list[list[torch.Tensor]] = [[] for _ in range(parts)]
         for slot in slots:
             if not isinstance(slot, list):
-                raise _error(self, ctx, "expects expert lists gathered by '*' (experts.*.<name>.weight), got one tensor.")
+                raise _error(
+                    self,
+                    ctx,
+                    "expects expert lists gathered by '*' (experts.*.<name>.weight), got one tensor.",
+                )
             if not slot or len(slot) % parts:
                 raise _error(
                     self,
@@ -99,7 +103,9 @@ class FuseAndSplitTextVisionExperts(ops.ConversionOp):
             for i in range(parts):
                 group = slot[i * size : (i + 1) * size]
                 if len({tuple(t.shape) for t in group}) != 1:
-                    raise _error(self, ctx, f"experts of group {i} differ in shape: {[tuple(t.shape) for t in group]}.")
+                    raise _error(
+                        self, ctx, f"experts of group {i} differ in shape: {[tuple(t.shape) for t in group]}."
+                    )
                 fused[i].append(torch.stack(group, dim=self.stack_dim))
         return [torch.cat(stacks, dim=self.concat_dim) for stacks in fused]
 

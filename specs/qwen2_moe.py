@@ -42,7 +42,9 @@ _EXPERTS: list[WeightTransform] = [
 ENTRIES: dict[str, list[WeightTransform]] = {
     "qwen2_moe": [*_EXPERTS],
     "ernie4_5_moe": [
-        WeightRenaming("mlp.moe_statics.e_score_correction_bias", "mlp.gate.moe_statics.e_score_correction_bias"),
+        WeightRenaming(
+            "mlp.moe_statics.e_score_correction_bias", "mlp.gate.moe_statics.e_score_correction_bias"
+        ),
         *_EXPERTS,
     ],
     "exaone_moe": [

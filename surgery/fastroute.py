@@ -40,7 +40,7 @@ routes, which a one-off key such as ``lm_head.weight`` would never repay).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import lru_cache
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
@@ -80,6 +80,7 @@ UNSAFE = 2  #: a test may tell free digits apart; the list must route every key 
 _DIGITS = frozenset("0123456789")
 _PROBE = _DIGITS | {"."}
 _ZERO = str.maketrans("123456789", "000000000")
+_NOTHING = itemgetter(slice(0, 0))  # selects "" from any key
 
 # --------------------------------------------------------------------------- static analysis
 
@@ -239,66 +240,139 @@ def _digit_layout(template: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
 Pieces = tuple["str | tuple[int, int]", ...]
 
 
-class KeyClass:
-    """A node of the class tree: a split on some key positions, or a class with a shared decision.
+class _Children(dict):  # type: ignore[type-arg]
+    """A split's children by selected text; a new text gets a new (unbuilt) child."""
 
-    ``sel`` is set on a split (``children`` maps the selected characters to child nodes). A class
-    has ``mode`` ``-1`` while its keys take the exact path (not built yet, or not shareable), and
-    ``0``/``1``/``2`` once its decision is a format: no wildcard index, one index read from one
-    slice ``key[ia:ib]``, or indices built from pieces. ``ta:tb`` spans every key position the
-    targets copy, so ``key[ta:tb]`` identifies the target group; ``slots`` is the router's cache
-    of that group per span.
+    __slots__ = ("parent",)
+
+    def __init__(self, parent: KeyClass) -> None:
+        super().__init__()
+        self.parent = parent
+
+    def __missing__(self, text: str) -> KeyClass:
+        child = self[text] = self.parent.make_child()
+        return child
+
+
+class KeyClass:
+    """A node of the class tree: a split on some key positions, or a class of keys.
+
+    A *split* has ``sb > 0``: ``children`` maps the text ``key[sa:sb]`` to child nodes (``rest``
+    holds the spans still to split on below). A *class* holds the shared decision once ``built``:
+    ``first``, ``targets`` and ``stars`` are formats (literal text and ``(start, stop)`` slices of
+    the key); ``tslices`` are the slices the targets copy and ``ia:ib`` the slice holding the
+    wildcard index. ``hot`` is set when a key can be filed from those slices alone (at most one
+    index, read from one slice).
+
+    A template's root also carries the caller's cache for the whole tree: ``sel(key)`` selects
+    the text of every split span and of every slice a hot class's targets copy (``sel_slices``),
+    which pins both the class and the target group; ``cache`` maps that selection to whatever
+    the caller wants to remember (:func:`~surgery.routing.route_keys` keeps the group slot).
+    :meth:`refresh` recomputes ``sel`` and empties ``cache``.
     """
 
     __slots__ = (
+        "built",
+        "cache",
         "children",
         "conv",
         "final",
         "fired",
         "first",
         "free",
+        "hot",
         "ia",
         "ib",
-        "mode",
         "pat",
+        "rest",
+        "sa",
+        "sb",
         "seen",
         "sel",
-        "slots",
+        "sel_slices",
         "stars",
-        "ta",
         "targets",
-        "tb",
+        "tslices",
     )
 
-    def __init__(self, free: tuple[int, ...], fixed: tuple[int, ...] = ()) -> None:
+    def __init__(self, free: tuple[int, ...], fixed: Iterable[int] = ()) -> None:
         self.free = free
-        self.sel: Any = itemgetter(*fixed) if fixed else None
-        self.children: dict[Any, KeyClass] = {}
-        self.mode = -1
+        self.sa = self.sb = 0
+        self.rest: tuple[tuple[int, int], ...] = ()
+        self.children = _Children(self)
+        self.built = self.hot = self.final = False
         self.seen = 0
-        self.final = False
         self.fired: tuple[int, ...] = ()
         self.conv: int | None = None
         self.pat: int | None = None
         self.first: Pieces = ()
         self.targets: tuple[Pieces, ...] = ()
         self.stars: tuple[Pieces, ...] = ()
-        self.ta = self.tb = self.ia = self.ib = 0
-        self.slots: dict[str, Any] = {}
+        self.tslices: frozenset[tuple[int, int]] = frozenset()
+        self.ia = self.ib = 0
+        self.sel: Callable[[str], Any] = _NOTHING
+        self.sel_slices: frozenset[tuple[int, int]] = frozenset()
+        self.cache: dict[Any, Any] = {}
+        if fixed:
+            self.split(fixed)
+            self.refresh()
+
+    def split(self, positions: Iterable[int]) -> None:
+        """Turn this node into a split on ``positions``: one level per run of adjacent positions."""
+        spans: list[tuple[int, int]] = []
+        for p in sorted(positions):
+            if spans and spans[-1][1] == p:
+                spans[-1] = (spans[-1][0], p + 1)
+            else:
+                spans.append((p, p + 1))
+        self.sa, self.sb = spans[0]
+        self.rest = tuple(spans[1:])
+        self.free = tuple(p for p in self.free if not any(a <= p < b for a, b in spans))
+
+    def make_child(self) -> KeyClass:
+        child = KeyClass(self.free)
+        if self.rest:
+            child.sa, child.sb = self.rest[0]
+            child.rest = self.rest[1:]
+        return child
+
+    def refresh(self) -> None:
+        """Recompute this root's selector from its tree and empty its cache."""
+        slices: set[tuple[int, int]] = set()
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            if node.sb:
+                slices.add((node.sa, node.sb))
+                stack.extend(node.children.values())
+            elif node.hot:
+                slices |= node.tslices
+        self.sel_slices = frozenset(slices)
+        self.sel = itemgetter(*[slice(a, b) for a, b in sorted(slices)]) if slices else _NOTHING
+        self.cache = {}
+
+    def walk(self, key: str) -> KeyClass:
+        """The class of ``key`` below this node (no counting, no building)."""
+        node = self
+        while node.sb:
+            node = node.children[key[node.sa : node.sb]]
+        return node
 
     def __repr__(self) -> str:
-        if self.sel is not None:
-            return f"KeyClass(split, {len(self.children)} children)"
-        state = {-1: "exact"}.get(self.mode, f"format {self.first!r}")
+        if self.sb:
+            return f"KeyClass(split on [{self.sa}:{self.sb}], {len(self.children)} children)"
+        state = f"format {self.first!r}" if self.built else "exact"
         return f"KeyClass({state}, free={self.free})"
 
     @staticmethod
-    def text(key: str, pieces: Pieces) -> str:
-        """Fill a format from ``key``."""
-        return "".join([p if p.__class__ is str else key[p[0] : p[1]] for p in pieces])  # type: ignore[index]
+    def text(key: str, pieces: Pieces, offset: int = 0) -> str:
+        """Fill a format from ``key`` (from ``key[offset:]`` when given that slice instead)."""
+        return "".join(
+            [p if p.__class__ is str else key[p[0] - offset : p[1] - offset] for p in pieces]  # type: ignore[index]
+        )
 
     def first_of(self, key: str) -> str:
-        """The first target key of ``key`` (the target group)."""
+        """The first target key of ``key`` (its target group)."""
         return self.text(key, self.first)
 
     def index(self, key: str) -> tuple[int, ...]:
@@ -393,16 +467,21 @@ def _scope_dependence(prov: list[str | int], scope: str, free: tuple[int, ...]) 
 # --------------------------------------------------------------------------- router
 
 
+class _Table(dict):  # type: ignore[type-arg]
+    """Template → root node; a new template gets a new root."""
+
+    def __missing__(self, template: str) -> KeyClass:
+        node = self[template] = KeyClass(*_digit_layout(template))
+        return node
+
+
 class TemplateRouter:
     """Route keys through a compiled :class:`~surgery.routing._Router`, sharing decisions.
-
-    One instance serves one :func:`~surgery.routing.route_keys` call (class caches refer to that
-    call's target groups).
 
     Attributes:
         router: the exact router.
         exact_only: the list has a pattern that may tell indices apart; every key goes exact.
-        table: template → class tree.
+        table: template → class tree (missing templates are added on lookup).
     """
 
     def __init__(self, router: _Router) -> None:
@@ -413,9 +492,8 @@ class TemplateRouter:
         self.exact_only = UNSAFE in safety
         # After renaming i fires, do later transforms rely on guards (free digits kept isolated)?
         self._guarded_after = [GUARDED in safety[i + 1 :] for i in range(len(router.renamings))]
-        self.table: dict[str, KeyClass] = {}
+        self.table: dict[str, KeyClass] = _Table()
 
-    # ------------------------------------------------------------------ public helpers
     def route_one(self, key: str) -> Decision:
         """Route one key (shared decision where available, else exact)."""
         return self.decide(key)
@@ -428,53 +506,35 @@ class TemplateRouter:
                 yield key, self.route_exact(key)
             return
         for key, template in zip(keys, key_templates(keys)):
-            yield key, self._decide_leaf(self.leaf(key, template), key)
+            yield key, self.decision(self.promote(self.table[template], key), key)
 
     def decide(self, key: str) -> Decision:
+        """Route one key."""
         if self.exact_only:
             return self.route_exact(key)
-        return self._decide_leaf(self.leaf(key, key.translate(_ZERO)), key)
+        return self.decision(self.promote(self.table[key.translate(_ZERO)], key), key)
 
-    def _decide_leaf(self, leaf: KeyClass, key: str) -> Decision:
-        return leaf.decision(key) if leaf.mode >= 0 else self.route_exact(key)
-
-    # ------------------------------------------------------------------ the class tree
-    def node(self, template: str) -> KeyClass:
-        """The root node for ``template`` (created on first use)."""
-        node = self.table.get(template)
-        if node is None:
-            node = self.table[template] = KeyClass(*_digit_layout(template))
-        return node
-
-    def child(self, node: KeyClass, key: str) -> KeyClass:
-        """The child of split ``node`` that ``key`` belongs to (created on first use)."""
-        sub = node.sel(key)
-        child = node.children.get(sub)
-        if child is None:
-            child = node.children[sub] = KeyClass(node.free)
-        return child
-
-    def leaf(self, key: str, template: str) -> KeyClass:
-        """Walk ``key`` to its class and count it (see :meth:`promote`)."""
-        return self.promote(self.node(template), key)
+    def decision(self, leaf: KeyClass, key: str) -> Decision:
+        """``key``'s decision from its class ``leaf`` (the exact path when not built)."""
+        return leaf.decision(key) if leaf.built else self.route_exact(key)
 
     def promote(self, node: KeyClass, key: str) -> KeyClass:
-        """Walk from ``node`` to ``key``'s class, building the class on its second key.
+        """Walk from ``node`` to ``key``'s class, counting the key; build the class on its second key.
 
         Raises:
             ConfigurationError: two converters claim ``key`` (from the exact path).
         """
         while True:
-            if node.sel is not None:
-                node = node.children.get(node.sel(key)) or self.child(node, key)
+            if node.sb:
+                node = node.children[key[node.sa : node.sb]]
                 continue
-            if node.mode >= 0 or node.final:
+            if node.built or node.final:
                 return node
             node.seen += 1
             if node.seen < 2:
                 return node
             self._build(node, key)
-            if node.sel is None:
+            if not node.sb:
                 return node
 
     # ------------------------------------------------------------------ building a class
@@ -493,15 +553,13 @@ class TemplateRouter:
             probes.append("".join(chars))
         verdict = self._check_chain(probes, free)
         if isinstance(verdict, set):  # a scope compares free digits: split on them
-            node.sel = itemgetter(*sorted(verdict))
-            node.free = tuple(p for p in free if p not in verdict)
+            node.split(verdict)
             return
+        node.final = True
         if not verdict or not self._set_format(node, probes, free):
-            node.final = True
             return
         if node.decision(key) != exact:  # defensive: never share a decision the exact path disowns
-            node.mode = -1
-            node.final = True
+            node.built = node.hot = False
 
     def _check_chain(self, probes: list[str], free: tuple[int, ...]) -> bool | set[int]:
         """Replay the renamings on all probes; check scopes and that free digits stay isolated.
@@ -563,14 +621,11 @@ class TemplateRouter:
         node.first = first
         node.targets = tuple(f for f in target_fmts if f is not None)
         node.stars = tuple(f for f in star_fmts if f is not None)
-        spans = [p for f in (first, *node.targets) for p in f if isinstance(p, tuple)]
-        node.ta = min((a for a, _ in spans), default=0)
-        node.tb = max((b for _, b in spans), default=0)
+        node.tslices = frozenset(p for f in (first, *node.targets) for p in f if isinstance(p, tuple))
+        node.built = True
         if not node.stars:
-            node.mode = 0
+            node.hot = True  # ia == ib == 0: the index text is "", the index ()
         elif len(node.stars) == 1 and len(node.stars[0]) == 1 and isinstance(node.stars[0][0], tuple):
             node.ia, node.ib = node.stars[0][0]
-            node.mode = 1
-        else:
-            node.mode = 2
+            node.hot = True
         return True

@@ -374,8 +374,10 @@ def reverse_pair(source: str, target: str) -> tuple[str, str]:
     """Turn a (source regex, target template) pair into its inverse pair.
 
     The target becomes a regex (literal text escaped, ``\\k`` becomes the text of the source's
-    group k as a new capture group, ``*`` the wildcard); the source becomes a template (literal
-    text kept, anchors and look-arounds dropped, capture groups become back-references).
+    group k as a new capture group, ``*`` the wildcard, look-arounds kept); the source becomes a
+    template (literal text kept, anchors dropped, capture groups become back-references,
+    look-arounds kept verbatim: a template ignores them when it expands, and they are restored
+    when the pair is reversed again).
 
     Raises:
         PatternError: when the source has parts that the target does not keep (a quantified
@@ -384,7 +386,9 @@ def reverse_pair(source: str, target: str) -> tuple[str, str]:
 
     Example:
         >>> reverse_pair(r"^(?!model\\.)(.+)", r"model.\\1")
-        ('^model\\\\.(.+)', '\\\\1')
+        ('^model\\\\.(.+)', '(?!model\\\\.)\\\\1')
+        >>> parse_target(_[1]).expand(("layers.0.weight",))
+        'layers.0.weight'
     """
     src_toks = _tokenize(source)
     tgt = parse_target(target)
@@ -399,7 +403,7 @@ def reverse_pair(source: str, target: str) -> tuple[str, str]:
     after_star = False
     for pos, piece in enumerate(tgt.pieces):
         if pos in looks:
-            new_src.append(looks[pos])
+            new_src.append(_without_captures(looks[pos]))
         if after_star and not (isinstance(piece, str) and piece.startswith(".") and pos not in looks):
             raise PatternError(
                 f"Cannot reverse ({source!r} -> {target!r}): the '*' of the target must be followed by "
@@ -433,25 +437,33 @@ def reverse_pair(source: str, target: str) -> tuple[str, str]:
             "followed by '.', as in 'experts.*.weight'."
         )
     if len(tgt.pieces) in looks:
-        new_src.append(looks[len(tgt.pieces)])
+        new_src.append(_without_captures(looks[len(tgt.pieces)]))
 
-    # New target: the source as a template.
+    # New target: the source as a template. Look-arounds are kept verbatim: a template ignores
+    # them, and they come back as look-arounds when the pair is reversed again.
     out: list[str] = []
     depth_skip = 0  # inside a look-around or a captured group: skip tokens
+    look: list[str] | None = None  # the text of the look-around being skipped
     user_no = 0
     for tok in src_toks:
         if depth_skip:
+            if look is not None:
+                look.append(tok.text)
             if tok.kind == "open":
                 if tok.value == "capture":
                     user_no += 1
                 depth_skip += 1
             elif tok.kind == "close":
                 depth_skip -= 1
+                if not depth_skip and look is not None:
+                    out.append("".join(look))
+                    look = None
             continue
         if tok.kind == "anchor":
             continue
         if tok.kind == "open" and tok.value == "look":
             depth_skip = 1
+            look = [tok.text]
             continue
         if tok.kind == "open" and tok.value == "capture":
             user_no += 1
@@ -477,6 +489,11 @@ def reverse_pair(source: str, target: str) -> tuple[str, str]:
                 "group and refer to it from the target."
             )
     return "".join(new_src), "".join(out)
+
+
+def _without_captures(regex: str) -> str:
+    """``regex`` with its capture groups made non-capturing, so they do not shift group numbers."""
+    return "".join(_noncapturing(t) for t in _tokenize(regex))
 
 
 def _escape_literal(text: str) -> str:

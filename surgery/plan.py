@@ -7,12 +7,30 @@ which keys that differ only by their indices fold into one row (``layers.{0..31}
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["PlanEntry", "LoadPlan", "fold_indices"]
+import torch
+from torch import nn
+
+from .checkpoint import CheckpointReader
+from .errors import ConfigurationError, LoadError, SurgeryError
+from .ops import Chunk, OpContext, Split, SplitModulelist
+from .report import ConversionFailure, Mismatch
+from .routing import Routing, route_keys
+from .transforms import WeightConverter, WeightTransform
+
+__all__ = ["FUSION_METADATA_KEY", "LoadPlan", "PlanEntry", "fold_indices"]
+
+FUSION_METADATA_KEY = "surgery.fusion_config"
+"""Safetensors metadata key under which a runtime-layout save persists its fusion config."""
+FUSION_TAG = "_surgery_from_fusion"
+
 
 
 @dataclass
@@ -179,3 +197,519 @@ def fold_indices(keys: list[str]) -> str:
             text += _ranges([n[i] for n in nums]) + piece
         out.append(text)
     return ", ".join(out)
+
+
+# --------------------------------------------------------------------------- model helpers
+
+
+def _runtime_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Runtime keys → the tensor object behind them (parameters and persistent buffers)."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def _tied_groups(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for k, t in tensors.items():
+        by_id.setdefault(id(t), []).append(k)
+    return {k: keys for keys in by_id.values() if len(keys) > 1 for k in keys}
+
+
+def _config_lookup(model: nn.Module):
+    cache: dict[str, Any] = {}
+
+    def config_for(key: str) -> Any:
+        parts = key.split(".")[:-1]
+        while True:
+            path = ".".join(parts)
+            if path in cache:
+                return cache[path]
+            try:
+                mod = model.get_submodule(path) if path else model
+            except AttributeError:
+                mod = None
+            cfg = getattr(mod, "config", None) if mod is not None else None
+            if cfg is not None or not parts:
+                cache[path] = cfg
+                return cfg
+            parts.pop()
+
+    return config_for
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _meta_clone(model: nn.Module) -> nn.Module:
+    """A structural copy of ``model`` whose tensors live on ``meta`` (no data is copied)."""
+    memo: dict[int, Any] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in memo:
+            continue
+        meta = t.detach().to("meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _resolve_transforms(model: nn.Module) -> list[WeightTransform]:
+    from .resolution import get_model_conversion_mapping
+
+    transforms = list(get_model_conversion_mapping(model))
+    for t in _fusion_transforms(model):
+        t.__dict__[FUSION_TAG] = True  # saving reverses fusions whether or not they fired
+        transforms.append(t)
+    return transforms
+
+
+def _fusion_transforms(model: nn.Module) -> list[WeightTransform]:
+    try:
+        from .fusion import fusion_transforms
+    except ImportError:
+        return []
+    return list(fusion_transforms(model))
+
+
+def _fusion_config_of(model: nn.Module) -> dict[str, Any] | None:
+    try:
+        from .fusion import fusion_config_of
+    except ImportError:
+        return None
+    return fusion_config_of(model)
+
+
+def _persisted_fusion_config(reader: CheckpointReader) -> dict[str, Any] | None:
+    import json
+
+    raw = reader.metadata.get(FUSION_METADATA_KEY)
+    if raw is None:
+        cfg_path = reader.path / "config.json" if reader.path.is_dir() else reader.path.parent / "config.json"
+        if cfg_path.is_file():
+            try:
+                data = json.loads(cfg_path.read_text())
+            except (OSError, ValueError):
+                return None
+            value = data.get("fusion_config") if isinstance(data, dict) else None
+            return value if isinstance(value, dict) and value else None
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise LoadError(
+            f"{reader.path}: metadata {FUSION_METADATA_KEY!r} is not valid JSON ({exc}); "
+            "re-save the checkpoint or pass fusion_config= explicitly."
+        ) from exc
+    return value if isinstance(value, dict) else None
+
+
+def _apply_fusions(model: nn.Module, fusion_config: dict[str, Any] | None, reader: CheckpointReader) -> dict | None:
+    """Apply the requested (or persisted) fusions; return the config in force."""
+    current = _fusion_config_of(model)
+    wanted = fusion_config if fusion_config is not None else (None if current else _persisted_fusion_config(reader))
+    if wanted is None:
+        return current
+    from .fusion import apply_fusions
+
+    if current is not None and (current == wanted or not any(v is not False for v in wanted.values())):
+        return current
+    apply_fusions(model, wanted)
+    return _fusion_config_of(model)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass
+class _Work:
+    """An executable plan entry."""
+
+    entry: PlanEntry
+    converter: WeightConverter | None
+    group_key: str
+    pattern_of: dict[str, tuple[int, tuple[int, ...]]]
+    dest_keys: tuple[str, ...]  # runtime keys to set (same order as entry.target_keys)
+    device: torch.device
+    config: Any = None
+    slot_shapes: list[Any] | None = None  # per source pattern, for direct placement
+    index: int = 0  # position in the plan
+
+
+@dataclass
+class _Prepared:
+    plan: LoadPlan
+    work: list[_Work]
+    routing: Routing
+    transforms: list[WeightTransform]
+    reader: CheckpointReader
+    runtime: dict[str, torch.Tensor]
+    tied: dict[str, list[str]]
+    mismatches: list[Mismatch]
+    failures: list[tuple[int, ConversionFailure]]
+    conflicts: list[ConversionFailure]
+    target_dtype: dict[str, torch.dtype]
+
+
+def _normalize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "checkpoint":
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise ConfigurationError(
+        f"dtype={dtype!r} is not a torch dtype; pass e.g. torch.bfloat16, 'bfloat16', or 'checkpoint' "
+        "to keep each tensor's checkpoint dtype."
+    )
+
+
+def _normalize_device(device: torch.device | str | None) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigurationError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'.") from None
+
+
+def _model_device(model: nn.Module) -> torch.device | None:
+    """The device of the model's first tensor that is not on ``meta`` (``None`` if all are)."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return None
+
+
+def _prepare(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    device: torch.device | str | None,
+    dtype: torch.dtype | str | None,
+    fusion_config: dict[str, Any] | None,
+    reader: CheckpointReader,
+    stand_in: torch.device | None = None,
+) -> _Prepared:
+    """Route every key and decide, from headers alone, how each target will be filled.
+
+    ``stand_in``: plan as if tensors on ``meta`` lived on this device (the dry run of a fused
+    model works on a meta copy of a model that really lives there).
+    """
+    want_dtype = _normalize_dtype(dtype)
+    dev = _normalize_device(device)
+    fusions = _apply_fusions(model, fusion_config, reader)
+    transforms = _resolve_transforms(model)
+    runtime = _runtime_tensors(model)
+    tied = _tied_groups(runtime)
+    base_prefix = getattr(model, "base_model_prefix", None) or None
+    routing = route_keys(reader.keys(), transforms, runtime_keys=runtime.keys(), base_model_prefix=base_prefix)
+    config_for = _config_lookup(model)
+    plan = LoadPlan(str(path), fusions=fusions)
+    plan.transforms = [repr(t) for t in transforms]
+    mismatches: list[Mismatch] = []
+    failures: list[tuple[int, ConversionFailure]] = []
+    conflicts = [
+        ConversionFailure(
+            "routing", (c.first, c.second), (c.target_key,),
+            f"checkpoint keys {c.first!r} and {c.second!r} both land on {c.target_key!r}; neither is "
+            "loaded. Remove one of them from the checkpoint, or fix the mapping that renames them together.",
+        )
+        for c in routing.conflicts
+    ]
+    conflicted_groups = {c.target_key for c in routing.conflicts}
+    target_dtype: dict[str, torch.dtype] = {}
+    covered: set[str] = set()
+
+    def where(t: torch.Tensor) -> torch.device:
+        return stand_in if stand_in is not None and t.device.type == "meta" else t.device
+
+    def dest_dtype(key: str, ckpt_dtype: torch.dtype) -> torch.dtype:
+        param = runtime[key]
+        if want_dtype == "checkpoint":
+            return ckpt_dtype
+        if isinstance(want_dtype, torch.dtype) and param.is_floating_point() and ckpt_dtype.is_floating_point:
+            return want_dtype
+        return param.dtype
+
+    candidates: list[_Work] = []
+    for group in routing.groups.values():
+        src_keys = tuple(group.source_keys)
+        infos = [reader.info(k) for k in src_keys]
+        renamings = tuple(
+            dict.fromkeys(repr(transforms[i]) for k in src_keys for i in routing.routes[k].renamings)
+        )
+        entry = PlanEntry(
+            target_keys=group.target_keys,
+            source_keys=src_keys,
+            renamings=renamings,
+            nbytes=sum(i.nbytes for i in infos),
+            source_shapes=tuple(tuple(i.shape) for i in infos),
+            source_dtypes=tuple(_dtype_name(i.dtype) for i in infos),
+        )
+        index = len(plan.entries)
+        plan.entries.append(entry)
+        converter = _converter_at(transforms, group.converter)
+        pattern_of = {k: (routing.routes[k].pattern_index or 0, routing.routes[k].index) for k in src_keys}
+        config = None
+        slot_shapes = None
+        if converter is not None:
+            entry.transform = repr(converter)
+            entry.operations = tuple(repr(op) for op in converter.operations)
+            config = config_for(group.target_keys[0])
+            slot_shapes = _slot_shapes(converter, src_keys, pattern_of, {i.key: i for i in infos})
+            try:
+                outputs = _infer_outputs(converter, group.key, infos, pattern_of, runtime, config)
+            except SurgeryError as exc:
+                entry.status, entry.mode, entry.message = "error", "skip", str(exc)
+                failures.append((index, ConversionFailure(repr(converter), src_keys, group.target_keys, str(exc))))
+                covered.update(k for k in group.target_keys if k in runtime)
+                continue
+            out_keys = tuple(outputs)
+            out_shapes = [tuple(outputs[k].shape) for k in out_keys]
+            out_dtypes = [outputs[k].dtype for k in out_keys]
+        else:
+            out_keys = group.target_keys
+            out_shapes = [tuple(infos[0].shape)]
+            out_dtypes = [infos[0].dtype]
+        entry.target_keys = out_keys
+        unknown = [k for k in out_keys if k not in runtime]
+        if unknown:
+            entry.status, entry.mode = "unexpected", "skip"
+            entry.message = f"{', '.join(unknown[:3])} not in the model"
+            plan.unexpected_keys.extend(src_keys)
+            continue
+        params = [runtime[k] for k in out_keys]
+        entry.target_shapes = tuple(tuple(p.shape) for p in params)
+        target_device = dev or where(params[0])
+        if target_device.type == "meta":
+            target_device = torch.device("cpu")
+        entry.device = str(target_device)
+        work = _Work(entry, converter, group.key, pattern_of, out_keys, target_device, config, slot_shapes, index)
+        candidates.append(work)
+        covered.update(out_keys)
+        bad_shape = [(k, s, tuple(p.shape)) for k, s, p in zip(out_keys, out_shapes, params) if s != tuple(p.shape)]
+        if bad_shape:
+            entry.status, entry.mode = "mismatch", "skip"
+            entry.message = "; ".join(f"{k}: checkpoint {s} vs model {m}" for k, s, m in bad_shape)
+            for k, s, m in bad_shape:
+                mismatches.append(Mismatch(k, "shape", str(s), str(m), src_keys, loaded=False))
+            continue
+        dts = [dest_dtype(k, d) for k, d in zip(out_keys, out_dtypes)]
+        entry.target_dtype = _dtype_name(dts[0])
+        cast = any(d != od for d, od in zip(dts, out_dtypes))
+        for k, od, d in zip(out_keys, out_dtypes, dts):
+            target_dtype[k] = d
+            if od != d and d != want_dtype:  # a cast nobody asked for: report it (saving undoes it)
+                mismatches.append(Mismatch(k, "dtype", _dtype_name(od), _dtype_name(d), src_keys, loaded=True))
+        entry.mode = _choose_mode(work, [where(p) for p in params], params, cast, runtime)
+
+    work_list = _settle_conflicts(candidates, conflicted_groups, tied, conflicts)
+    for k in list(covered):
+        covered.update(tied.get(k, ()))
+    plan.missing_keys = [k for k in runtime if k not in covered]
+    return _Prepared(
+        plan, work_list, routing, transforms, reader, runtime, tied, mismatches, failures, conflicts, target_dtype
+    )
+
+
+def _settle_conflicts(
+    candidates: list[_Work],
+    conflicted_groups: set[str],
+    tied: dict[str, list[str]],
+    conflicts: list[ConversionFailure],
+) -> list[_Work]:
+    """Drop every entry that shares a target with another one; return what is left to execute.
+
+    Two routes to one parameter (two checkpoint keys renamed alike, or two names of one tied
+    parameter) are a conflict: neither is loaded, and the report names both.
+    """
+    producers: dict[str, list[_Work]] = {}
+    for w in candidates:
+        for k in w.dest_keys:
+            producers.setdefault(tied.get(k, [k])[0], []).append(w)
+    bad: set[int] = set()
+    for w in candidates:
+        if w.group_key in conflicted_groups:
+            bad.add(id(w))
+    for key, ws in producers.items():
+        if len(ws) < 2:
+            continue
+        bad.update(id(w) for w in ws)
+        sources = tuple(k for w in ws for k in w.entry.source_keys)
+        names = sorted({k for w in ws for k in w.dest_keys if tied.get(k, [k])[0] == key})
+        conflicts.append(
+            ConversionFailure(
+                "routing", sources, tuple(names),
+                f"{len(ws)} checkpoint entries ({', '.join(w.entry.source_keys[0] for w in ws)}) land on "
+                f"{' = '.join(names)}; neither is loaded. Keep one of them in the checkpoint.",
+            )
+        )
+    out: list[_Work] = []
+    for w in candidates:
+        if id(w) in bad:
+            w.entry.status, w.entry.mode = "conflict", "skip"
+            w.entry.message = "another checkpoint entry lands on the same parameter"
+        elif w.entry.status == "ok":
+            out.append(w)
+    return out
+
+
+def _converter_at(transforms: list[WeightTransform], index: int | None) -> WeightConverter | None:
+    if index is None:
+        return None
+    t = transforms[index]
+    if not isinstance(t, WeightConverter):
+        raise ConfigurationError(f"routing filed a key under {t!r}, which is not a converter.")
+    return t
+
+
+def _infer_outputs(
+    converter: WeightConverter,
+    group_key: str,
+    infos: list[Any],
+    pattern_of: dict[str, tuple[int, tuple[int, ...]]],
+    runtime: dict[str, torch.Tensor],
+    config: Any,
+) -> dict[str, torch.Tensor]:
+    """Run the op chain on meta tensors: output names and shapes without reading data."""
+    for info in infos:
+        pat, idx = pattern_of[info.key]
+        converter.add_tensor(group_key, info.key, pat, torch.empty(info.shape, dtype=info.dtype, device="meta"), index=idx)
+    return converter.convert(group_key, _ctx(converter, group_key, runtime, config))
+
+
+def _ctx(converter: WeightConverter, group_key: str, runtime: dict[str, torch.Tensor], config: Any) -> OpContext:
+    targets = converter._expand_target_keys(group_key)
+    shapes = tuple(tuple(runtime[k].shape) if k in runtime else None for k in targets)
+    return OpContext(n_targets=len(targets), target_shapes=shapes, config=config)
+
+
+def _choose_mode(
+    w: _Work,
+    devices: list[torch.device],
+    params: list[torch.Tensor],
+    cast: bool,
+    runtime: dict[str, torch.Tensor],
+) -> str:
+    """``mmap``, ``direct`` or ``convert`` (see the module docstring)."""
+    on_meta = all(d.type == "meta" for d in devices)
+    on_cpu = w.device.type == "cpu"
+    usable = on_meta or all(p.is_contiguous() for p in params)
+    if cast or not on_cpu or not usable:
+        return "convert"
+    if w.converter is None:
+        return "mmap" if on_meta else "direct"
+    if len(params) != 1 or w.slot_shapes is None:
+        return "convert"
+    dest = torch.empty(params[0].shape, dtype=params[0].dtype, device="meta")
+    ctx = _ctx(w.converter, w.group_key, runtime, w.config)
+    views = _placement_views(w.converter, dest, w.slot_shapes, ctx)
+    return "direct" if views is not None and _all_contiguous(views) else "convert"
+
+
+# --------------------------------------------------------------------------- direct placement
+
+
+def _placement_ops(converter: WeightConverter) -> list[Any] | None:
+    """The inverse chain, if every inverse op can be taken as views (split/unbind)."""
+    inverse = [op.reverse_op for op in reversed(converter.operations)]
+    if all(isinstance(op, (Split, Chunk, SplitModulelist)) for op in inverse):
+        return inverse
+    return None
+
+
+def _stage_shapes(converter: WeightConverter, slots_shapes: list[Any], ctx: OpContext) -> list[list[Any]]:
+    """Shapes of the slots before each op (meta run)."""
+
+    def meta(s: Any) -> Any:
+        return [torch.empty(x, device="meta") for x in s] if isinstance(s, list) else torch.empty(s, device="meta")
+
+    slots = [meta(s) for s in slots_shapes]
+    stages = [[_shape_of(s) for s in slots]]
+    for op in converter.operations:
+        slots = op.convert(slots, ctx)
+        stages.append([_shape_of(s) for s in slots])
+    return stages
+
+
+def _placement_views(
+    converter: WeightConverter,
+    dest: torch.Tensor,
+    slot_shapes: list[Any],
+    ctx: OpContext,
+) -> list[Any] | None:
+    """Cut ``dest`` into one view per source tensor by walking the op chain backwards.
+
+    ``slot_shapes`` holds, per source pattern, the source's shape (or the list of shapes of a
+    gathered ``*`` source). Returns the slots of views (``None`` when the chain cannot be taken
+    as views): reading each source into its view fills ``dest``, and slicing ``dest`` into them
+    undoes the converter without a copy.
+    """
+    inverse = _placement_ops(converter)
+    if inverse is None:
+        return None
+    try:
+        stages = _stage_shapes(converter, slot_shapes, ctx)
+    except (SurgeryError, RuntimeError):
+        return None
+    slots: list[Any] = [dest]
+    for back, op in enumerate(inverse):
+        before = stages[len(stages) - 2 - back]  # shapes of the forward op's inputs
+        if isinstance(op, (Split, Chunk)):
+            if len(slots) != 1 or isinstance(slots[0], list) or any(isinstance(s, list) for s in before):
+                return None
+            sizes = [s[op.dim] for s in before]
+            slots = list(torch.split(slots[0], sizes, dim=op.dim))
+        else:  # SplitModulelist
+            if any(isinstance(s, list) for s in slots):
+                return None
+            slots = [list(torch.unbind(s, dim=op.dim)) for s in slots]
+        if [_shape_of(s) for s in slots] != before:
+            return None
+    return slots
+
+
+def _shape_of(s: Any) -> Any:
+    return [tuple(x.shape) for x in s] if isinstance(s, list) else tuple(s.shape)
+
+
+def _slot_shapes(
+    conv: WeightConverter,
+    src_keys: tuple[str, ...],
+    pattern_of: dict[str, tuple[int, tuple[int, ...]]],
+    infos: dict[str, Any],
+) -> list[Any] | None:
+    """Per source pattern of ``conv``: the source's shape, or the index-ordered list of shapes."""
+    by_pattern: dict[int, dict[tuple[int, ...], tuple[int, ...]]] = {}
+    for src in src_keys:
+        pat, idx = pattern_of[src]
+        by_pattern.setdefault(pat, {})[idx] = tuple(infos[src].shape)
+    out: list[Any] = []
+    for i in range(len(conv.source_patterns)):
+        got = by_pattern.get(i)
+        if not got:
+            return None
+        if conv.gathers_from(i):
+            out.append([got[ix] for ix in sorted(got)])
+        else:
+            out.append(next(iter(got.values())))
+    return out
+
+
+def _ordered_sources(conv: WeightConverter, w: _Work) -> list[str]:
+    by_pattern: dict[int, dict[tuple[int, ...], str]] = {}
+    for src in w.entry.source_keys:
+        pat, idx = w.pattern_of[src]
+        by_pattern.setdefault(pat, {})[idx] = src
+    return [by_pattern[i][ix] for i in range(len(conv.source_patterns)) for ix in sorted(by_pattern.get(i, {}))]
+
+
+def _flatten(slots: list[Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for s in slots:
+        out.extend(s if isinstance(s, list) else [s])
+    return out
+
+
+def _all_contiguous(slots: list[Any]) -> bool:
+    return all(t.is_contiguous() for t in _flatten(slots))
+
+

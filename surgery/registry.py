@@ -48,6 +48,7 @@ __all__ = [
     "RegistryEntry",
     "catalog_modules",
     "checkpoint_conversion_entry",
+    "current_catalog",
     "entry_applies_to",
     "find_checkpoint_conversion_mapping",
     "get_checkpoint_conversion_mapping",
@@ -483,6 +484,14 @@ def load_catalogs() -> None:
             Nothing it registered is kept, and the next access tries again.
     """
     _REGISTRY.ensure_loaded()
+
+
+def current_catalog() -> str | None:
+    """The catalog whose registrations are running in this thread, or ``None`` (a user call).
+
+    Other registries (fusions) use it to tell catalog entries from user entries.
+    """
+    return _REGISTRY.current_catalog
 
 
 @contextmanager

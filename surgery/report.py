@@ -2,16 +2,22 @@
 
 :class:`LoadReport` lists missing, unexpected and mismatched keys, routing conflicts and
 conversion errors (each with the transform, the checkpoint keys and the targets involved),
-and which parameters were memory-mapped rather than copied. It renders as text and as JSON.
+and which parameters were memory-mapped rather than copied. It renders as text and as JSON,
+and reads back from JSON (:meth:`LoadReport.from_json`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Mismatch", "ConversionFailure", "LoadReport"]
+from .errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from .plan import LoadPlan
+
+__all__ = ["ConversionFailure", "LoadReport", "Mismatch"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,15 @@ class Mismatch:
 
 @dataclass(frozen=True)
 class ConversionFailure:
-    """A converter (or a routing conflict) that could not produce its targets."""
+    """A converter (or a routing conflict) that could not produce its targets.
+
+    Attributes:
+        transform: the converter (``repr``), ``"routing"`` for a conflict, ``"read"`` for a plain
+            tensor that could not be read.
+        source_keys: the checkpoint keys involved.
+        target_keys: the runtime keys that were not loaded.
+        message: what went wrong and how to fix it.
+    """
 
     transform: str
     source_keys: tuple[str, ...]
@@ -57,16 +71,18 @@ class LoadReport:
 
     Attributes:
         checkpoint: the path that was loaded.
-        loaded_keys: runtime keys that received a tensor.
-        missing_keys: runtime keys the checkpoint did not provide (left as they were).
+        loaded_keys: runtime keys that received a tensor (in the model's order).
+        missing_keys: runtime keys the checkpoint does not provide (left as they were: still on
+            ``meta`` for a model built there).
         unexpected_keys: checkpoint keys whose target is not in the model.
         mismatched: shape or dtype mismatches.
-        conflicts: two checkpoint keys landing on one target (neither second one is loaded).
+        conflicts: checkpoint keys landing on one target (none of them is loaded).
         conversion_errors: converters that failed, with transform, keys and message.
         mapped_keys: parameters memory-mapped from the file instead of copied.
         transforms_used: the transforms whose output was loaded.
         fusions: the fusion config applied before loading, if any.
         seconds: wall time of the load.
+        plan: the :class:`~surgery.LoadPlan` that was executed (not part of the JSON form).
     """
 
     checkpoint: str = ""
@@ -80,6 +96,7 @@ class LoadReport:
     transforms_used: list[str] = field(default_factory=list)
     fusions: dict[str, Any] | None = None
     seconds: float = 0.0
+    plan: LoadPlan | None = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -93,13 +110,57 @@ class LoadReport:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (machine-readable report)."""
-        d = asdict(self)
+        """A JSON-ready dict (machine-readable report); :meth:`from_dict` reads it back."""
+        d: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "plan":
+                continue
+            value = getattr(self, f.name)
+            if f.name in ("mismatched", "conflicts", "conversion_errors"):
+                value = [_plain(item) for item in value]
+            elif isinstance(value, list):
+                value = list(value)
+            elif isinstance(value, dict):
+                value = json.loads(json.dumps(value))
+            d[f.name] = value
         d["ok"] = self.ok
         return d
 
     def to_json(self, **kwargs: Any) -> str:
+        """The report as JSON text (keyword arguments go to :func:`json.dumps`)."""
         return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LoadReport:
+        """Rebuild a report from :meth:`to_dict` output (``ok`` is derived, so it is not read).
+
+        Raises:
+            ConfigurationError: ``data`` is not a report dict (the message names the bad field).
+        """
+        if not isinstance(data, dict):
+            raise ConfigurationError(f"LoadReport.from_dict expects a dict, got {type(data).__name__}.")
+        known = {f.name for f in fields(cls)} - {"plan"}
+        extra = set(data) - known - {"ok"}
+        if extra:
+            raise ConfigurationError(
+                f"LoadReport.from_dict: unknown field(s) {sorted(extra)}; a report has {sorted(known)}."
+            )
+        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs["mismatched"] = [_rebuild(Mismatch, m) for m in data.get("mismatched", [])]
+        for name in ("conflicts", "conversion_errors"):
+            kwargs[name] = [_rebuild(ConversionFailure, c) for c in data.get(name, [])]
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> LoadReport:
+        """Rebuild a report from :meth:`to_json` output.
+
+        Example:
+            >>> r = LoadReport(checkpoint="ckpt", missing_keys=["lm_head.weight"])
+            >>> LoadReport.from_json(r.to_json()) == r
+            True
+        """
+        return cls.from_dict(json.loads(text))
 
     def __str__(self) -> str:
         lines = [
@@ -120,7 +181,26 @@ class LoadReport:
         section("missing keys (not in the checkpoint, left as they were)", self.missing_keys)
         section("unexpected keys (in the checkpoint, not in the model)", self.unexpected_keys)
         section("mismatched", self.mismatched)
-        section("conflicts", self.conflicts)
-        section("conversion errors", self.conversion_errors)
+        section("conflicts (not loaded)", self.conflicts)
+        section("conversion errors (not loaded)", self.conversion_errors)
         section("transforms used", self.transforms_used, limit=10)
         return "\n".join(lines)
+
+
+def _plain(item: Mismatch | ConversionFailure) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(item):
+        value = getattr(item, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _rebuild(cls: type, data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigurationError(f"LoadReport.from_dict: a {cls.__name__} must be a dict, got {data!r}.")
+    names = {f.name for f in fields(cls)}
+    if set(data) - names:
+        raise ConfigurationError(
+            f"LoadReport.from_dict: unknown {cls.__name__} field(s) {sorted(set(data) - names)}."
+        )
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})

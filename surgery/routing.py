@@ -99,7 +99,7 @@ class RouteTable(Mapping[str, KeyRoute]):
         entry = self._entries[key]
         if entry.__class__ is KeyRoute:
             return entry  # type: ignore[return-value]
-        c: KeyClass = entry  # type: ignore[assignment]
+        c = entry.walk(key)  # type: ignore[union-attr]
         return KeyRoute(key, c.first_of(key), c.fired, c.conv, c.pat, c.index(key))
 
     def __iter__(self) -> Iterator[str]:
@@ -134,10 +134,13 @@ class Routing:
     def fired(self, source_keys: Iterable[str] | None = None) -> list[int]:
         """Indices of the transforms that fired on ``source_keys`` (all routed keys by default)."""
         raw: Mapping[str, Any] = self.routes._entries if isinstance(self.routes, RouteTable) else self.routes
-        entries = raw.values() if source_keys is None else (raw[k] for k in source_keys)
+        keys = raw.keys() if source_keys is None else source_keys
         seen: set[int] = set()
         shared: set[int] = set()
-        for e in entries:
+        for k in keys:
+            e = raw[k]
+            if e.__class__ is not KeyRoute:
+                e = e.walk(k)
             if e.__class__ is KeyRoute:
                 renamings, converter = e.renamings, e.converter
             elif id(e) in shared:
@@ -235,9 +238,15 @@ def route_keys(
         route = router.route_exact
         for key in keys:
             file(key, route(key))
+        entries: dict[str, KeyRoute | KeyClass] = filer.entries
     else:
-        _route_shared(keys, router, filer)
-    return Routing(router.router.transforms, RouteTable(filer.entries), filer.groups, filer.conflicts)
+        templates = key_templates(keys)
+        _route_shared(keys, templates, router, filer)
+        # Every key maps to its template's node (the route is read from it on access), except
+        # the keys that took the exact path, which keep their KeyRoute.
+        entries = dict(zip(keys, map(router.table.__getitem__, templates)))
+        entries.update(filer.entries)
+    return Routing(router.router.transforms, RouteTable(entries), filer.groups, filer.conflicts)
 
 
 def _route_keys_exact(
@@ -290,59 +299,60 @@ def _check_str(keys: list[Any]) -> None:
         ) from None
 
 
-def _route_shared(keys: list[str], router: TemplateRouter, filer: _Filer) -> None:
-    """The hot loop: walk each key to its class, read its group and index from slices, file it.
+def _route_shared(keys: list[str], templates: list[str], router: TemplateRouter, filer: _Filer) -> None:
+    """The hot loop: one selection per key finds its group slot; the index is one more slice.
 
-    Everything unusual (a class not built yet, a refused key, a prefix retry, a collision) goes
-    through :class:`_Filer`, whose semantics are the exact path's.
+    A template root caches, per selection (see :class:`~surgery.fastroute.KeyClass`), a verdict
+    ``(slot, ia, ib)``: the group slot the key files into and where its index is. Anything
+    unusual (a class not built yet, a refused key, a prefix retry, a collision) is a *detour*
+    (:class:`_Detour` claims to hold every index, so it lands in the collision branch) handled by
+    :class:`_Filer` with the exact path's semantics.
     """
-    entries = filer.entries
-    table_get = router.table.get
-    node = router.node
-    child = router.child
-    slow = filer.slow
-    open_slot = filer.open_slot
-    refused = filer.refused
-    clash = filer.clash
-    for k, t in zip(keys, key_templates(keys)):
-        c = table_get(t) or node(t)
-        sel = c.sel
-        while sel is not None:
-            c = c.children.get(sel(k)) or child(c, k)
-            sel = c.sel
-        mode = c.mode
-        if mode < 0:
-            slow(k, c)
-            continue
-        slot = c.slots.get(k[c.ta : c.tb])
-        if slot is None:
-            slot = open_slot(k, c)
-        if slot.__class__ is not dict:
-            refused(k, c, slot)
-            continue
-        entries[k] = c
-        if mode == 1:
-            ix = (int(k[c.ia : c.ib]),)
-        elif mode == 0:
-            ix = ()
-        else:
-            ix = c.index(k)
+    table = router.table
+    miss = filer.miss
+    detour = filer.detour
+    index_of = _IndexCache()
+    for k, t in zip(keys, templates):
+        c = table[t]
+        v = c.cache.get(c.sel(k))
+        if v is None:
+            v = miss(k, c)
+        slot, ia, ib = v
+        ix = index_of[k[ia:ib]]
         if ix in slot:
-            clash(k, c, slot[ix])
+            detour(k, c, slot, ix)
         else:
             slot[ix] = k
 
 
-class _Clash:
-    """Cached verdict: the group exists under another converter; every key sent there conflicts."""
+class _IndexCache(dict):  # type: ignore[type-arg]
+    """Index text → index tuple (``""`` → ``()``), made once per distinct text."""
 
-    __slots__ = ("group",)
+    def __missing__(self, text: str) -> tuple[int, ...]:
+        value = self[text] = (int(text),) if text else ()
+        return value
 
-    def __init__(self, group: TargetGroup) -> None:
+
+class _Detour(dict):  # type: ignore[type-arg]
+    """A cached verdict that is not a group slot; it claims to hold every index.
+
+    ``kind`` is ``"walk"`` (route the key on its own: class not built or not shareable),
+    ``"retry"`` (targets are not runtime keys: try the base-model prefix) or ``"refused"``
+    (``group`` exists under another converter: the key conflicts).
+    """
+
+    __slots__ = ("group", "kind")
+
+    def __init__(self, kind: str, group: TargetGroup | None = None) -> None:
+        super().__init__()
+        self.kind = kind
         self.group = group
 
+    def __contains__(self, ix: object) -> bool:
+        return True
 
-_RETRY = object()  # cached verdict: targets are not runtime keys; try the base-model prefix per key
+
+_WALK = (_Detour("walk"), 0, 0)
 
 
 class _Filer:
@@ -387,39 +397,51 @@ class _Filer:
             return
         slot[index] = key
 
-    def slow(self, key: str, node: KeyClass) -> None:
-        """A key whose class is not built (or not shareable): count it, then route it."""
-        leaf = self.router.promote(node, key)
-        self.file(key, leaf.decision(key) if leaf.mode >= 0 else self.router.route_exact(key))
-
-    def open_slot(self, key: str, c: KeyClass) -> Any:
-        """First key of class ``c`` for its group: find or make the group; cache the verdict."""
-        first = c.first_of(key)
-        targets = c.targets_of(key)
-        verdict: Any
-        if self.use_prefix and not _names_real(targets, self.known):
-            verdict = _RETRY
+    def miss(self, key: str, root: KeyClass) -> tuple[dict[tuple[int, ...], str], int, int]:
+        """No verdict cached for ``key``'s selection: make one (without counting the key)."""
+        node = root
+        spans = set()
+        while node.sb:
+            spans.add((node.sa, node.sb))
+            node = node.children[key[node.sa : node.sb]]
+        if not node.hot:
+            verdict = _WALK  # valid for any key: the detour walks with the key itself
         else:
-            group = self.groups.get(first)
-            if group is None:
-                group = self.groups[first] = TargetGroup(first, c.conv, targets)
-            if group.converter != c.conv:
-                verdict = _Clash(group)
-            else:
-                verdict = group.sources.setdefault(c.pat if c.pat is not None else 0, {})
-        c.slots[key[c.ta : c.tb]] = verdict
+            if not (spans | node.tslices) <= root.sel_slices:
+                root.refresh()  # the selection must pin this class and its target group
+            verdict = (self._slot(key, node), node.ia, node.ib)
+        root.cache[root.sel(key)] = verdict
         return verdict
 
-    def refused(self, key: str, c: KeyClass, verdict: Any) -> None:
-        if verdict is _RETRY:
-            self.file(key, c.decision(key))
-            return
-        self.entries[key] = c
-        group = verdict.group
-        self.conflicts.append(RouteConflict(group.key, group.source_keys[0], key))
+    def _slot(self, key: str, c: KeyClass) -> dict[tuple[int, ...], str]:
+        targets = c.targets_of(key)
+        if self.use_prefix and not _names_real(targets, self.known):
+            return _Detour("retry")
+        first = c.first_of(key)
+        group = self.groups.get(first)
+        if group is None:
+            group = self.groups[first] = TargetGroup(first, c.conv, targets)
+        if group.converter != c.conv:
+            return _Detour("refused", group)
+        return group.sources.setdefault(c.pat if c.pat is not None else 0, {})
 
-    def clash(self, key: str, c: KeyClass, existing: str) -> None:
-        self.conflicts.append(RouteConflict(c.first_of(key), existing, key))
+    def detour(self, key: str, root: KeyClass, slot: dict[tuple[int, ...], str], ix: tuple[int, ...]) -> None:
+        """``key`` found its index taken in its group slot, or its verdict is a detour."""
+        if slot.__class__ is not _Detour:
+            self.conflicts.append(RouteConflict(root.walk(key).first_of(key), slot[ix], key))
+            return
+        d: _Detour = slot  # type: ignore[assignment]
+        if d.kind == "walk":
+            leaf = self.router.promote(root, key)  # counts the key; may build its class
+            if leaf.hot:
+                root.cache.pop(root.sel(key), None)  # stale: the next key of this class goes fast
+            self.file(key, self.router.decision(leaf, key))
+        elif d.kind == "retry":
+            self.file(key, root.walk(key).decision(key))
+        else:
+            group = d.group
+            assert group is not None  # set for every "refused" detour
+            self.conflicts.append(RouteConflict(group.key, group.source_keys[0], key))
 
 
 def _names_real(targets: tuple[str, ...], known: Collection[str]) -> bool:

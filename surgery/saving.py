@@ -7,30 +7,58 @@ out :class:`~surgery.PrefixChange` and the built-in legacy renames, since nothin
 original checkpoint had them. Fusions are always inverted in the original format. Tensors loaded
 with a dtype cast are cast back, so load → save reproduces the input bit for bit.
 
-The reverted tensors are produced one converter group at a time (:func:`iter_reverted`), so a
-save holds at most one group's copies on top of the model.
+:class:`RevertedState` is the lazy view a save writes from: every output key, shape and dtype is
+known up front (the reversed chains run on ``meta`` tensors), and values are computed one
+converter group at a time, holding only the current group's outputs. Where the reversed chain
+only slices (``Split``/``Chunk``/``SplitModulelist``, e.g. fused experts back to per-expert
+weights) the outputs are views of the parameter and cost no memory at all.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from .checkpoint import write_checkpoint
-from .errors import ConfigurationError, ConversionError
-from .loading import FUSION_METADATA_KEY, FUSION_TAG, _fusion_config_of, _fusion_transforms, load_record
-from .ops import OpContext
+from .errors import CheckpointError, ConfigurationError, ConversionError
+from .loading import load_record
+from .ops import OpContext, run_chain
+from .plan import (
+    FUSION_METADATA_KEY,
+    FUSION_TAG,
+    _all_contiguous,
+    _flatten,
+    _fusion_config_of,
+    _fusion_transforms,
+    _placement_views,
+    _shape_of,
+    fold_indices,
+)
 from .routing import route_keys
 from .transforms import PrefixChange, WeightConverter, WeightTransform, split_transforms
 
-__all__ = ["revert_state_dict", "save_checkpoint", "iter_reverted", "reverting_transforms"]
+__all__ = [
+    "RevertedState",
+    "TensorSpec",
+    "iter_reverted",
+    "revert_state_dict",
+    "reverting_transforms",
+    "save_checkpoint",
+]
+
+
+class TensorSpec(NamedTuple):
+    """Shape and dtype of one tensor a save will write, known before any value is computed."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 def _dedup_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -40,17 +68,24 @@ def _dedup_state(model: nn.Module) -> dict[str, torch.Tensor]:
     by_id: dict[int, list[str]] = {}
     for k, t in state.items():
         by_id.setdefault(id(t), []).append(k)
-    keep: dict[str, torch.Tensor] = {}
     drop: set[str] = set()
     for keys in by_id.values():
         if len(keys) > 1:
             preferred = [k for k in keys if record is not None and k in record.loaded_keys]
             chosen = preferred[0] if preferred else keys[0]
             drop.update(k for k in keys if k != chosen)
-    for k, t in state.items():
-        if k not in drop:
-            keep[k] = t.detach()
-    return keep
+    return {k: t.detach() for k, t in state.items() if k not in drop}
+
+
+def _refuse_meta(state: dict[str, torch.Tensor]) -> None:
+    on_meta = [k for k, t in state.items() if t.device.type == "meta"]
+    if on_meta:
+        raise CheckpointError(
+            f"Cannot save: {len(on_meta)} tensor(s) are still on the meta device and hold no data: "
+            f"{fold_indices(on_meta)}. They were not in the checkpoint the model was loaded from (see "
+            "the load report's missing_keys); load them, or materialize them (e.g. model.to_empty(...) "
+            "and initialize) before saving."
+        )
 
 
 def reverting_transforms(model: nn.Module) -> list[WeightTransform]:
@@ -70,83 +105,6 @@ def reverting_transforms(model: nn.Module) -> list[WeightTransform]:
     return base + fusion
 
 
-@dataclass
-class _Reverse:
-    converters: list[WeightConverter]
-    renamings: list[WeightTransform]
-
-
-def _reverse_lists(forward: list[WeightTransform]) -> _Reverse:
-    renamings, converters = split_transforms(forward)
-    rev_conv: list[WeightConverter] = []
-    for c in converters:
-        r = c.reverse_transform()
-        if not isinstance(r, WeightConverter):
-            raise ConfigurationError(f"the reverse of {c!r} is not a converter.")
-        rev_conv.append(r)
-    return _Reverse(rev_conv, [r.reverse_transform() for r in reversed(renamings)])
-
-
-def iter_reverted(model: nn.Module, *, original_format: bool = True) -> Iterator[dict[str, torch.Tensor]]:
-    """Yield the model's tensors in the requested layout, one group at a time.
-
-    Raises:
-        ConversionError: a reversed op chain failed, or two tensors would be written under one key.
-    """
-    state = _dedup_state(model)
-    if not original_format:
-        for k, t in state.items():
-            yield {k: t}
-        return
-    record = load_record(model)
-    rev = _reverse_lists(reverting_transforms(model))
-    stage1 = route_keys(list(state), rev.converters)
-    if stage1.conflicts:
-        raise ConversionError(f"saving: {stage1.conflicts[0]}; the reversed converters collide.")
-    # Recorded checkpoint shapes/dtypes, named as the reversed renamings will see them.
-    shapes: dict[str, tuple[int, ...]] = {}
-    dtypes: dict[str, torch.dtype] = {}
-    if record is not None:
-        fwd_renamings = [t for t in record.transforms if not isinstance(t, WeightConverter)]
-        fwd = route_keys(list(record.source_shapes), fwd_renamings) if fwd_renamings else None
-        for k, shape in record.source_shapes.items():
-            name = fwd.routes[k].target_key if fwd is not None else k
-            shapes[name] = shape
-            dtypes[k] = record.source_dtypes[k]
-    rename = _Renamer(rev.renamings)
-    written: set[str] = set()
-    for group in stage1.groups.values():
-        if group.converter is None:
-            (src,) = group.source_keys
-            out = {src: state[src]}
-        else:
-            conv = rev.converters[group.converter]
-            for key in group.source_keys:
-                r = stage1.routes[key]
-                conv.add_tensor(group.key, key, r.pattern_index or 0, state[key], index=r.index)
-            targets = conv._expand_target_keys(group.key)
-            ctx = OpContext(
-                n_targets=len(targets),
-                target_shapes=tuple(shapes.get(t.replace("*", "0")) for t in targets),
-                config=None,
-            )
-            out = conv.convert(group.key, ctx)
-        final: dict[str, torch.Tensor] = {}
-        for k, t in out.items():
-            name = rename(k)
-            if name in written or name in final:
-                raise ConversionError(
-                    f"saving: two tensors would be written as {name!r} (one from {k!r}); "
-                    "the reversed mapping is not one-to-one."
-                )
-            want = dtypes.get(name)
-            if want is not None and t.dtype != want:
-                t = t.to(want)
-            final[name] = t
-        written.update(final)
-        yield final
-
-
 class _Renamer:
     def __init__(self, renamings: list[WeightTransform]) -> None:
         self.renamings = renamings
@@ -157,8 +115,245 @@ class _Renamer:
         return key
 
 
+@dataclass
+class _Group:
+    """The runtime tensors that one reversed converter turns into a set of checkpoint tensors."""
+
+    sources: tuple[str, ...]  # runtime keys
+    outputs: tuple[str, ...]  # names the reversed converter gives (before the reversed renamings)
+    names: tuple[str, ...]  # final checkpoint keys, aligned with outputs
+    dtypes: tuple[torch.dtype, ...]  # dtype to write, aligned with outputs
+    converter: int | None = None  # index into the reversed converters
+    key: str = ""  # the routing group key
+    ctx: OpContext | None = None
+    slot_shapes: list[Any] | None = None  # set when the outputs can be taken as views of the source
+    chain_order: tuple[str, ...] = ()  # outputs in the order the reversed chain produces them
+
+
+class RevertedState(Mapping[str, torch.Tensor]):
+    """The model's tensors in the layout a save writes, computed lazily, one group at a time.
+
+    Keys, shapes and dtypes (:meth:`spec`) are known on construction; nothing is computed until a
+    value is looked up. A lookup computes the whole converter group the key belongs to (all
+    experts of one layer, say) and keeps only that group's outputs, so iterating in key order —
+    groups are contiguous in it — computes every group once and never holds two.
+
+    Args:
+        model: the module tree.
+        original_format: reverse the transforms (``True``) or keep the runtime layout.
+
+    Raises:
+        CheckpointError: a tensor is still on ``meta`` (never loaded).
+        ConversionError: a reversed op chain fails, or two tensors would get one key.
+
+    Example:
+        >>> state = RevertedState(model)  # doctest: +SKIP
+        >>> state.spec("model.layers.0.block_sparse_moe.experts.0.w1.weight")  # doctest: +SKIP
+        TensorSpec(shape=(32, 16), dtype=torch.float32)
+    """
+
+    def __init__(self, model: nn.Module, *, original_format: bool = True) -> None:
+        self._state = _dedup_state(model)
+        _refuse_meta(self._state)
+        self._converters: list[WeightConverter] = []
+        self._forward: list[WeightConverter] = []
+        self._routes: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._specs: dict[str, TensorSpec] = {}
+        self._group_of: dict[str, int] = {}
+        self._current: int | None = None
+        self._cache: dict[str, torch.Tensor] = {}
+        groups = self._plan(model) if original_format else self._identity()
+        self._groups = groups
+        for i, g in enumerate(groups):
+            for name in g.names:
+                self._group_of[name] = i
+
+    # ------------------------------------------------------------------ construction
+    def _identity(self) -> list[_Group]:
+        groups = []
+        for k, t in self._state.items():
+            self._specs[k] = TensorSpec(tuple(t.shape), t.dtype)
+            groups.append(_Group((k,), (k,), (k,), (t.dtype,)))
+        return groups
+
+    def _plan(self, model: nn.Module) -> list[_Group]:
+        record = load_record(model)
+        renamings, forward = split_transforms(reverting_transforms(model))
+        for c in forward:
+            r = c.reverse_transform()
+            if not isinstance(r, WeightConverter):
+                raise ConfigurationError(f"the reverse of {c!r} is not a converter.")
+            self._converters.append(r)
+        self._forward = forward
+        rename = _Renamer([r.reverse_transform() for r in reversed(renamings)])
+        stage1 = route_keys(list(self._state), self._converters)
+        if stage1.conflicts:
+            raise ConversionError(
+                f"saving: {stage1.conflicts[0]}; the reversed converters collide. Check the mapping for two "
+                "converters whose targets overlap."
+            )
+        # Recorded checkpoint shapes/dtypes, named as the reversed renamings will see them.
+        shapes: dict[str, tuple[int, ...]] = {}
+        dtypes: dict[str, torch.dtype] = {}
+        position: dict[str, int] = {}
+        if record is not None:
+            fwd_renamings = [t for t in record.transforms if not isinstance(t, WeightConverter)]
+            fwd = route_keys(list(record.source_shapes), fwd_renamings) if fwd_renamings else None
+            for i, (k, shape) in enumerate(record.source_shapes.items()):
+                shapes[fwd.routes[k].target_key if fwd is not None else k] = shape
+                dtypes[k] = record.source_dtypes[k]
+                position[k] = i
+        runtime_order = {k: i for i, k in enumerate(self._state)}
+        groups: list[_Group] = []
+        for tg in stage1.groups.values():
+            for k in tg.source_keys:
+                r = stage1.routes[k]
+                self._routes[k] = (r.pattern_index or 0, r.index)
+            if tg.converter is None:
+                (src,) = tg.source_keys
+                metas = {src: self._state[src]}
+                group = _Group((src,), (src,), (src,), ())
+            else:
+                group, metas = self._plan_converter(tg.converter, tg.key, tuple(tg.source_keys), shapes)
+            names = tuple(rename(k) for k in group.outputs)
+            group.names = names
+            group.dtypes = tuple(dtypes.get(n, metas[o].dtype) for n, o in zip(names, group.outputs))
+            for n, o, d in zip(names, group.outputs, group.dtypes):
+                if n in self._specs:
+                    raise ConversionError(
+                        f"saving: two tensors would be written as {n!r} (one from {o!r}); the reversed "
+                        "mapping is not one-to-one. Check the renamings of the model's mapping."
+                    )
+                self._specs[n] = TensorSpec(tuple(metas[o].shape), d)
+            groups.append(group)
+        # Write order: the checkpoint's own order where known (groups kept contiguous), else runtime order.
+        last = len(position)
+
+        def out_rank(name: str) -> int:
+            return position.get(name, last)
+
+        for g in groups:
+            order = sorted(range(len(g.names)), key=lambda i: out_rank(g.names[i]))
+            g.outputs = tuple(g.outputs[i] for i in order)
+            g.names = tuple(g.names[i] for i in order)
+            g.dtypes = tuple(g.dtypes[i] for i in order)
+        groups.sort(key=lambda g: (min(out_rank(n) for n in g.names), runtime_order[g.sources[0]]))
+        self._specs = {n: self._specs[n] for g in groups for n in g.names}
+        return groups
+
+    def _plan_converter(
+        self, index: int, key: str, sources: tuple[str, ...], shapes: dict[str, tuple[int, ...]]
+    ) -> tuple[_Group, dict[str, torch.Tensor]]:
+        conv = self._converters[index]
+        targets = conv._expand_target_keys(key)
+        ctx = OpContext(n_targets=len(targets), target_shapes=tuple(shapes.get(t.replace("*", "0")) for t in targets))
+        for k in sources:
+            pat, idx = self._routes[k]
+            conv.add_tensor(key, k, pat, self._state[k].to("meta"), index=idx)
+        metas = conv.convert(key, ctx)
+        group = _Group(sources, tuple(metas), (), (), index, key, ctx, chain_order=tuple(metas))
+        if len(sources) == 1:
+            group.slot_shapes = self._view_slots(index, self._state[sources[0]], ctx)
+        return group, metas
+
+    def _view_slots(self, index: int, source: torch.Tensor, ctx: OpContext) -> list[Any] | None:
+        """Output slot shapes, when the reversed chain's outputs are contiguous views of ``source``."""
+        forward = self._forward[index]
+        meta = torch.empty(source.shape, dtype=source.dtype, device="meta")
+        try:
+            slot_shapes = [_shape_of(s) for s in run_chain(self._converters[index].operations, [meta], ctx)]
+        except ConversionError:
+            return None
+        views = _placement_views(forward, meta, slot_shapes, OpContext(n_targets=1, target_shapes=(tuple(source.shape),)))
+        if views is None or not _all_contiguous(views) or not source.is_contiguous():
+            return None
+        return slot_shapes
+
+    # ------------------------------------------------------------------ values
+    def _compute(self, g: _Group) -> dict[str, torch.Tensor]:
+        if g.converter is None:
+            raw = {g.outputs[0]: self._state[g.sources[0]]}
+        elif g.slot_shapes is not None:
+            src = self._state[g.sources[0]]
+            ctx = OpContext(n_targets=1, target_shapes=(tuple(src.shape),))
+            flat = _flatten(_placement_views(self._forward[g.converter], src, g.slot_shapes, ctx) or [])
+            if len(flat) != len(g.chain_order):
+                raise ConversionError(f"saving {g.sources[0]!r}: the planned views do not match; this is a bug.")
+            raw = dict(zip(g.chain_order, flat))
+        else:
+            conv = self._converters[g.converter]
+            for k in g.sources:
+                pat, idx = self._routes[k]
+                conv.add_tensor(g.key, k, pat, self._state[k], index=idx)
+            raw = conv.convert(g.key, g.ctx)
+        out: dict[str, torch.Tensor] = {}
+        for o, n, d in zip(g.outputs, g.names, g.dtypes):
+            t = raw[o]
+            out[n] = t if t.dtype == d else t.to(d)
+        return out
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        i = self._group_of.get(key)
+        if i is None:
+            raise KeyError(key)
+        if i != self._current:
+            self._cache = {}  # drop the previous group's outputs before computing the next
+            self._cache = self._compute(self._groups[i])
+            self._current = i
+        return self._cache[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._specs
+
+    # ------------------------------------------------------------------ introspection
+    def spec(self, key: str) -> TensorSpec:
+        """Shape and dtype ``key`` will have, without computing it.
+
+        Raises:
+            KeyError: ``key`` is not written by this save.
+        """
+        return self._specs[key]
+
+    @property
+    def specs(self) -> dict[str, TensorSpec]:
+        """Every key's :class:`TensorSpec`, in write order."""
+        return dict(self._specs)
+
+    @property
+    def group_keys(self) -> list[tuple[str, ...]]:
+        """The keys of each group, in write order: what one computation produces."""
+        return [g.names for g in self._groups]
+
+    @property
+    def cached_keys(self) -> tuple[str, ...]:
+        """The keys whose values the mapping holds right now (one group's at most)."""
+        return tuple(self._cache)
+
+    def groups(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Yield each group's ``{key: tensor}`` once, in write order (nothing is kept between groups)."""
+        for g in self._groups:
+            self._cache, self._current = {}, None
+            yield self._compute(g)
+
+
+def iter_reverted(model: nn.Module, *, original_format: bool = True) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield the model's tensors in the requested layout, one converter group at a time.
+
+    Raises:
+        CheckpointError: a tensor is still on ``meta``.
+        ConversionError: a reversed op chain failed, or two tensors would be written under one key.
+    """
+    yield from RevertedState(model, original_format=original_format).groups()
+
+
 def revert_state_dict(model: nn.Module, *, original_format: bool = True) -> dict[str, torch.Tensor]:
-    """The model's tensors in the original checkpoint layout, in memory.
+    """The model's tensors in the original checkpoint layout, in memory (every group at once).
 
     Example:
         >>> sd = surgery.revert_state_dict(model)  # doctest: +SKIP
@@ -191,6 +386,11 @@ def save_checkpoint(
     Returns:
         The files written.
 
+    Raises:
+        CheckpointError: a tensor is still on ``meta``, or writing failed (the previous
+            checkpoint at ``path`` is then left as it was).
+        ConversionError: a reversed op chain failed.
+
     Example:
         >>> surgery.save_checkpoint(model, "out/")  # doctest: +SKIP
     """
@@ -198,8 +398,8 @@ def save_checkpoint(
     fusion = _fusion_config_of(model)
     if not original_format and fusion:
         meta[FUSION_METADATA_KEY] = json.dumps(fusion, sort_keys=True)
-    tensors = revert_state_dict(model, original_format=original_format)
-    files = write_checkpoint(tensors, path, max_shard_size=max_shard_size, metadata=meta)
+    state = RevertedState(model, original_format=original_format)
+    files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta)
     _update_config_json(Path(path), None if original_format else fusion)
     return files
 

@@ -428,6 +428,11 @@ class WeightConverter(WeightTransform):
         index = tuple(int(x) for x in index)
         if len(index) > n:
             index = index[len(index) - n :] if n else ()
+        elif len(index) < n:
+            raise ConversionError(
+                f"{self!r}: {source_key!r} matched {self.source_patterns[i]!r}, which gathers {n} index "
+                f"wildcard(s), but add_tensor got index={index!r}; pass index=gather_index(match)."
+            )
         slot = self._collected.setdefault(target_key, {}).setdefault(i, {})
         names = self._sources_of.setdefault(target_key, {}).setdefault(i, {})
         if index in slot:
@@ -502,7 +507,6 @@ class WeightConverter(WeightTransform):
         """All target keys of the group whose first target key is ``first_target_key``."""
         if len(self._targets) == 1:
             return (first_target_key,)
-        first = self._targets[0].expand((), None)
         # The first target's text sits somewhere inside the key; rebuild the others around it.
         m = _locate(first_target_key, self._targets[0])
         if m is None:
@@ -510,7 +514,6 @@ class WeightConverter(WeightTransform):
                 f"{self!r}: cannot locate {self.target_patterns[0]!r} in {first_target_key!r}."
             )
         prefix, groups, stars, suffix = m
-        del first
         return tuple(prefix + t.expand(groups, stars) + suffix for t in self._targets)
 
 

@@ -24,7 +24,6 @@ from surgery.fusion import (
     FusionSpec,
     apply_fusions,
     check_fusion_conflicts,
-    find_fusion,
     fusion_config_of,
     fusion_record,
     fusion_registry_snapshot,
@@ -39,10 +38,8 @@ ON = {"patch_embeddings": True}
 
 
 @pytest.fixture(autouse=True)
-def patch_embeddings_registered():
-    with fusion_registry_snapshot():
-        if find_fusion("patch_embeddings") is None:
-            specs.patch_embeddings.register()
+def isolated_fusion_registry():
+    with fusion_registry_snapshot():  # the built-in catalog provides patch_embeddings
         yield
 
 
@@ -486,3 +483,32 @@ def test_applied_candidates_have_status_fused():
     tower = build_vision_tower(depth=1)
     plan = apply_fusions(tower, ON)
     assert plan.applied and [c.status for c in plan.candidates] == [FUSED]
+
+
+def test_an_instance_registered_at_two_paths_is_skipped():
+    model = nn.Module()
+    shared = build_vision_tower(depth=0).patch_embed
+    model.a, model.b = Holder(shared), Holder(shared)
+    plan = apply_fusions(model, ON)
+    (candidate,) = plan.candidates
+    assert "registered at ['a.patch_embed', 'b.patch_embed']" in candidate.reason
+    assert model.a.patch_embed is shared and model.b.patch_embed is shared
+
+
+def test_the_root_module_is_never_replaced():
+    root = build_vision_tower(depth=0).patch_embed
+    plan = apply_fusions(root, {"patch_embeddings": {"modules": ["^$"]}})
+    assert "root module cannot be replaced" in plan.candidates[0].reason
+    assert type(root) is ExamplePatchEmbed
+
+
+def test_a_pickled_fused_model_computes_the_same_output():
+    import pickle
+
+    tower = build_vision_tower(depth=1)
+    apply_fusions(tower, ON)
+    clone = pickle.loads(pickle.dumps(tower))
+    x = example_pixel_values(tower.config, num_patches=4)
+    with torch.no_grad():
+        assert torch.equal(clone(x), tower(x))
+    assert list(clone.state_dict()) == list(tower.state_dict())

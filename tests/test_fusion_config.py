@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -13,7 +15,6 @@ from surgery.examples import build_vision_tower
 from surgery.fusion import (
     FusionSpec,
     apply_fusions,
-    find_fusion,
     fusion_registry_snapshot,
     get_fusion,
     list_fusions,
@@ -23,10 +24,8 @@ from surgery.fusion import (
 
 
 @pytest.fixture(autouse=True)
-def patch_embeddings_registered():
-    with fusion_registry_snapshot():
-        if find_fusion("patch_embeddings") is None:
-            specs.patch_embeddings.register()
+def isolated_fusion_registry():
+    with fusion_registry_snapshot():  # the built-in catalog provides patch_embeddings
         yield
 
 
@@ -165,3 +164,32 @@ def test_catalog_register_function_registers_patch_embeddings():
     with fusion_registry_snapshot(clear=True):
         specs.patch_embeddings.register()
         assert isinstance(get_fusion("patch_embeddings"), PatchEmbeddingsFusion)
+
+
+# --------------------------------------------------------------------------- catalog loading
+def _fresh_python(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_importing_the_fusion_engine_loads_no_catalog():
+    out = _fresh_python("import sys, surgery.fusion; print('specs.patch_embeddings' in sys.modules)")
+    assert out == "False"
+
+
+def test_the_builtin_catalog_provides_patch_embeddings_lazily():
+    out = _fresh_python("from surgery.fusion import list_fusions; print(list_fusions())")
+    assert "'patch_embeddings'" in out
+
+
+def test_a_catalog_that_runs_again_replaces_its_own_fusion_but_not_a_users():
+    from surgery.registry import registering_catalog
+
+    with registering_catalog("tests"):
+        register_fusion("from_catalog", PatchEmbeddingsFusion())
+    with registering_catalog("tests"):  # the same catalog after a registry reset
+        register_fusion("from_catalog", PatchEmbeddingsFusion())
+    register_fusion("from_user", PatchEmbeddingsFusion())
+    with pytest.raises(RegistryError, match=r"by user.*by catalog:tests"), registering_catalog("tests"):
+        register_fusion("from_user", PatchEmbeddingsFusion())

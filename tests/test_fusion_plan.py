@@ -8,14 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-import specs.patch_embeddings
 from surgery.errors import FusionError
 from surgery.examples import build_vision_tower
 from surgery.fusion import (
     RECORD_ATTRIBUTE,
     SKIPPED,
     WOULD_FUSE,
-    find_fusion,
     fusion_registry_snapshot,
     preview_fusions,
 )
@@ -24,10 +22,8 @@ ON = {"patch_embeddings": True}
 
 
 @pytest.fixture(autouse=True)
-def patch_embeddings_registered():
-    with fusion_registry_snapshot():
-        if find_fusion("patch_embeddings") is None:
-            specs.patch_embeddings.register()
+def isolated_fusion_registry():
+    with fusion_registry_snapshot():  # the built-in catalog provides patch_embeddings
         yield
 
 

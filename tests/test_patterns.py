@@ -154,10 +154,34 @@ def test_regex_syntax_in_a_target_is_a_pattern_error_naming_it(pattern):
 # --------------------------------------------------------------------------- reversal
 
 
-def test_reverse_drops_anchor_and_lookaround_from_the_new_target():
+def test_reverse_drops_anchor_and_lookaround_from_what_the_new_target_writes():
     new_source, new_target = reverse_pair(r"^(?!model\.)(.+)", r"model.\1")
     assert new_source == r"^model\.(.+)"
-    assert new_target == r"\1"
+    template = parse_target(new_target)
+    assert not template.anchored
+    assert template.expand(("layers.0.weight",)) == "layers.0.weight"
+
+
+def test_reversing_twice_keeps_the_lookaround():
+    source, target = r"^model(?!\.(language_model|visual))", "model.language_model"
+    again_source, again_target = reverse_pair(*reverse_pair(source, target))
+    sp = compile_source(again_source)
+    assert sp.regex.search("model.layers.0.weight") is not None
+    assert sp.regex.search("model.visual.blocks.0.weight") is None
+    assert sp.regex.search("model.language_model.layers.0.weight") is None
+    assert parse_target(again_target).expand() == target
+
+
+def test_a_lookaround_carried_into_a_source_does_not_shift_group_numbers():
+    # The look-around holds a capture group; carried back into a source it must not become \1.
+    new_source, new_target = reverse_pair(r"^layers\.(?!(9)\.)(\d+)\.x", r"blocks.\2.y")
+    back_source, back_target = reverse_pair(new_source, new_target)
+    sp = compile_source(back_source)
+    m = sp.regex.search("layers.3.x")
+    assert m is not None
+    groups = tuple(m.group(g) or "" for g in sp.user_groups)
+    assert parse_target(back_target).expand(groups) == "blocks.3.y"
+    assert sp.regex.search("layers.9.x") is None
 
 
 def test_reverse_turns_capture_groups_into_back_references_and_references_into_groups():

@@ -444,6 +444,12 @@ def test_convert_names_the_transform_and_keys_when_an_op_fails():
     assert "'q_proj.weight'" in message and "l.k_proj.weight" in message and "l.qk_proj.weight" in message
 
 
+def test_add_tensor_needs_the_gathered_index():
+    c = WeightConverter("experts.*.w1.weight", "experts.w1", operations=[ops.MergeModulelist(0)])
+    with pytest.raises(ConversionError, match=r"'m\.experts\.3\.w1\.weight' matched .* got index=\(\)"):
+        c.add_tensor("m.experts.w1", "m.experts.3.w1.weight", 0, torch.zeros(1))
+
+
 def test_add_tensor_refuses_an_unknown_source_pattern():
     c = WeightConverter("a.weight", "b.weight", [ops.Transpose()])
     with pytest.raises(ConversionError, match=r"'c\.weight' is not one of its source patterns"):

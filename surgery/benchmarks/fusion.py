@@ -25,19 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from ..examples.vision import build_vision_tower, example_pixel_values
-from ..fusion import apply_fusions, find_fusion, preview_fusions
+from ..fusion import apply_fusions, preview_fusions
 
 __all__ = ["main", "run"]
 
 _CONFIG = {"patch_embeddings": True}
-
-
-def _ensure_fusion_registered() -> None:
-    # The built-in catalog registers it once specs.register_catalog lists the family.
-    if find_fusion("patch_embeddings") is None:
-        from specs import patch_embeddings
-
-        patch_embeddings.register()
 
 
 def _sync(device: str) -> None:
@@ -83,14 +75,15 @@ def _forward(
     apply_fusions(tower, _CONFIG, strict=True)
     fused = tower.patch_embed
     x = example_pixel_values(tower.config, num_patches=patches, dtype=dtype, device=device)
-    weight, bias = fused.linear_proj.weight, fused.linear_proj.bias
+    linear = fused.get_submodule("linear_proj")
+    weight, bias = linear.weight, linear.bias
     with torch.inference_mode():
         torch.testing.assert_close(fused(x), unfused(x), rtol=2e-2, atol=2e-2 * unfused(x).abs().max().item())
         return _time_interleaved(
             {
                 "unfused": lambda: unfused(x),
                 "fused": lambda: fused(x),
-                "floor": lambda: F.linear(x, weight, bias),
+                "floor": lambda: F.linear(x, weight, bias),  # type: ignore[arg-type]
             },
             device=device,
             rounds=rounds,
@@ -127,7 +120,6 @@ def run(
     repeat: int = 7,
 ) -> dict[str, Any]:
     """Run both parts and print a table; return the raw numbers (seconds)."""
-    _ensure_fusion_registered()
     print(
         f"patch_embeddings fusion; device={device}, torch {torch.__version__}, threads={torch.get_num_threads()}"
     )

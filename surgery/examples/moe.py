@@ -20,8 +20,8 @@ from torch import nn
 __all__ = [
     "ExampleMoEConfig",
     "ExampleMoEExperts",
-    "ExampleMoEModel",
     "ExampleMoEForCausalLM",
+    "ExampleMoEModel",
     "build_moe_model",
     "original_state_dict",
 ]

@@ -30,12 +30,20 @@ __all__ = [
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _LOCK = threading.RLock()
 _FUSIONS: dict[str, FusionSpec] = {}
+_PROVENANCE: dict[str, str] = {}  # name -> "user" | "catalog:<entry point name>"
 
 
 def _ensure_catalogs() -> None:
     from ..registry import load_catalogs
 
     load_catalogs()  # re-entrant: a catalog registering a fusion does not load itself again
+
+
+def _current_catalog() -> str | None:
+    """The catalog whose entry point is running in this thread, or ``None``."""
+    from ..registry import current_catalog
+
+    return current_catalog()
 
 
 def register_fusion(name: str, spec: FusionSpec, *, overwrite: bool = False) -> None:
@@ -69,14 +77,21 @@ def register_fusion(name: str, spec: FusionSpec, *, overwrite: bool = False) -> 
     if not isinstance(overwrite, bool):
         raise RegistryError(f"overwrite must be True or False, got {overwrite!r}.")
     _ensure_catalogs()
+    catalog = _current_catalog()
+    provenance = f"catalog:{catalog}" if catalog is not None else "user"
     with _LOCK:
         old = _FUSIONS.get(name)
-        if old is not None and not overwrite:
+        # A catalog running again (the conversion registry was reset and reloads its catalogs)
+        # replaces its own earlier entries; any other collision is an error.
+        rerun = catalog is not None and _PROVENANCE.get(name) == provenance
+        if old is not None and not overwrite and not rerun:
             raise RegistryError(
-                f"A fusion named {name!r} is already registered ({old!r}); the new spec {spec!r} collides "
-                "with it. Pass overwrite=True to replace it, or choose another name."
+                f"A fusion named {name!r} is already registered ({old!r}, by {_PROVENANCE.get(name, 'user')}); "
+                f"the new spec {spec!r} (by {provenance}) collides with it. Pass overwrite=True to replace it, "
+                "or choose another name."
             )
         _FUSIONS[name] = spec
+        _PROVENANCE[name] = provenance
 
 
 def find_fusion(name: str) -> FusionSpec | None:
@@ -127,12 +142,15 @@ def fusion_registry_snapshot(*, clear: bool = False) -> Iterator[None]:
     """
     _ensure_catalogs()
     with _LOCK:
-        saved = dict(_FUSIONS)
+        saved = dict(_FUSIONS), dict(_PROVENANCE)
         if clear:
             _FUSIONS.clear()
+            _PROVENANCE.clear()
     try:
         yield
     finally:
         with _LOCK:
             _FUSIONS.clear()
-            _FUSIONS.update(saved)
+            _FUSIONS.update(saved[0])
+            _PROVENANCE.clear()
+            _PROVENANCE.update(saved[1])

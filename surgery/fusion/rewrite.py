@@ -66,6 +66,11 @@ def trace_module(module: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
     finally:
         # torch.fx parks constants on the traced root; take them back off so the module is unchanged.
         added = {k: module.__dict__.pop(k) for k in list(module.__dict__) if k not in before}
+    for node in graph.nodes:
+        if isinstance(node.type, str):
+            # A string annotation (``from __future__ import annotations``) is not a type: fx would
+            # print it mangled and fail to pickle the generated module.
+            node.type = None
     return graph, added
 
 

@@ -31,7 +31,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping as hf_c
 
 from specs import clip, detr, dinov2, ernie4_5_vl_moe, llava, mixtral, qwen2_moe, qwen2_vl, vit  # noqa: E402
 from surgery.loading import load_checkpoint  # noqa: E402
-from surgery.registry import register_catalog_modules, registering_catalog, registry_snapshot  # noqa: E402
+from surgery.registry import checkpoint_conversion_entry, load_catalogs, registry_snapshot  # noqa: E402
 from surgery.saving import save_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.interop
@@ -42,28 +42,51 @@ FAMILIES = (mixtral, qwen2_moe, llava, qwen2_vl, clip, vit, dinov2, detr, ernie4
 
 @pytest.fixture(scope="module", autouse=True)
 def catalog() -> Iterator[None]:
-    """A registry holding exactly the catalog families, registered as the built-in catalog."""
+    """The installed catalog (loaded through its entry point), restored afterwards."""
     T.logging.set_verbosity_error()
     T.utils.logging.disable_progress_bar()
-    with registry_snapshot(clear=True):
-        with registering_catalog("builtin"):
-            register_catalog_modules("transformers", "surgery.examples")
-            for family in FAMILIES:
-                family.register()
+    with registry_snapshot():
+        load_catalogs()
+        missing = [
+            k
+            for fam in FAMILIES
+            for k in (*fam.ENTRIES, *fam.ALIASES)
+            if checkpoint_conversion_entry(k) is None
+        ]
+        assert not missing, f"the installed catalog lacks {missing[:5]}"
         yield
 
 
 # --------------------------------------------------------------------------- tiny models
 
-_LM = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-           num_key_value_heads=1, max_position_embeddings=64)
+_LM = dict(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+)
 _TXT = dict(_LM, vocab_size=128)
 _MOE = dict(_LM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
 _MLA = dict(kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4)
-_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=32,
-               patch_size=8)
-_TEXT_TOWER = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                   max_position_embeddings=32)
+_VISION = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=8,
+)
+_TEXT_TOWER = dict(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    max_position_embeddings=32,
+)
 _MROPE = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
 
 
@@ -78,19 +101,42 @@ def _siglip_vision() -> Any:
 def _qwen2_vl_config() -> Any:
     return T.Qwen2VLConfig(
         text_config=dict(model_type="qwen2_vl_text", **_TXT, rope_parameters=_MROPE),
-        vision_config=dict(depth=2, embed_dim=16, hidden_size=16, num_heads=2, mlp_ratio=2, in_channels=3,
-                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=100, video_token_id=101, vision_start_token_id=102,
+        vision_config=dict(
+            depth=2,
+            embed_dim=16,
+            hidden_size=16,
+            num_heads=2,
+            mlp_ratio=2,
+            in_channels=3,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=100,
+        video_token_id=101,
+        vision_start_token_id=102,
     )
 
 
 def _qwen2_5_vl_config() -> Any:
     return T.Qwen2_5_VLConfig(
         text_config=dict(model_type="qwen2_5_vl_text", **_TXT, rope_parameters=_MROPE),
-        vision_config=dict(depth=2, hidden_size=16, out_hidden_size=16, intermediate_size=32, num_heads=2,
-                           in_channels=3, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
-                           fullatt_block_indexes=[1], window_size=16),
-        image_token_id=100, video_token_id=101, vision_start_token_id=102,
+        vision_config=dict(
+            depth=2,
+            hidden_size=16,
+            out_hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            in_channels=3,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            fullatt_block_indexes=[1],
+            window_size=16,
+        ),
+        image_token_id=100,
+        video_token_id=101,
+        vision_start_token_id=102,
     )
 
 
@@ -103,33 +149,84 @@ def _dinov2_config(**kw: Any) -> Any:
 
 
 def _detr_config() -> Any:
-    backbone = T.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 8, 16, 16], depths=[1, 1, 1, 1],
-                              layer_type="basic", out_features=["stage1", "stage2", "stage3", "stage4"])
-    return T.DetrConfig(backbone_config=backbone, d_model=16, encoder_layers=1, decoder_layers=1,
-                        encoder_ffn_dim=32, decoder_ffn_dim=32, encoder_attention_heads=8,
-                        decoder_attention_heads=8, num_queries=5)
+    backbone = T.ResNetConfig(
+        num_channels=3,
+        embedding_size=8,
+        hidden_sizes=[8, 8, 16, 16],
+        depths=[1, 1, 1, 1],
+        layer_type="basic",
+        out_features=["stage1", "stage2", "stage3", "stage4"],
+    )
+    return T.DetrConfig(
+        backbone_config=backbone,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        encoder_attention_heads=8,
+        decoder_attention_heads=8,
+        num_queries=5,
+    )
 
 
 def _maskformer_config() -> Any:
-    swin = T.SwinConfig(image_size=32, patch_size=4, embed_dim=8, depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2],
-                        window_size=2, out_features=["stage1", "stage2", "stage3", "stage4"])
-    decoder = T.DetrConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=32, decoder_ffn_dim=32,
-                           encoder_attention_heads=2, decoder_attention_heads=2, num_queries=5,
-                           use_timm_backbone=False,
-                           backbone_config=T.ResNetConfig(hidden_sizes=[8, 8, 8, 8], depths=[1, 1, 1, 1],
-                                                          embedding_size=8, layer_type="basic"))
-    return T.MaskFormerConfig(backbone_config=swin, decoder_config=decoder, fpn_feature_size=32,
-                              mask_feature_size=32, num_labels=3)
+    swin = T.SwinConfig(
+        image_size=32,
+        patch_size=4,
+        embed_dim=8,
+        depths=[1, 1, 1, 1],
+        num_heads=[1, 1, 2, 2],
+        window_size=2,
+        out_features=["stage1", "stage2", "stage3", "stage4"],
+    )
+    decoder = T.DetrConfig(
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        num_queries=5,
+        use_timm_backbone=False,
+        backbone_config=T.ResNetConfig(
+            hidden_sizes=[8, 8, 8, 8], depths=[1, 1, 1, 1], embedding_size=8, layer_type="basic"
+        ),
+    )
+    return T.MaskFormerConfig(
+        backbone_config=swin, decoder_config=decoder, fpn_feature_size=32, mask_feature_size=32, num_labels=3
+    )
 
 
 def _ernie_config() -> Any:
-    text = dict(_TXT, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1, moe_intermediate_size=[8, 4],
-                rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [1, 1, 2]})
-    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, patch_size=4, spatial_merge_size=2,
-                  temporal_merge_size=2)
-    return T.Ernie4_5_VLMoeConfig(text_config=text, vision_config=vision, image_token_id=100, video_token_id=101,
-                                  image_start_token_id=102, image_end_token_id=103, video_start_token_id=104,
-                                  video_end_token_id=105)
+    text = dict(
+        _TXT,
+        moe_num_experts=4,
+        moe_k=2,
+        moe_num_shared_experts=1,
+        moe_intermediate_size=[8, 4],
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [1, 1, 2]},
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        num_heads=2,
+        intermediate_size=32,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_merge_size=2,
+    )
+    return T.Ernie4_5_VLMoeConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=100,
+        video_token_id=101,
+        image_start_token_id=102,
+        image_end_token_id=103,
+        video_start_token_id=104,
+        video_end_token_id=105,
+    )
 
 
 @dataclass(frozen=True)
@@ -149,92 +246,313 @@ class Spec:
 
 SPECS: tuple[Spec, ...] = (
     # Mixtral
-    Spec("mixtral", lambda: T.MixtralForCausalLM(T.MixtralConfig(**_LM, num_local_experts=4, num_experts_per_tok=2))),
-    Spec("minimax", lambda: T.MiniMaxForCausalLM(T.MiniMaxConfig(
-        **_LM, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
-        layer_types=["full_attention", "full_attention"]))),
-    Spec("minimax_m2", lambda: T.MiniMaxM2ForCausalLM(T.MiniMaxM2Config(
-        **_LM, num_local_experts=4, num_experts_per_tok=2, head_dim=8))),
+    Spec(
+        "mixtral",
+        lambda: T.MixtralForCausalLM(T.MixtralConfig(**_LM, num_local_experts=4, num_experts_per_tok=2)),
+    ),
+    Spec(
+        "minimax",
+        lambda: T.MiniMaxForCausalLM(
+            T.MiniMaxConfig(
+                **_LM,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                head_dim=8,
+                layer_types=["full_attention", "full_attention"],
+            )
+        ),
+    ),
+    Spec(
+        "minimax_m2",
+        lambda: T.MiniMaxM2ForCausalLM(
+            T.MiniMaxM2Config(**_LM, num_local_experts=4, num_experts_per_tok=2, head_dim=8)
+        ),
+    ),
     # Qwen2-MoE layout
-    Spec("qwen2_moe", lambda: T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
-        **_MOE, shared_expert_intermediate_size=16))),
+    Spec(
+        "qwen2_moe",
+        lambda: T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**_MOE, shared_expert_intermediate_size=16)),
+    ),
     Spec("qwen3_moe", lambda: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**_MOE, head_dim=8))),
     Spec("olmoe", lambda: T.OlmoeForCausalLM(T.OlmoeConfig(**_MOE, eos_token_id=None))),
-    Spec("deepseek_v3", lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
-        **dict(_LM, num_key_value_heads=2), moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2,
-        n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, **_MLA))),
-    Spec("deepseek_v2", lambda: T.DeepseekV2ForCausalLM(T.DeepseekV2Config(
-        **dict(_LM, num_key_value_heads=2), n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
-        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, **_MLA))),
-    Spec("glm4_moe", lambda: T.Glm4MoeForCausalLM(T.Glm4MoeConfig(
-        **dict(_LM, num_key_value_heads=2), n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
-        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, head_dim=8))),
-    Spec("hunyuan_v1_moe", lambda: T.HunYuanMoEV1ForCausalLM(T.HunYuanMoEV1Config(
-        **_LM, num_experts=4, moe_topk=2, head_dim=8))),
-    Spec("qwen3_next", lambda: T.Qwen3NextForCausalLM(T.Qwen3NextConfig(
-        **_MOE, head_dim=8, layer_types=["full_attention", "full_attention"]))),
+    Spec(
+        "deepseek_v3",
+        lambda: T.DeepseekV3ForCausalLM(
+            T.DeepseekV3Config(
+                **dict(_LM, num_key_value_heads=2),
+                moe_intermediate_size=8,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                n_group=1,
+                topk_group=1,
+                first_k_dense_replace=1,
+                **_MLA,
+            )
+        ),
+    ),
+    Spec(
+        "deepseek_v2",
+        lambda: T.DeepseekV2ForCausalLM(
+            T.DeepseekV2Config(
+                **dict(_LM, num_key_value_heads=2),
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=8,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                n_group=1,
+                topk_group=1,
+                **_MLA,
+            )
+        ),
+    ),
+    Spec(
+        "glm4_moe",
+        lambda: T.Glm4MoeForCausalLM(
+            T.Glm4MoeConfig(
+                **dict(_LM, num_key_value_heads=2),
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=8,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                n_group=1,
+                topk_group=1,
+                head_dim=8,
+            )
+        ),
+    ),
+    Spec(
+        "hunyuan_v1_moe",
+        lambda: T.HunYuanMoEV1ForCausalLM(T.HunYuanMoEV1Config(**_LM, num_experts=4, moe_topk=2, head_dim=8)),
+    ),
+    Spec(
+        "qwen3_next",
+        lambda: T.Qwen3NextForCausalLM(
+            T.Qwen3NextConfig(**_MOE, head_dim=8, layer_types=["full_attention", "full_attention"])
+        ),
+    ),
     Spec("cohere2_moe", lambda: T.Cohere2MoeForCausalLM(T.Cohere2MoeConfig(**_MOE))),
-    Spec("ernie4_5_moe", lambda: T.Ernie4_5_MoeForCausalLM(T.Ernie4_5_MoeConfig(
-        **_LM, moe_num_experts=4, moe_k=2, moe_intermediate_size=8, moe_num_shared_experts=1))),
+    Spec(
+        "ernie4_5_moe",
+        lambda: T.Ernie4_5_MoeForCausalLM(
+            T.Ernie4_5_MoeConfig(
+                **_LM, moe_num_experts=4, moe_k=2, moe_intermediate_size=8, moe_num_shared_experts=1
+            )
+        ),
+    ),
     Spec("exaone_moe", lambda: T.ExaoneMoeForCausalLM(T.ExaoneMoeConfig(**_MOE))),
     Spec("kolibri1", lambda: T.Kolibri1ForCausalLM(T.Kolibri1Config(**_MOE))),
-    Spec("mimo_v2_flash", lambda: T.MiMoV2FlashForCausalLM(T.MiMoV2FlashConfig(
-        **_LM, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8))),
+    Spec(
+        "mimo_v2_flash",
+        lambda: T.MiMoV2FlashForCausalLM(
+            T.MiMoV2FlashConfig(**_LM, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+        ),
+    ),
     Spec("flint", lambda: T.FlintForCausalLM(T.FlintConfig(**_MOE, mlp_only_layers=[0]))),
     Spec("hy_v3", lambda: T.HYV3ForCausalLM(T.HYV3Config(**_MOE))),
     Spec("laguna", lambda: T.LagunaForCausalLM(T.LagunaConfig(**_MOE))),
-    Spec("axk1", lambda: T.AXK1ForCausalLM(T.AXK1Config(
-        **_LM, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, bos_token_id=None,
-        eos_token_id=None))),
+    Spec(
+        "axk1",
+        lambda: T.AXK1ForCausalLM(
+            T.AXK1Config(
+                **_LM,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=8,
+                bos_token_id=None,
+                eos_token_id=None,
+            )
+        ),
+    ),
     # Llava-style VLMs
     Spec("llava", lambda: T.LlavaForConditionalGeneration(_llava_config()), hub_layout=True),
     Spec("llava-partial-tower-layout", lambda: T.LlavaForConditionalGeneration(_llava_config())),
     Spec("LlavaModel", lambda: T.LlavaModel(_llava_config()), hub_layout=True),
-    Spec("gemma3", lambda: T.Gemma3ForConditionalGeneration(T.Gemma3Config(
-        vision_config=_siglip_vision(), text_config=T.Gemma3TextConfig(**_TXT, head_dim=8, sliding_window=16),
-        mm_tokens_per_image=4, image_token_index=100, boi_token_index=101, eoi_token_index=102)), hub_layout=True),
-    Spec("mistral3", lambda: T.Mistral3ForConditionalGeneration(T.Mistral3Config(
-        vision_config=T.PixtralVisionConfig(**_VISION, head_dim=8),
-        text_config=T.MistralConfig(**_TXT, head_dim=8), image_token_index=100, spatial_merge_size=2))),
-    Spec("paligemma", lambda: T.PaliGemmaForConditionalGeneration(T.PaliGemmaConfig(
-        vision_config=_siglip_vision(), text_config=T.GemmaConfig(**_TXT, head_dim=8), image_token_index=100,
-        projection_dim=16, hidden_size=16)), hub_layout=True),
-    Spec("internvl", lambda: T.InternVLForConditionalGeneration(T.InternVLConfig(
-        vision_config=T.InternVLVisionConfig(**dict(_VISION, image_size=[32, 32], patch_size=[8, 8])),
-        text_config=T.Qwen2Config(**_TXT), image_token_id=100))),
-    Spec("vipllava", lambda: T.VipLlavaForConditionalGeneration(T.VipLlavaConfig(
-        vision_config=_clip_vision(), text_config=T.LlamaConfig(**_TXT), image_token_index=100,
-        vision_feature_layers=[-2, -1])), hub_layout=True),
-    Spec("aya_vision", lambda: T.AyaVisionForConditionalGeneration(T.AyaVisionConfig(
-        vision_config=_siglip_vision(), text_config=T.Cohere2Config(**_TXT), image_token_index=100,
-        downsample_factor=2)), hub_layout=True),
-    Spec("got_ocr2", lambda: T.GotOcr2ForConditionalGeneration(T.GotOcr2Config(
-        vision_config=dict(hidden_size=16, output_channels=16, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=32, patch_size=8, mlp_dim=32, global_attn_indexes=[1]),
-        text_config=T.Qwen2Config(**_TXT), image_token_index=100))),
-    Spec("llava_next", lambda: T.LlavaNextForConditionalGeneration(T.LlavaNextConfig(
-        vision_config=_clip_vision(), text_config=T.LlamaConfig(**_TXT), image_token_index=100,
-        image_grid_pinpoints=[[32, 32]])), hub_layout=True),
-    Spec("llava_onevision", lambda: T.LlavaOnevisionForConditionalGeneration(T.LlavaOnevisionConfig(
-        vision_config=_siglip_vision(), text_config=T.Qwen2Config(**_TXT), image_token_index=100,
-        video_token_index=101, image_grid_pinpoints=[[32, 32]])), hub_layout=True),
-    Spec("video_llava", lambda: T.VideoLlavaForConditionalGeneration(T.VideoLlavaConfig(
-        vision_config=_clip_vision(), text_config=T.LlamaConfig(**_TXT), image_token_index=100,
-        video_token_index=101)), hub_layout=True),
-    Spec("fuyu", lambda: T.FuyuForCausalLM(T.FuyuConfig(
-        vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        patch_size=4, max_position_embeddings=64,
-        text_config=dict(model_type="persimmon", vocab_size=128, hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64)))),
-    Spec("mllama", lambda: T.MllamaForConditionalGeneration(T.MllamaConfig(
-        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_global_layers=1,
-                           num_attention_heads=2, image_size=16, patch_size=8, max_num_tiles=2,
-                           intermediate_layers_indices=[0], vision_output_dim=32,
-                           supported_aspect_ratios=[[1, 1], [1, 2]]),
-        text_config=dict(vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, cross_attention_layers=[1],
-                         max_position_embeddings=64, pad_token_id=0),
-        image_token_index=100))),
+    Spec(
+        "gemma3",
+        lambda: T.Gemma3ForConditionalGeneration(
+            T.Gemma3Config(
+                vision_config=_siglip_vision(),
+                text_config=T.Gemma3TextConfig(**_TXT, head_dim=8, sliding_window=16),
+                mm_tokens_per_image=4,
+                image_token_index=100,
+                boi_token_index=101,
+                eoi_token_index=102,
+            )
+        ),
+        hub_layout=True,
+    ),
+    Spec(
+        "mistral3",
+        lambda: T.Mistral3ForConditionalGeneration(
+            T.Mistral3Config(
+                vision_config=T.PixtralVisionConfig(**_VISION, head_dim=8),
+                text_config=T.MistralConfig(**_TXT, head_dim=8),
+                image_token_index=100,
+                spatial_merge_size=2,
+            )
+        ),
+    ),
+    Spec(
+        "paligemma",
+        lambda: T.PaliGemmaForConditionalGeneration(
+            T.PaliGemmaConfig(
+                vision_config=_siglip_vision(),
+                text_config=T.GemmaConfig(**_TXT, head_dim=8),
+                image_token_index=100,
+                projection_dim=16,
+                hidden_size=16,
+            )
+        ),
+        hub_layout=True,
+    ),
+    Spec(
+        "internvl",
+        lambda: T.InternVLForConditionalGeneration(
+            T.InternVLConfig(
+                vision_config=T.InternVLVisionConfig(**dict(_VISION, image_size=[32, 32], patch_size=[8, 8])),
+                text_config=T.Qwen2Config(**_TXT),
+                image_token_id=100,
+            )
+        ),
+    ),
+    Spec(
+        "vipllava",
+        lambda: T.VipLlavaForConditionalGeneration(
+            T.VipLlavaConfig(
+                vision_config=_clip_vision(),
+                text_config=T.LlamaConfig(**_TXT),
+                image_token_index=100,
+                vision_feature_layers=[-2, -1],
+            )
+        ),
+        hub_layout=True,
+    ),
+    Spec(
+        "aya_vision",
+        lambda: T.AyaVisionForConditionalGeneration(
+            T.AyaVisionConfig(
+                vision_config=_siglip_vision(),
+                text_config=T.Cohere2Config(**_TXT),
+                image_token_index=100,
+                downsample_factor=2,
+            )
+        ),
+        hub_layout=True,
+    ),
+    Spec(
+        "got_ocr2",
+        lambda: T.GotOcr2ForConditionalGeneration(
+            T.GotOcr2Config(
+                vision_config=dict(
+                    hidden_size=16,
+                    output_channels=16,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    image_size=32,
+                    patch_size=8,
+                    mlp_dim=32,
+                    global_attn_indexes=[1],
+                ),
+                text_config=T.Qwen2Config(**_TXT),
+                image_token_index=100,
+            )
+        ),
+    ),
+    Spec(
+        "llava_next",
+        lambda: T.LlavaNextForConditionalGeneration(
+            T.LlavaNextConfig(
+                vision_config=_clip_vision(),
+                text_config=T.LlamaConfig(**_TXT),
+                image_token_index=100,
+                image_grid_pinpoints=[[32, 32]],
+            )
+        ),
+        hub_layout=True,
+    ),
+    Spec(
+        "llava_onevision",
+        lambda: T.LlavaOnevisionForConditionalGeneration(
+            T.LlavaOnevisionConfig(
+                vision_config=_siglip_vision(),
+                text_config=T.Qwen2Config(**_TXT),
+                image_token_index=100,
+                video_token_index=101,
+                image_grid_pinpoints=[[32, 32]],
+            )
+        ),
+        hub_layout=True,
+    ),
+    Spec(
+        "video_llava",
+        lambda: T.VideoLlavaForConditionalGeneration(
+            T.VideoLlavaConfig(
+                vision_config=_clip_vision(),
+                text_config=T.LlamaConfig(**_TXT),
+                image_token_index=100,
+                video_token_index=101,
+            )
+        ),
+        hub_layout=True,
+    ),
+    Spec(
+        "fuyu",
+        lambda: T.FuyuForCausalLM(
+            T.FuyuConfig(
+                vocab_size=128,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                patch_size=4,
+                max_position_embeddings=64,
+                text_config=dict(
+                    model_type="persimmon",
+                    vocab_size=128,
+                    hidden_size=16,
+                    intermediate_size=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    max_position_embeddings=64,
+                ),
+            )
+        ),
+    ),
+    Spec(
+        "mllama",
+        lambda: T.MllamaForConditionalGeneration(
+            T.MllamaConfig(
+                vision_config=dict(
+                    hidden_size=16,
+                    intermediate_size=32,
+                    num_hidden_layers=2,
+                    num_global_layers=1,
+                    num_attention_heads=2,
+                    image_size=16,
+                    patch_size=8,
+                    max_num_tiles=2,
+                    intermediate_layers_indices=[0],
+                    vision_output_dim=32,
+                    supported_aspect_ratios=[[1, 1], [1, 2]],
+                ),
+                text_config=dict(
+                    vocab_size=128,
+                    hidden_size=16,
+                    intermediate_size=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    num_key_value_heads=1,
+                    cross_attention_layers=[1],
+                    max_position_embeddings=64,
+                    pad_token_id=0,
+                ),
+                image_token_index=100,
+            )
+        ),
+    ),
     # Qwen2-VL
     Spec("qwen2_vl", lambda: T.Qwen2VLForConditionalGeneration(_qwen2_vl_config())),
     Spec("qwen2_5_vl", lambda: T.Qwen2_5_VLForConditionalGeneration(_qwen2_5_vl_config())),
@@ -243,29 +561,67 @@ SPECS: tuple[Spec, ...] = (
     Spec("CLIPTextModel", lambda: T.CLIPTextModel(T.CLIPTextConfig(**_TEXT_TOWER)), hub_layout=True),
     Spec("SiglipVisionModel", lambda: T.SiglipVisionModel(_siglip_vision()), hub_layout=True),
     Spec("SiglipTextModel", lambda: T.SiglipTextModel(T.SiglipTextConfig(**_TEXT_TOWER)), hub_layout=True),
-    Spec("Siglip2VisionModel", lambda: T.Siglip2VisionModel(T.Siglip2VisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=8,
-        num_patches=16)), hub_layout=True),
-    Spec("ChineseCLIPVisionModel", lambda: T.ChineseCLIPVisionModel(T.ChineseCLIPVisionConfig(**_VISION)),
-         hub_layout=True),
-    Spec("MetaClip2TextModel", lambda: T.MetaClip2TextModel(T.MetaClip2TextConfig(**_TEXT_TOWER)), hub_layout=True),
+    Spec(
+        "Siglip2VisionModel",
+        lambda: T.Siglip2VisionModel(
+            T.Siglip2VisionConfig(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                patch_size=8,
+                num_patches=16,
+            )
+        ),
+        hub_layout=True,
+    ),
+    Spec(
+        "ChineseCLIPVisionModel",
+        lambda: T.ChineseCLIPVisionModel(T.ChineseCLIPVisionConfig(**_VISION)),
+        hub_layout=True,
+    ),
+    Spec(
+        "MetaClip2TextModel",
+        lambda: T.MetaClip2TextModel(T.MetaClip2TextConfig(**_TEXT_TOWER)),
+        hub_layout=True,
+    ),
     # ViT family
     Spec("ViTModel", lambda: T.ViTModel(T.ViTConfig(**_VISION))),
-    Spec("ViTForImageClassification", lambda: T.ViTForImageClassification(T.ViTConfig(**_VISION, num_labels=3))),
+    Spec(
+        "ViTForImageClassification", lambda: T.ViTForImageClassification(T.ViTConfig(**_VISION, num_labels=3))
+    ),
     Spec("BeitModel", lambda: T.BeitModel(T.BeitConfig(**_VISION, use_relative_position_bias=True))),
-    Spec("BeitModel-shared-bias", lambda: T.BeitModel(T.BeitConfig(**_VISION, use_shared_relative_position_bias=True))),
+    Spec(
+        "BeitModel-shared-bias",
+        lambda: T.BeitModel(T.BeitConfig(**_VISION, use_shared_relative_position_bias=True)),
+    ),
     Spec("DeiTModel", lambda: T.DeiTModel(T.DeiTConfig(**_VISION))),
     Spec("IJepaModel", lambda: T.IJepaModel(T.IJepaConfig(**_VISION))),
     Spec("ViTMAEModel", lambda: T.ViTMAEModel(T.ViTMAEConfig(**_VISION))),
-    Spec("VivitModel", lambda: T.VivitModel(T.VivitConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16,
-        num_frames=4, tubelet_size=[2, 8, 8]))),
+    Spec(
+        "VivitModel",
+        lambda: T.VivitModel(
+            T.VivitConfig(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=16,
+                num_frames=4,
+                tubelet_size=[2, 8, 8],
+            )
+        ),
+    ),
     # DINOv2
     Spec("Dinov2Model", lambda: T.Dinov2Model(_dinov2_config())),
     Spec("Dinov2Backbone", lambda: T.Dinov2Backbone(_dinov2_config(out_features=["stage2"]))),
-    Spec("Dinov2ForImageClassification", lambda: T.Dinov2ForImageClassification(_dinov2_config(num_labels=3))),
-    Spec("Dinov2WithRegistersModel", lambda: T.Dinov2WithRegistersModel(T.Dinov2WithRegistersConfig(
-        **_VISION, use_swiglu_ffn=True))),
+    Spec(
+        "Dinov2ForImageClassification", lambda: T.Dinov2ForImageClassification(_dinov2_config(num_labels=3))
+    ),
+    Spec(
+        "Dinov2WithRegistersModel",
+        lambda: T.Dinov2WithRegistersModel(T.Dinov2WithRegistersConfig(**_VISION, use_swiglu_ffn=True)),
+    ),
     # DETR
     Spec("DetrModel", lambda: T.DetrModel(_detr_config())),
     Spec("DetrForObjectDetection", lambda: T.DetrForObjectDetection(_detr_config())),
@@ -373,28 +729,43 @@ _ROUTING_BUG = (
 )
 
 CROSS: tuple[Any, ...] = (
-    Cross("MixtralModel<-MixtralForCausalLM",
-          lambda: T.MixtralForCausalLM(T.MixtralConfig(**_LM, num_local_experts=4, num_experts_per_tok=2)),
-          lambda: T.MixtralModel(T.MixtralConfig(**_LM, num_local_experts=4, num_experts_per_tok=2))),
-    Cross("MixtralForCausalLM<-MixtralModel",
-          lambda: T.MixtralModel(T.MixtralConfig(**_LM, num_local_experts=4, num_experts_per_tok=2)),
-          lambda: T.MixtralForCausalLM(T.MixtralConfig(**_LM, num_local_experts=4, num_experts_per_tok=2))),
-    Cross("ViTForImageClassification<-ViTModel",
-          lambda: T.ViTModel(T.ViTConfig(**_VISION)),
-          lambda: T.ViTForImageClassification(T.ViTConfig(**_VISION, num_labels=3))),
-    Cross("Dinov2ForImageClassification<-Dinov2Model",
-          lambda: T.Dinov2Model(_dinov2_config()),
-          lambda: T.Dinov2ForImageClassification(_dinov2_config(num_labels=3))),
-    Cross("LlavaModel<-LlavaForConditionalGeneration",
-          lambda: T.LlavaForConditionalGeneration(_llava_config()),
-          lambda: T.LlavaModel(_llava_config()), hub_layout=True),
-    Cross("CLIPVisionModel<-CLIPModel",
-          lambda: T.CLIPModel(T.CLIPConfig(vision_config=_VISION, text_config=_TEXT_TOWER, projection_dim=16)),
-          lambda: T.CLIPVisionModel(T.CLIPVisionConfig(**_VISION))),
+    Cross(
+        "MixtralModel<-MixtralForCausalLM",
+        lambda: T.MixtralForCausalLM(T.MixtralConfig(**_LM, num_local_experts=4, num_experts_per_tok=2)),
+        lambda: T.MixtralModel(T.MixtralConfig(**_LM, num_local_experts=4, num_experts_per_tok=2)),
+    ),
+    Cross(
+        "MixtralForCausalLM<-MixtralModel",
+        lambda: T.MixtralModel(T.MixtralConfig(**_LM, num_local_experts=4, num_experts_per_tok=2)),
+        lambda: T.MixtralForCausalLM(T.MixtralConfig(**_LM, num_local_experts=4, num_experts_per_tok=2)),
+    ),
+    Cross(
+        "ViTForImageClassification<-ViTModel",
+        lambda: T.ViTModel(T.ViTConfig(**_VISION)),
+        lambda: T.ViTForImageClassification(T.ViTConfig(**_VISION, num_labels=3)),
+    ),
+    Cross(
+        "Dinov2ForImageClassification<-Dinov2Model",
+        lambda: T.Dinov2Model(_dinov2_config()),
+        lambda: T.Dinov2ForImageClassification(_dinov2_config(num_labels=3)),
+    ),
+    Cross(
+        "LlavaModel<-LlavaForConditionalGeneration",
+        lambda: T.LlavaForConditionalGeneration(_llava_config()),
+        lambda: T.LlavaModel(_llava_config()),
+        hub_layout=True,
+    ),
+    Cross(
+        "CLIPVisionModel<-CLIPModel",
+        lambda: T.CLIPModel(T.CLIPConfig(vision_config=_VISION, text_config=_TEXT_TOWER, projection_dim=16)),
+        lambda: T.CLIPVisionModel(T.CLIPVisionConfig(**_VISION)),
+    ),
     pytest.param(
-        Cross("Qwen2VLModel<-Qwen2VLForConditionalGeneration",
-              lambda: T.Qwen2VLForConditionalGeneration(_qwen2_vl_config()),
-              lambda: T.Qwen2VLModel(_qwen2_vl_config())),
+        Cross(
+            "Qwen2VLModel<-Qwen2VLForConditionalGeneration",
+            lambda: T.Qwen2VLForConditionalGeneration(_qwen2_vl_config()),
+            lambda: T.Qwen2VLModel(_qwen2_vl_config()),
+        ),
         marks=pytest.mark.xfail(strict=True, reason=_ROUTING_BUG),
     ),
 )
@@ -421,3 +792,71 @@ def test_cross_class_load_matches_transformers(case: Cross, tmp_path: Path) -> N
     got = target.state_dict()
     for k in report.loaded_keys:
         assert torch.equal(got[k], want[k]), k
+
+
+# --------------------------------------------------------------------------- the entries themselves
+
+# Where a catalog entry deliberately differs from transformers' list (docs/catalog.md says why):
+# key -> {transformers' source pattern: ours}.
+ADAPTED_SOURCES: dict[str, dict[str, str]] = {
+    "laguna": {"mlp.shared_expert.": r"mlp.shared_expert\."},
+    "axk1": {"post_mlp_layernorm": r"(?<!mlp\.)post_mlp_layernorm"},
+    "Qwen2VLForConditionalGeneration": {
+        r"^model(?!\.(language_model|visual))": r"^model(?!\.(?:language_model|visual))"
+    },
+    "ernie4_5_vl_moe": {r"(?<!_)(?<!\w)norm\.": r"(?<!language_model\.)(?<!\w)norm\."},
+}
+_RENAMED_OPS = {"ErnieFuseAndSplitTextVisionExperts": "FuseAndSplitTextVisionExperts"}
+
+
+def _signature(kind: str, sources: Any, targets: Any, ops: Any) -> tuple[Any, ...]:
+    return (kind, tuple(sources), tuple(targets), tuple(_RENAMED_OPS.get(o, o) for o in ops))
+
+
+def _theirs(key: str) -> list[tuple[Any, ...]]:
+    from transformers import conversion_mapping
+
+    build = getattr(conversion_mapping, "_build_checkpoint_conversion_mapping", None)
+    if build is None:
+        pytest.skip("this transformers version has no _build_checkpoint_conversion_mapping")
+    out = []
+    for t in build()[key]:
+        if type(t).__name__ == "PrefixChange":  # compare by what it adds/removes, not its generated regex
+            out.append(("PrefixChange", t.prefix_to_add, t.prefix_to_remove, t.model_prefix or None))
+            continue
+        adapted = ADAPTED_SOURCES.get(key, {})
+        sources = [adapted.get(s, s) for s in t._original_source_patterns]
+        ops = [type(o).__name__ for o in (getattr(t, "operations", None) or [])]
+        out.append(_signature(type(t).__name__, sources, t._original_target_patterns, ops))
+    return out
+
+
+def _ours(transforms: list[Any]) -> list[tuple[Any, ...]]:
+    out = []
+    for t in transforms:
+        if type(t).__name__ == "PrefixChange":
+            out.append(("PrefixChange", t.prefix_to_add, t.prefix_to_remove, t.model_prefix))
+            continue
+        ops = [type(o).__name__ for o in getattr(t, "operations", ())]
+        out.append(_signature(type(t).__name__, t.source_patterns, t.target_patterns, ops))
+    return out
+
+
+_ENTRIES = [(key, transforms) for fam in FAMILIES for key, transforms in fam.ENTRIES.items()]
+_ALIASES = [(alias, target) for fam in FAMILIES for alias, target in fam.ALIASES.items()]
+
+
+@pytest.mark.parametrize(("key", "transforms"), _ENTRIES, ids=[k for k, _ in _ENTRIES])
+def test_entry_holds_the_transforms_transformers_registers(key: str, transforms: list[Any]) -> None:
+    # Same transforms; our lists put renamings before converters, so compare as multisets.
+    assert sorted(map(repr, _ours(transforms))) == sorted(map(repr, _theirs(key)))
+
+
+@pytest.mark.parametrize(("alias", "target"), _ALIASES, ids=[a for a, _ in _ALIASES])
+def test_alias_points_where_transformers_points(alias: str, target: str) -> None:
+    from transformers import conversion_mapping
+
+    aliases = getattr(conversion_mapping, "_MODEL_TO_CONVERSION_PATTERN", None)
+    if aliases is None:
+        pytest.skip("this transformers version has no _MODEL_TO_CONVERSION_PATTERN")
+    assert aliases.get(alias) == target
