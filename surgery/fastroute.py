@@ -36,6 +36,10 @@ the exact route of a real key; any disagreement falls back to the exact path for
 
 A class is built on its second key: a key seen once is routed exactly (building costs a few exact
 routes, which a one-off key such as ``lm_head.weight`` would never repay).
+
+**Per key**, :func:`~surgery.routing.route_keys` then needs one ``itemgetter`` selection (the
+fixed digits and the index runs the targets copy), one cached lookup that yields the target
+group, and one slice for the wildcard index; see :class:`KeyClass`.
 """
 
 from __future__ import annotations
@@ -159,9 +163,7 @@ def _sequence_safety(items: list[tuple[object, Any]]) -> int:
             continue  # anchors and \b: every digit is a word character
         if op is _BRANCH:
             parts = av[1]
-        elif op is _SUBPATTERN:
-            parts = [av[-1]]
-        elif op in _ASSERTS or op in _REPEATS:
+        elif op is _SUBPATTERN or op in _ASSERTS or op in _REPEATS:
             parts = [av[-1]]
         elif op is _ATOMIC:
             parts = [av]
@@ -192,9 +194,8 @@ def pattern_safety(pattern: str, flags: int = 0) -> int:
         True
     """
     try:
-        tree = _sre_parse.parse(pattern, flags)
-        return _sequence_safety(list(tree))
-    except (_Unsafe, Exception):
+        return _sequence_safety(list(_sre_parse.parse(pattern, flags)))
+    except Exception:  # _Unsafe, or a parser this analysis does not know: never share
         return UNSAFE
 
 
@@ -274,8 +275,12 @@ class KeyClass:
     __slots__ = (
         "built",
         "cache",
+        "cfirst",
         "children",
         "conv",
+        "covered",
+        "cstars",
+        "ctargets",
         "final",
         "fired",
         "first",
@@ -300,7 +305,7 @@ class KeyClass:
         self.sa = self.sb = 0
         self.rest: tuple[tuple[int, int], ...] = ()
         self.children = _Children(self)
-        self.built = self.hot = self.final = False
+        self.built = self.hot = self.final = self.covered = False
         self.seen = 0
         self.fired: tuple[int, ...] = ()
         self.conv: int | None = None
@@ -308,6 +313,9 @@ class KeyClass:
         self.first: Pieces = ()
         self.targets: tuple[Pieces, ...] = ()
         self.stars: tuple[Pieces, ...] = ()
+        self.cfirst: Format = ("", None)
+        self.ctargets: tuple[Format, ...] = ()
+        self.cstars: tuple[Format, ...] = ()
         self.tslices: frozenset[tuple[int, int]] = frozenset()
         self.ia = self.ib = 0
         self.sel: Callable[[str], Any] = _NOTHING
@@ -364,54 +372,72 @@ class KeyClass:
         state = f"format {self.first!r}" if self.built else "exact"
         return f"KeyClass({state}, free={self.free})"
 
-    @staticmethod
-    def text(key: str, pieces: Pieces, offset: int = 0) -> str:
-        """Fill a format from ``key`` (from ``key[offset:]`` when given that slice instead)."""
-        return "".join(
-            [p if p.__class__ is str else key[p[0] - offset : p[1] - offset] for p in pieces]  # type: ignore[index]
-        )
-
     def first_of(self, key: str) -> str:
         """The first target key of ``key`` (its target group)."""
-        return self.text(key, self.first)
-
-    def index(self, key: str) -> tuple[int, ...]:
-        """The wildcard indices of ``key``."""
-        return tuple(int(self.text(key, p)) for p in self.stars)
+        fmt, get = self.cfirst
+        return fmt if get is None else fmt.format(*get(key))
 
     def targets_of(self, key: str) -> tuple[str, ...]:
         """Every target key of ``key``."""
-        return tuple(self.text(key, p) for p in self.targets)
+        return tuple([fmt if get is None else fmt.format(*get(key)) for fmt, get in self.ctargets])
+
+    def stars_of(self, key: str) -> tuple[str, ...]:
+        """The texts the wildcards matched in ``key``."""
+        return tuple([fmt if get is None else fmt.format(*get(key)) for fmt, get in self.cstars])
+
+    def index(self, key: str) -> tuple[int, ...]:
+        """The wildcard indices of ``key``."""
+        if self.hot:
+            return (int(key[self.ia : self.ib]),) if self.ib else ()
+        return tuple([int(s) for s in self.stars_of(key)])
 
     def decision(self, key: str) -> Decision:
         """The full routing decision for ``key`` (a built class only)."""
-        stars = tuple(self.text(key, p) for p in self.stars)
-        return self.first_of(key), self.fired, self.conv, self.pat, stars, self.targets_of(key)
+        return self.first_of(key), self.fired, self.conv, self.pat, self.stars_of(key), self.targets_of(key)
+
+
+Format = tuple[str, "Callable[[str], tuple[str, ...]] | None"]
+
+
+def _compile(pieces: Pieces) -> Format:
+    """A format as ``(str.format template, getter of its slices)``; no getter when it is literal."""
+    parts: list[str] = []
+    slices: list[slice] = []
+    for p in pieces:
+        if isinstance(p, str):
+            parts.append(p.replace("{", "{{").replace("}", "}}"))
+        else:
+            parts.append("{}")
+            slices.append(slice(*p))
+    if not slices:
+        return "".join(p for p in pieces if isinstance(p, str)), None
+    return "".join(parts), itemgetter(*slices, slice(0, 0))  # the empty slice forces a tuple
 
 
 def _provenance(strings: Sequence[str], n_free: int) -> list[str | int] | None:
-    """Per output position: the literal character, or which free digit it was copied from."""
+    """Per output position: the literal character, or which free digit it was copied from.
+
+    ``strings`` are one output under every probe (probe 0 first); ``None`` when they disagree
+    in a way no copy explains.
+    """
     base = strings[0]
     size = len(base)
     if any(len(s) != size for s in strings):
         return None
-    out: list[str | int] = []
-    for p in range(size):
-        c0 = base[p]
-        codes = [s[p] for s in strings[1:]]
-        if all(c == c0 for c in codes):
-            out.append(c0)
-            continue
-        if c0 != "0":
+    out: list[str | int] = list(base)
+    varying = {p for s in strings[1:] if s != base for p in range(size) if s[p] != base[p]}
+    for p in varying:
+        if base[p] != "0":
             return None
         i = 0
-        for d, c in enumerate(codes):
+        for d, s in enumerate(strings[1:]):
+            c = s[p]
             if not "1" <= c <= "9":
                 return None
             i += (ord(c) - 49) * 9**d
         if i >= n_free:
             return None
-        out.append(i)
+        out[p] = i
     return out
 
 
@@ -604,7 +630,13 @@ class TemplateRouter:
             return False
         _, fired, conv, pat, stars, targets = decisions[0]
         for d in decisions[1:]:
-            if d[1] != fired or d[2] != conv or d[3] != pat or len(d[4]) != len(stars) or len(d[5]) != len(targets):
+            if (
+                d[1] != fired
+                or d[2] != conv
+                or d[3] != pat
+                or len(d[4]) != len(stars)
+                or len(d[5]) != len(targets)
+            ):
                 return False
         n = len(free)
 
@@ -621,6 +653,9 @@ class TemplateRouter:
         node.first = first
         node.targets = tuple(f for f in target_fmts if f is not None)
         node.stars = tuple(f for f in star_fmts if f is not None)
+        node.cfirst = _compile(first)
+        node.ctargets = tuple(_compile(f) for f in node.targets)
+        node.cstars = tuple(_compile(f) for f in node.stars)
         node.tslices = frozenset(p for f in (first, *node.targets) for p in f if isinstance(p, tuple))
         node.built = True
         if not node.stars:

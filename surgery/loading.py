@@ -1,19 +1,15 @@
 """Loading a checkpoint into a (possibly rewritten) module tree.
 
-The pipeline has two phases. Phase 1 (:func:`plan_load`) reads only headers: it resolves the
-model's transforms, routes every checkpoint key once, infers every converter's output shapes by
-running its op chain on ``meta`` tensors, and decides for each target how it will be filled:
-
-* ``mmap``: a runtime-layout tensor of matching dtype going into a ``meta`` model on CPU is
-  memory-mapped from the file and assigned without a copy;
-* ``direct``: bytes are read straight into the destination parameter; for a converter the
-  destination is cut into views by the *inverse* op chain (``MergeModulelist`` + ``Concatenate``
-  become contiguous slices of the fused parameter), so every expert is read once into its place;
-* ``convert``: read, run the op chain, cast, set.
+A load has two phases. Phase 1 (:func:`plan_load`, built in :mod:`surgery.plan`) reads only
+headers: it resolves the model's transforms, routes every checkpoint key once, infers every
+converter's outputs on ``meta`` tensors and decides, per target, whether it is memory-mapped
+(``mmap``), read straight into place (``direct``), or read and converted (``convert``).
 
 Phase 2 (:func:`load_checkpoint`) executes exactly that plan on a thread pool (4 workers by
 default; ``SURGERY_SYNC_LOAD=1`` or ``sync=True`` for sequential loading) with bounded read-ahead,
-sets each parameter as soon as its tensors are ready and frees the temporaries at once.
+sets each parameter as soon as its tensors are ready and frees the temporaries at once. Ctrl-C
+cancels what has not started. A successful load leaves a :class:`LoadRecord` on the model, which
+saving reads to invert exactly what happened.
 """
 
 from __future__ import annotations
@@ -65,8 +61,11 @@ class LoadRecord:
 
     Attributes:
         transforms: the transforms whose output was loaded, in mapping order.
-        source_dtypes: checkpoint dtype of every checkpoint key that was loaded.
-        source_shapes: checkpoint shape of every checkpoint key that was loaded.
+        source_dtypes: checkpoint dtype of every checkpoint key that was loaded (checkpoint order:
+            shard order, then position in the shard).
+        source_shapes: checkpoint shape of every checkpoint key that was loaded (same order).
+        source_shards: per loaded checkpoint key, the index of the file that held it, so a save
+            with the same ``max_shard_size`` puts every key back into the same shard.
         loaded_keys: runtime keys that were loaded.
         checkpoint: the path loaded.
     """
@@ -74,6 +73,7 @@ class LoadRecord:
     transforms: list[WeightTransform] = field(default_factory=list)
     source_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     source_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    source_shards: dict[str, int] = field(default_factory=dict)
     loaded_keys: set[str] = field(default_factory=set)
     checkpoint: str = ""
 
@@ -90,7 +90,6 @@ def _sync_requested(sync: bool | None) -> bool:
     if sync is not None:
         return sync
     return os.environ.get(SYNC_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
 
 
 # --------------------------------------------------------------------------- execution
@@ -124,7 +123,12 @@ class _Progress:
 
 
 def _usable_in_place(param: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
-    return param.device.type != "meta" and param.device == device and param.dtype == dtype and param.is_contiguous()
+    return (
+        param.device.type != "meta"
+        and param.device == device
+        and param.dtype == dtype
+        and param.is_contiguous()
+    )
 
 
 def _alloc(param: torch.Tensor, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, bool]:
@@ -264,7 +268,13 @@ def plan_load(
         if needs_fusion:  # fuse a meta copy, never the model itself
             target, stand_in = _meta_clone(model), _model_device(model)
         prep = _prepare(
-            target, path, device=device, dtype=dtype, fusion_config=fusion_config, reader=reader, stand_in=stand_in
+            target,
+            path,
+            device=device,
+            dtype=dtype,
+            fusion_config=fusion_config,
+            reader=reader,
+            stand_in=stand_in,
         )
         return prep.plan
 
@@ -319,7 +329,8 @@ def load_checkpoint(
     start = time.perf_counter()
     model.__dict__.pop(_RECORD_ATTR, None)  # a failed or interrupted load leaves no record behind
     with _opened(path, allow_pickle) as reader:
-        prep = _prepare(model, path, device=device, dtype=dtype, fusion_config=fusion_config, reader=reader)
+        with _undo_fusions_on_error(model):
+            prep = _prepare(model, path, device=device, dtype=dtype, fusion_config=fusion_config, reader=reader)
         failures = list(prep.failures)
         done: dict[int, _Work] = {}
         loaded: list[str] = []
@@ -339,7 +350,9 @@ def load_checkpoint(
 
         def fail(w: _Work, exc: BaseException) -> None:
             transform = w.entry.transform or "read"
-            failures.append((w.index, ConversionFailure(transform, w.entry.source_keys, w.entry.target_keys, str(exc))))
+            failures.append(
+                (w.index, ConversionFailure(transform, w.entry.source_keys, w.entry.target_keys, str(exc)))
+            )
 
         if _sync_requested(sync):
             for w in prep.work:
@@ -372,6 +385,36 @@ def load_checkpoint(
     return report
 
 
+@contextlib.contextmanager
+def _undo_fusions_on_error(model: nn.Module) -> Iterator[None]:
+    """Planning applies fusions first; if planning then fails, put the original modules back.
+
+    A load that raises before reading anything must leave the model exactly as it was, fusions
+    included (a fused model would otherwise persist a fusion that never loaded).
+    """
+    from .fusion import RECORD_ATTRIBUTE
+
+    modules = dict(model.named_modules())
+    had_record = RECORD_ATTRIBUTE in model.__dict__
+    record = model.__dict__.get(RECORD_ATTRIBUTE)
+    try:
+        yield
+    except BaseException:
+        # Restore parents before children so every path resolves against the original tree.
+        for path, original in sorted(modules.items(), key=lambda item: item[0].count(".")):
+            if not path:
+                continue
+            parent_path, _, name = path.rpartition(".")
+            parent = modules[parent_path]
+            if parent._modules.get(name) is not original:
+                parent._modules[name] = original
+        if had_record:
+            model.__dict__[RECORD_ATTRIBUTE] = record
+        else:
+            model.__dict__.pop(RECORD_ATTRIBUTE, None)
+        raise
+
+
 def _run_pool(prep: _Prepared, workers: int, finish, fail) -> None:
     """Execute the work list with bounded read-ahead; Ctrl-C cancels what has not started."""
     pending: dict[Future, _Work] = {}
@@ -380,7 +423,9 @@ def _run_pool(prep: _Prepared, workers: int, finish, fail) -> None:
         try:
             for w in prep.work:
                 cost = w.entry.nbytes if w.entry.mode == "convert" else 0
-                while pending and (len(pending) >= 2 * workers or in_flight + cost > max(_READ_AHEAD_BYTES, cost)):
+                while pending and (
+                    len(pending) >= 2 * workers or in_flight + cost > max(_READ_AHEAD_BYTES, cost)
+                ):
                     done, _ = wait(pending, return_when=FIRST_COMPLETED)
                     for f in done:
                         fw = pending.pop(f)
@@ -427,14 +472,23 @@ def _record(model: nn.Module, prep: _Prepared, done: list[_Work], path: str | os
         t.mark_used()
     prefix = getattr(model, "base_model_prefix", None)
     if prefix and len(base_changes) == 1:
-        change = PrefixChange(prefix_to_add=prefix) if "+" in base_changes else PrefixChange(prefix_to_remove=prefix)
+        (mark,) = base_changes
+        change = (
+            PrefixChange(prefix_to_add=prefix) if mark.startswith("+") else PrefixChange(prefix_to_remove=prefix)
+        )
         change.mark_used()
-        transforms.insert(0, change)
-    in_order = [k for k in prep.reader if k in sources]  # checkpoint order, not completion order
+        if mark.endswith("after"):
+            transforms.append(change)  # applied to the renamed keys: the last renaming
+        else:
+            transforms.insert(0, change)  # applied to the checkpoint keys: the first renaming
+    reader = prep.reader
+    in_order = [k for k in reader if k in sources]  # checkpoint order, not completion order
+    file_index = {f: i for i, f in enumerate(reader.files)}
     record = LoadRecord(
         transforms=transforms,
-        source_dtypes={k: prep.reader.info(k).dtype for k in in_order},
-        source_shapes={k: tuple(prep.reader.info(k).shape) for k in in_order},
+        source_dtypes={k: reader.info(k).dtype for k in in_order},
+        source_shapes={k: tuple(reader.info(k).shape) for k in in_order},
+        source_shards={k: file_index.get(reader.info(k).file, 0) for k in in_order},
         loaded_keys={k for w in done for k in w.dest_keys},
         checkpoint=str(path),
     )

@@ -3,6 +3,21 @@
 :func:`surgery.plan_load` returns a :class:`LoadPlan` without reading a byte of tensor data, and
 :func:`surgery.load_checkpoint` executes exactly that plan. A plan renders as a compact table in
 which keys that differ only by their indices fold into one row (``layers.{0..31}``), and as JSON.
+
+This module also holds the planning itself (phase 1 of a load): resolve the model's transforms
+(fusions included), route every checkpoint key once, infer every converter's outputs by running
+its op chain on ``meta`` tensors, settle conflicts, and choose per target how it is filled:
+
+* ``mmap``: a runtime-layout tensor of matching dtype going into a ``meta`` model on CPU is
+  memory-mapped from the file and assigned without a copy;
+* ``direct``: bytes are read straight into the destination; for a converter the destination is
+  cut into views by the *inverse* op chain (``MergeModulelist`` + ``Concatenate`` become
+  contiguous slices of the fused parameter), so every expert is read once into its place;
+* ``convert``: read, run the op chain, cast, set;
+* ``skip``: unexpected, mismatched in shape, conflicting or failing (all reported).
+
+Saving reuses the placement views the other way round: a fused parameter is cut into its
+per-expert checkpoint tensors without a copy.
 """
 
 from __future__ import annotations
@@ -12,7 +27,7 @@ import itertools
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -30,7 +45,6 @@ __all__ = ["FUSION_METADATA_KEY", "LoadPlan", "PlanEntry", "fold_indices"]
 FUSION_METADATA_KEY = "surgery.fusion_config"
 """Safetensors metadata key under which a runtime-layout save persists its fusion config."""
 FUSION_TAG = "_surgery_from_fusion"
-
 
 
 @dataclass
@@ -95,7 +109,32 @@ class LoadPlan:
         return d
 
     def to_json(self, **kwargs: Any) -> str:
+        """The plan as JSON text (keyword arguments go to :func:`json.dumps`)."""
         return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LoadPlan:
+        """Rebuild a plan from :meth:`to_dict` output (``total_bytes`` is derived, so it is not read).
+
+        Raises:
+            ConfigurationError: ``data`` is not a plan dict (the message names the bad field).
+        """
+        if not isinstance(data, dict):
+            raise ConfigurationError(f"LoadPlan.from_dict expects a dict, got {type(data).__name__}.")
+        known = {f.name for f in fields(cls)}
+        extra = set(data) - known - {"total_bytes"}
+        if extra:
+            raise ConfigurationError(
+                f"LoadPlan.from_dict: unknown field(s) {sorted(extra)}; a plan has {sorted(known)}."
+            )
+        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs["entries"] = [_entry_from_dict(e) for e in data.get("entries", [])]
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> LoadPlan:
+        """Rebuild a plan from :meth:`to_json` output."""
+        return cls.from_dict(json.loads(text))
 
     def render(self, *, max_rows: int = 60) -> str:
         """A compact table; rows whose keys differ only by indices are folded."""
@@ -143,6 +182,22 @@ class LoadPlan:
         return self.render()
 
 
+def _entry_from_dict(data: Any) -> PlanEntry:
+    if not isinstance(data, dict):
+        raise ConfigurationError(f"LoadPlan.from_dict: an entry must be a dict, got {data!r}.")
+    names = {f.name for f in fields(PlanEntry)}
+    if set(data) - names:
+        raise ConfigurationError(f"LoadPlan.from_dict: unknown entry field(s) {sorted(set(data) - names)}.")
+    return PlanEntry(**{k: _tuples(v) for k, v in data.items()})
+
+
+def _tuples(value: Any) -> Any:
+    """JSON lists back to the tuples a :class:`PlanEntry` holds (nested: shapes, tp slices)."""
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
 _NUM = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 
@@ -151,7 +206,7 @@ def _template(key: str) -> str:
 
 
 def _shape(shape: tuple[int, ...] | None) -> str:
-    return "?" if shape is None else "(" + ", ".join(map(str, shape)) + ")"
+    return "?" if shape is None else str(tuple(shape))
 
 
 def _human(n: int) -> str:
@@ -167,7 +222,7 @@ def _ranges(values: list[int]) -> str:
     values = sorted(set(values))
     parts: list[str] = []
     start = prev = values[0]
-    for v in values[1:] + [None]:  # type: ignore[list-item]
+    for v in [*values[1:], None]:
         if v is not None and v == prev + 1:
             prev = v
             continue
@@ -247,7 +302,9 @@ def _meta_clone(model: nn.Module) -> nn.Module:
         if id(t) in memo:
             continue
         meta = t.detach().to("meta")
-        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        memo[id(t)] = (
+            nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        )
     return copy.deepcopy(model, memo)
 
 
@@ -301,10 +358,16 @@ def _persisted_fusion_config(reader: CheckpointReader) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _apply_fusions(model: nn.Module, fusion_config: dict[str, Any] | None, reader: CheckpointReader) -> dict | None:
+def _apply_fusions(
+    model: nn.Module, fusion_config: dict[str, Any] | None, reader: CheckpointReader
+) -> dict | None:
     """Apply the requested (or persisted) fusions; return the config in force."""
     current = _fusion_config_of(model)
-    wanted = fusion_config if fusion_config is not None else (None if current else _persisted_fusion_config(reader))
+    wanted = (
+        fusion_config
+        if fusion_config is not None
+        else (None if current else _persisted_fusion_config(reader))
+    )
     if wanted is None:
         return current
     from .fusion import apply_fusions
@@ -367,7 +430,9 @@ def _normalize_device(device: torch.device | str | None) -> torch.device | None:
     try:
         return torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ConfigurationError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'.") from None
+        raise ConfigurationError(
+            f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'."
+        ) from None
 
 
 def _model_device(model: nn.Module) -> torch.device | None:
@@ -400,7 +465,9 @@ def _prepare(
     runtime = _runtime_tensors(model)
     tied = _tied_groups(runtime)
     base_prefix = getattr(model, "base_model_prefix", None) or None
-    routing = route_keys(reader.keys(), transforms, runtime_keys=runtime.keys(), base_model_prefix=base_prefix)
+    routing = route_keys(
+        reader.keys(), transforms, runtime_keys=runtime.keys(), base_model_prefix=base_prefix
+    )
     config_for = _config_lookup(model)
     plan = LoadPlan(str(path), fusions=fusions)
     plan.transforms = [repr(t) for t in transforms]
@@ -408,7 +475,9 @@ def _prepare(
     failures: list[tuple[int, ConversionFailure]] = []
     conflicts = [
         ConversionFailure(
-            "routing", (c.first, c.second), (c.target_key,),
+            "routing",
+            (c.first, c.second),
+            (c.target_key,),
             f"checkpoint keys {c.first!r} and {c.second!r} both land on {c.target_key!r}; neither is "
             "loaded. Remove one of them from the checkpoint, or fix the mapping that renames them together.",
         )
@@ -459,7 +528,9 @@ def _prepare(
                 outputs = _infer_outputs(converter, group.key, infos, pattern_of, runtime, config)
             except SurgeryError as exc:
                 entry.status, entry.mode, entry.message = "error", "skip", str(exc)
-                failures.append((index, ConversionFailure(repr(converter), src_keys, group.target_keys, str(exc))))
+                failures.append(
+                    (index, ConversionFailure(repr(converter), src_keys, group.target_keys, str(exc)))
+                )
                 covered.update(k for k in group.target_keys if k in runtime)
                 continue
             out_keys = tuple(outputs)
@@ -482,10 +553,14 @@ def _prepare(
         if target_device.type == "meta":
             target_device = torch.device("cpu")
         entry.device = str(target_device)
-        work = _Work(entry, converter, group.key, pattern_of, out_keys, target_device, config, slot_shapes, index)
+        work = _Work(
+            entry, converter, group.key, pattern_of, out_keys, target_device, config, slot_shapes, index
+        )
         candidates.append(work)
         covered.update(out_keys)
-        bad_shape = [(k, s, tuple(p.shape)) for k, s, p in zip(out_keys, out_shapes, params) if s != tuple(p.shape)]
+        bad_shape = [
+            (k, s, tuple(p.shape)) for k, s, p in zip(out_keys, out_shapes, params) if s != tuple(p.shape)
+        ]
         if bad_shape:
             entry.status, entry.mode = "mismatch", "skip"
             entry.message = "; ".join(f"{k}: checkpoint {s} vs model {m}" for k, s, m in bad_shape)
@@ -498,7 +573,9 @@ def _prepare(
         for k, od, d in zip(out_keys, out_dtypes, dts):
             target_dtype[k] = d
             if od != d and d != want_dtype:  # a cast nobody asked for: report it (saving undoes it)
-                mismatches.append(Mismatch(k, "dtype", _dtype_name(od), _dtype_name(d), src_keys, loaded=True))
+                mismatches.append(
+                    Mismatch(k, "dtype", _dtype_name(od), _dtype_name(d), src_keys, loaded=True)
+                )
         entry.mode = _choose_mode(work, [where(p) for p in params], params, cast, runtime)
 
     work_list = _settle_conflicts(candidates, conflicted_groups, tied, conflicts)
@@ -506,7 +583,17 @@ def _prepare(
         covered.update(tied.get(k, ()))
     plan.missing_keys = [k for k in runtime if k not in covered]
     return _Prepared(
-        plan, work_list, routing, transforms, reader, runtime, tied, mismatches, failures, conflicts, target_dtype
+        plan,
+        work_list,
+        routing,
+        transforms,
+        reader,
+        runtime,
+        tied,
+        mismatches,
+        failures,
+        conflicts,
+        target_dtype,
     )
 
 
@@ -537,7 +624,9 @@ def _settle_conflicts(
         names = sorted({k for w in ws for k in w.dest_keys if tied.get(k, [k])[0] == key})
         conflicts.append(
             ConversionFailure(
-                "routing", sources, tuple(names),
+                "routing",
+                sources,
+                tuple(names),
                 f"{len(ws)} checkpoint entries ({', '.join(w.entry.source_keys[0] for w in ws)}) land on "
                 f"{' = '.join(names)}; neither is loaded. Keep one of them in the checkpoint.",
             )
@@ -572,11 +661,15 @@ def _infer_outputs(
     """Run the op chain on meta tensors: output names and shapes without reading data."""
     for info in infos:
         pat, idx = pattern_of[info.key]
-        converter.add_tensor(group_key, info.key, pat, torch.empty(info.shape, dtype=info.dtype, device="meta"), index=idx)
+        converter.add_tensor(
+            group_key, info.key, pat, torch.empty(info.shape, dtype=info.dtype, device="meta"), index=idx
+        )
     return converter.convert(group_key, _ctx(converter, group_key, runtime, config))
 
 
-def _ctx(converter: WeightConverter, group_key: str, runtime: dict[str, torch.Tensor], config: Any) -> OpContext:
+def _ctx(
+    converter: WeightConverter, group_key: str, runtime: dict[str, torch.Tensor], config: Any
+) -> OpContext:
     targets = converter._expand_target_keys(group_key)
     shapes = tuple(tuple(runtime[k].shape) if k in runtime else None for k in targets)
     return OpContext(n_targets=len(targets), target_shapes=shapes, config=config)
@@ -620,7 +713,11 @@ def _stage_shapes(converter: WeightConverter, slots_shapes: list[Any], ctx: OpCo
     """Shapes of the slots before each op (meta run)."""
 
     def meta(s: Any) -> Any:
-        return [torch.empty(x, device="meta") for x in s] if isinstance(s, list) else torch.empty(s, device="meta")
+        return (
+            [torch.empty(x, device="meta") for x in s]
+            if isinstance(s, list)
+            else torch.empty(s, device="meta")
+        )
 
     slots = [meta(s) for s in slots_shapes]
     stages = [[_shape_of(s) for s in slots]]
@@ -699,7 +796,9 @@ def _ordered_sources(conv: WeightConverter, w: _Work) -> list[str]:
     for src in w.entry.source_keys:
         pat, idx = w.pattern_of[src]
         by_pattern.setdefault(pat, {})[idx] = src
-    return [by_pattern[i][ix] for i in range(len(conv.source_patterns)) for ix in sorted(by_pattern.get(i, {}))]
+    return [
+        by_pattern[i][ix] for i in range(len(conv.source_patterns)) for ix in sorted(by_pattern.get(i, {}))
+    ]
 
 
 def _flatten(slots: list[Any]) -> list[torch.Tensor]:
@@ -711,5 +810,3 @@ def _flatten(slots: list[Any]) -> list[torch.Tensor]:
 
 def _all_contiguous(slots: list[Any]) -> bool:
     return all(t.is_contiguous() for t in _flatten(slots))
-
-

@@ -37,7 +37,9 @@ class KeyRoute:
         converter: index of the converter that claimed the key, or ``None``.
         pattern_index: which source pattern of that converter matched.
         index: the wildcard indices, when the converter gathers (merges) keys.
-        base_prefix: ``"+"`` if ``base_model_prefix`` was added, ``"-"`` if stripped, else ``""``.
+        base_prefix: how ``base_model_prefix`` was used: ``"+after"`` / ``"-after"`` when it was
+            added to / stripped from the routed targets, ``"+"`` / ``"-"`` when it was added to /
+            stripped from the checkpoint key before routing, ``""`` when it was not needed.
     """
 
     source_key: str
@@ -87,7 +89,8 @@ class RouteTable(Mapping[str, KeyRoute]):
     """Checkpoint key → :class:`KeyRoute`, read-only; routes are made on access.
 
     Keys of one shape share one decision; storing that decision instead of one object per key is
-    what keeps routing a large checkpoint cheap. Iteration follows the order keys were routed in.
+    what keeps routing a large checkpoint cheap. A route is made on first access and kept.
+    Iteration follows the order the keys were given in.
     """
 
     __slots__ = ("_entries",)
@@ -100,7 +103,9 @@ class RouteTable(Mapping[str, KeyRoute]):
         if entry.__class__ is KeyRoute:
             return entry  # type: ignore[return-value]
         c = entry.walk(key)  # type: ignore[union-attr]
-        return KeyRoute(key, c.first_of(key), c.fired, c.conv, c.pat, c.index(key))
+        route = KeyRoute(key, c.first_of(key), c.fired, c.conv, c.pat, c.index(key))
+        self._entries[key] = route  # made once; the loader reads each route more than once
+        return route
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
@@ -240,11 +245,11 @@ def route_keys(
             file(key, route(key))
         entries: dict[str, KeyRoute | KeyClass] = filer.entries
     else:
-        templates = key_templates(keys)
-        _route_shared(keys, templates, router, filer)
-        # Every key maps to its template's node (the route is read from it on access), except
-        # the keys that took the exact path, which keep their KeyRoute.
-        entries = dict(zip(keys, map(router.table.__getitem__, templates)))
+        roots = list(map(router.table.__getitem__, key_templates(keys)))
+        # Every key maps to its template's root (the route is read from it on access), except
+        # the keys that took the exact path, which keep their KeyRoute (added below).
+        entries = dict(zip(keys, roots))
+        _route_shared(keys, roots, filer, unique=len(entries) == len(keys))
         entries.update(filer.entries)
     return Routing(router.router.transforms, RouteTable(entries), filer.groups, filer.conflicts)
 
@@ -268,11 +273,9 @@ def _route_keys_exact(
         first, fired, conv, pat, stars, targets = router.route(key)
         base = ""
         if use_prefix and not _names_real(targets, known):
-            alt_key = key[len(pre) :] if key.startswith(pre) else pre + key
-            alt = router.route(alt_key)
-            if _names_real(alt[5], known):
-                first, fired, conv, pat, stars, targets = alt
-                base = "-" if key.startswith(pre) else "+"
+            first, fired, conv, pat, stars, targets, base = _retry_with_prefix(
+                key, (first, fired, conv, pat, stars, targets), pre, known, router.route
+            )
         index = tuple(int(s) for s in stars)
         routes[key] = KeyRoute(key, first, fired, conv, pat, index, base)
         group = groups.get(first)
@@ -299,7 +302,7 @@ def _check_str(keys: list[Any]) -> None:
         ) from None
 
 
-def _route_shared(keys: list[str], templates: list[str], router: TemplateRouter, filer: _Filer) -> None:
+def _route_shared(keys: list[str], roots: list[KeyClass], filer: _Filer, *, unique: bool) -> None:
     """The hot loop: one selection per key finds its group slot; the index is one more slice.
 
     A template root caches, per selection (see :class:`~surgery.fastroute.KeyClass`), a verdict
@@ -308,15 +311,24 @@ def _route_shared(keys: list[str], templates: list[str], router: TemplateRouter,
     (:class:`_Detour` claims to hold every index, so it lands in the collision branch) handled by
     :class:`_Filer` with the exact path's semantics.
     """
-    table = router.table
     miss = filer.miss
     detour = filer.detour
     index_of = _IndexCache()
-    for k, t in zip(keys, templates):
-        c = table[t]
-        v = c.cache.get(c.sel(k))
+    if unique:
+        # ``setdefault`` returns ``k`` itself unless the index is taken (or the slot is a detour).
+        for k, c in zip(keys, roots):
+            v = c.cache.get(s := c.sel(k))
+            if v is None:
+                v = miss(k, c, s)
+            slot, ia, ib = v
+            ix = index_of[k[ia:ib]]
+            if slot.setdefault(ix, k) is not k:
+                detour(k, c, slot, ix)
+        return
+    for k, c in zip(keys, roots):  # a key occurs twice: compare the slot's content, not identity
+        v = c.cache.get(s := c.sel(k))
         if v is None:
-            v = miss(k, c)
+            v = miss(k, c, s)
         slot, ia, ib = v
         ix = index_of[k[ia:ib]]
         if ix in slot:
@@ -351,8 +363,11 @@ class _Detour(dict):  # type: ignore[type-arg]
     def __contains__(self, ix: object) -> bool:
         return True
 
+    def setdefault(self, ix: object, default: object = None) -> _Detour:  # type: ignore[override]
+        return self
 
-_WALK = (_Detour("walk"), 0, 0)
+
+_WALK: tuple[dict[tuple[int, ...], str], int, int] = (_Detour("walk"), 0, 0)
 
 
 class _Filer:
@@ -377,12 +392,9 @@ class _Filer:
         first, fired, conv, pat, stars, targets = decision
         base = ""
         if self.use_prefix and not _names_real(targets, self.known):
-            pre = self.pre
-            alt_key = key[len(pre) :] if key.startswith(pre) else pre + key
-            alt = self.router.decide(alt_key)
-            if _names_real(alt[5], self.known):
-                first, fired, conv, pat, stars, targets = alt
-                base = "-" if key.startswith(pre) else "+"
+            first, fired, conv, pat, stars, targets, base = _retry_with_prefix(
+                key, decision, self.pre, self.known, self.router.decide
+            )
         index = tuple(int(s) for s in stars)
         self.entries[key] = KeyRoute(key, first, fired, conv, pat, index, base)
         group = self.groups.get(first)
@@ -397,27 +409,32 @@ class _Filer:
             return
         slot[index] = key
 
-    def miss(self, key: str, root: KeyClass) -> tuple[dict[tuple[int, ...], str], int, int]:
-        """No verdict cached for ``key``'s selection: make one (without counting the key)."""
-        node = root
-        spans = set()
-        while node.sb:
-            spans.add((node.sa, node.sb))
-            node = node.children[key[node.sa : node.sb]]
+    def miss(self, key: str, root: KeyClass, selection: Any) -> tuple[dict[tuple[int, ...], str], int, int]:
+        """No verdict cached for ``key``'s ``selection``: make one (without counting the key)."""
+        node = root.walk(key)
+        verdict: tuple[dict[tuple[int, ...], str], int, int]
         if not node.hot:
             verdict = _WALK  # valid for any key: the detour walks with the key itself
         else:
-            if not (spans | node.tslices) <= root.sel_slices:
-                root.refresh()  # the selection must pin this class and its target group
+            if not node.covered:  # the selection must pin this class and its target group
+                spans = set(node.tslices)
+                n = root
+                while n.sb:
+                    spans.add((n.sa, n.sb))
+                    n = n.children[key[n.sa : n.sb]]
+                if not spans <= root.sel_slices:
+                    root.refresh()  # selectors only grow, so a covered class stays covered
+                    selection = root.sel(key)
+                node.covered = True
             verdict = (self._slot(key, node), node.ia, node.ib)
-        root.cache[root.sel(key)] = verdict
+        root.cache[selection] = verdict
         return verdict
 
     def _slot(self, key: str, c: KeyClass) -> dict[tuple[int, ...], str]:
         targets = c.targets_of(key)
         if self.use_prefix and not _names_real(targets, self.known):
             return _Detour("retry")
-        first = c.first_of(key)
+        first = targets[0]  # the exact path's first target is always its first target key
         group = self.groups.get(first)
         if group is None:
             group = self.groups[first] = TargetGroup(first, c.conv, targets)
@@ -436,12 +453,36 @@ class _Filer:
             if leaf.hot:
                 root.cache.pop(root.sel(key), None)  # stale: the next key of this class goes fast
             self.file(key, self.router.decision(leaf, key))
-        elif d.kind == "retry":
+        elif d.group is None:  # "retry"
             self.file(key, root.walk(key).decision(key))
-        else:
-            group = d.group
-            assert group is not None  # set for every "refused" detour
-            self.conflicts.append(RouteConflict(group.key, group.source_keys[0], key))
+        else:  # "refused"
+            self.conflicts.append(RouteConflict(d.group.key, d.group.source_keys[0], key))
+
+
+def _retry_with_prefix(
+    key: str, decision: Decision, pre: str, known: Collection[str], route: Any
+) -> tuple[str, tuple[int, ...], int | None, int | None, tuple[str, ...], tuple[str, ...], str]:
+    """Find the base-model-prefix form of a key whose targets name no runtime key.
+
+    First the routed targets themselves with ``pre`` stripped or added (the transformers order:
+    a checkpoint of the model with a head, renamed, then loaded into the bare base model), then
+    the checkpoint key with ``pre`` stripped or added and routed again (so that transforms scoped
+    under the prefix see it). The last element says which form won (see :class:`KeyRoute`).
+    """
+    first, fired, conv, pat, stars, targets = decision
+    if all(t.startswith(pre) for t in targets):
+        moved = tuple(t[len(pre) :] for t in targets)
+        mark = "-after"
+    else:
+        moved = tuple(pre + t for t in targets)
+        mark = "+after"
+    if _names_real(moved, known):
+        return moved[0], fired, conv, pat, stars, moved, mark
+    alt_key = key[len(pre) :] if key.startswith(pre) else pre + key
+    alt = route(alt_key)
+    if _names_real(alt[5], known):
+        return (*alt, "-" if key.startswith(pre) else "+")
+    return (*decision, "")
 
 
 def _names_real(targets: tuple[str, ...], known: Collection[str]) -> bool:

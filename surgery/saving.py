@@ -17,6 +17,7 @@ weights) the outputs are views of the parameter and cost no memory at all.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -135,8 +136,10 @@ class RevertedState(Mapping[str, torch.Tensor]):
 
     Keys, shapes and dtypes (:meth:`spec`) are known on construction; nothing is computed until a
     value is looked up. A lookup computes the whole converter group the key belongs to (all
-    experts of one layer, say) and keeps only that group's outputs, so iterating in key order —
-    groups are contiguous in it — computes every group once and never holds two.
+    experts of one layer, say) and keeps only that group's outputs, never two groups'. Iteration
+    follows the loaded checkpoint's shard order (so a save with its ``max_shard_size`` rewrites
+    the same shards) and keeps each group's keys together within a shard, so iterating computes
+    every group once per shard it spans.
 
     Args:
         model: the module tree.
@@ -162,18 +165,21 @@ class RevertedState(Mapping[str, torch.Tensor]):
         self._group_of: dict[str, int] = {}
         self._current: int | None = None
         self._cache: dict[str, torch.Tensor] = {}
-        groups = self._plan(model) if original_format else self._identity()
+        groups = self._plan(model) if original_format else self._identity(model)
         self._groups = groups
         for i, g in enumerate(groups):
             for name in g.names:
                 self._group_of[name] = i
 
     # ------------------------------------------------------------------ construction
-    def _identity(self) -> list[_Group]:
+    def _identity(self, model: nn.Module) -> list[_Group]:
         groups = []
         for k, t in self._state.items():
             self._specs[k] = TensorSpec(tuple(t.shape), t.dtype)
             groups.append(_Group((k,), (k,), (k,), (t.dtype,)))
+        record = load_record(model)
+        position = {k: i for i, k in enumerate(record.source_shapes)} if record is not None else {}
+        self._specs = self._write_order(groups, record, position, {k: i for i, k in enumerate(self._state)})
         return groups
 
     def _plan(self, model: nn.Module) -> list[_Group]:
@@ -207,8 +213,8 @@ class RevertedState(Mapping[str, torch.Tensor]):
         groups: list[_Group] = []
         for tg in stage1.groups.values():
             for k in tg.source_keys:
-                r = stage1.routes[k]
-                self._routes[k] = (r.pattern_index or 0, r.index)
+                route = stage1.routes[k]
+                self._routes[k] = (route.pattern_index or 0, route.index)
             if tg.converter is None:
                 (src,) = tg.source_keys
                 metas = {src: self._state[src]}
@@ -226,27 +232,57 @@ class RevertedState(Mapping[str, torch.Tensor]):
                     )
                 self._specs[n] = TensorSpec(tuple(metas[o].shape), d)
             groups.append(group)
-        # Write order: the checkpoint's own order where known (groups kept contiguous), else runtime order.
+        self._specs = self._write_order(groups, record, position, runtime_order)
+        return groups
+
+    def _write_order(
+        self,
+        groups: list[_Group],
+        record: Any,
+        position: dict[str, int],
+        runtime_order: dict[str, int],
+    ) -> dict[str, TensorSpec]:
+        """Order the keys: the order write_checkpoint shards in, and reads values in.
+
+        Keys the checkpoint had go back in its shard order, the largest of each shard first: with
+        the checkpoint's ``max_shard_size``, greedy sharding then closes every shard exactly where
+        the checkpoint's closed (the first key that did not fit there is no larger than the
+        largest), so the files come out identical. Within a shard each group's keys stay together,
+        so each group is computed once per shard it spans. Keys the checkpoint did not have (all of
+        them, for a model never loaded) follow in runtime order.
+        """
         last = len(position)
-
-        def out_rank(name: str) -> int:
-            return position.get(name, last)
-
         for g in groups:
-            order = sorted(range(len(g.names)), key=lambda i: out_rank(g.names[i]))
+            order = sorted(range(len(g.names)), key=lambda i: position.get(g.names[i], last))
             g.outputs = tuple(g.outputs[i] for i in order)
             g.names = tuple(g.names[i] for i in order)
             g.dtypes = tuple(g.dtypes[i] for i in order)
-        groups.sort(key=lambda g: (min(out_rank(n) for n in g.names), runtime_order[g.sources[0]]))
-        self._specs = {n: self._specs[n] for g in groups for n in g.names}
-        return groups
+        groups.sort(key=lambda g: (min(position.get(n, last) for n in g.names), runtime_order[g.sources[0]]))
+        shard_of = record.source_shards if record is not None else {}
+        unknown = max(shard_of.values(), default=-1) + 1  # keys the checkpoint did not have
+        segments: dict[int, list[str]] = {}
+        for g in groups:
+            for n in g.names:
+                segments.setdefault(shard_of.get(n, unknown), []).append(n)
+        ordered: list[str] = []
+        for shard in sorted(segments):
+            keys = segments[shard]
+            if shard != unknown:
+                largest = max(
+                    keys, key=lambda n: math.prod(self._specs[n].shape) * self._specs[n].dtype.itemsize
+                )
+                keys = [largest, *(n for n in keys if n != largest)]
+            ordered.extend(keys)
+        return {n: self._specs[n] for n in ordered}
 
     def _plan_converter(
         self, index: int, key: str, sources: tuple[str, ...], shapes: dict[str, tuple[int, ...]]
     ) -> tuple[_Group, dict[str, torch.Tensor]]:
         conv = self._converters[index]
         targets = conv._expand_target_keys(key)
-        ctx = OpContext(n_targets=len(targets), target_shapes=tuple(shapes.get(t.replace("*", "0")) for t in targets))
+        ctx = OpContext(
+            n_targets=len(targets), target_shapes=tuple(shapes.get(t.replace("*", "0")) for t in targets)
+        )
         for k in sources:
             pat, idx = self._routes[k]
             conv.add_tensor(key, k, pat, self._state[k].to("meta"), index=idx)
@@ -264,7 +300,9 @@ class RevertedState(Mapping[str, torch.Tensor]):
             slot_shapes = [_shape_of(s) for s in run_chain(self._converters[index].operations, [meta], ctx)]
         except ConversionError:
             return None
-        views = _placement_views(forward, meta, slot_shapes, OpContext(n_targets=1, target_shapes=(tuple(source.shape),)))
+        views = _placement_views(
+            forward, meta, slot_shapes, OpContext(n_targets=1, target_shapes=(tuple(source.shape),))
+        )
         if views is None or not _all_contiguous(views) or not source.is_contiguous():
             return None
         return slot_shapes
@@ -278,7 +316,9 @@ class RevertedState(Mapping[str, torch.Tensor]):
             ctx = OpContext(n_targets=1, target_shapes=(tuple(src.shape),))
             flat = _flatten(_placement_views(self._forward[g.converter], src, g.slot_shapes, ctx) or [])
             if len(flat) != len(g.chain_order):
-                raise ConversionError(f"saving {g.sources[0]!r}: the planned views do not match; this is a bug.")
+                raise ConversionError(
+                    f"saving {g.sources[0]!r}: the planned views do not match; this is a bug."
+                )
             raw = dict(zip(g.chain_order, flat))
         else:
             conv = self._converters[g.converter]
@@ -354,6 +394,9 @@ def iter_reverted(model: nn.Module, *, original_format: bool = True) -> Iterator
 
 def revert_state_dict(model: nn.Module, *, original_format: bool = True) -> dict[str, torch.Tensor]:
     """The model's tensors in the original checkpoint layout, in memory (every group at once).
+
+    Tensors that need no computation (plain keys, experts cut out of a fused parameter) share
+    memory with the model's parameters; ``.clone()`` them before modifying them.
 
     Example:
         >>> sd = surgery.revert_state_dict(model)  # doctest: +SKIP

@@ -141,7 +141,13 @@ class _DecoderLayer(nn.Module):
 
 
 class ExampleMoEModel(nn.Module):
-    """The decoder stack (the base model)."""
+    """The decoder stack (the base model).
+
+    ``base_model_prefix = "model"`` follows the transformers convention: a checkpoint saved from
+    the model with a head (keys under ``model.``) loads into this bare base model, and the reverse.
+    """
+
+    base_model_prefix = "model"
 
     def __init__(self, cfg: ExampleMoEConfig) -> None:
         super().__init__()

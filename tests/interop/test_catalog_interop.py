@@ -723,10 +723,6 @@ class Cross:
     hub_layout: bool = False
 
 
-_ROUTING_BUG = (
-    "engine: route_keys applies base_model_prefix to the checkpoint key before renaming, while "
-    "transformers strips it from the renamed key (model.X -> model.language_model.X -> language_model.X)"
-)
 
 CROSS: tuple[Any, ...] = (
     Cross(
@@ -766,7 +762,6 @@ CROSS: tuple[Any, ...] = (
             lambda: T.Qwen2VLForConditionalGeneration(_qwen2_vl_config()),
             lambda: T.Qwen2VLModel(_qwen2_vl_config()),
         ),
-        marks=pytest.mark.xfail(strict=True, reason=_ROUTING_BUG),
     ),
 )
 

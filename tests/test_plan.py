@@ -1,0 +1,221 @@
+"""The dry run: headers only, the model untouched, problems up front, folded rendering, the plan executed."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import surgery
+from surgery.checkpoint import SAFE_WEIGHTS_NAME, write_checkpoint
+from surgery.examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
+from surgery.examples.vision import build_vision_tower
+from surgery.fusion import fusion_record
+from surgery.loading import load_record
+from surgery.plan import LoadPlan, PlanEntry, fold_indices
+
+CFG = ExampleMoEConfig()
+FUSE = {"patch_embeddings": True}
+
+
+def write_original(path: Path, **edits: torch.Tensor | None) -> None:
+    sd = original_state_dict(build_moe_model(CFG, seed=0))
+    for key, value in edits.items():
+        key = key.replace("__", ".")
+        if value is None:
+            del sd[key]
+        else:
+            sd[key] = value
+    write_checkpoint(sd, path)
+
+
+def corrupt_data(file: Path) -> None:
+    """Overwrite every tensor byte (the header stays intact): any read now gives other values."""
+    raw = bytearray(file.read_bytes())
+    (length,) = struct.unpack("<Q", raw[:8])
+    start = 8 + length
+    raw[start:] = bytes((b ^ 0x5A) for b in raw[start:])
+    file.write_bytes(bytes(raw))
+
+
+def without_path(plan: LoadPlan) -> dict:
+    d = plan.to_dict()
+    d.pop("checkpoint")
+    return d
+
+
+# ------------------------------------------------------------------------------------------ headers only
+
+
+def test_plan_reads_only_headers(tmp_path: Path) -> None:
+    write_original(tmp_path / "intact")
+    write_original(tmp_path / "corrupt")
+    corrupt_data(tmp_path / "corrupt" / SAFE_WEIGHTS_NAME)
+    model = build_moe_model(CFG, device="meta")
+    assert without_path(surgery.plan_load(model, tmp_path / "corrupt")) == without_path(
+        surgery.plan_load(model, tmp_path / "intact")
+    )
+    # ... while a load reads the damaged bytes
+    surgery.load_checkpoint(model, tmp_path / "corrupt")
+    reference = build_moe_model(CFG, seed=0).state_dict()
+    assert not any(torch.equal(model.state_dict()[k], reference[k]) for k in reference)
+
+
+def test_plan_reports_missing_unexpected_and_mismatched_before_any_read(tmp_path: Path) -> None:
+    write_original(
+        tmp_path, lm_head__weight=None, extra__bias=torch.ones(2), model__norm__weight=torch.ones(3)
+    )
+    corrupt_data(tmp_path / SAFE_WEIGHTS_NAME)
+    plan = surgery.plan_load(build_moe_model(CFG), tmp_path)
+    assert plan.missing_keys == ["lm_head.weight"]
+    assert plan.unexpected_keys == ["extra.bias"]
+    (mismatch,) = [e for e in plan.problems if e.status == "mismatch"]
+    assert mismatch.target_keys == ("model.norm.weight",) and mismatch.mode == "skip"
+    assert "checkpoint (3,) vs model (16,)" in mismatch.message
+
+
+def test_plan_describes_each_converter_group(tmp_path: Path) -> None:
+    write_original(tmp_path)
+    plan = surgery.plan_load(build_moe_model(CFG), tmp_path)
+    (entry,) = [e for e in plan.entries if e.target_keys == ("model.layers.1.mlp.experts.gate_up_proj",)]
+    e = CFG.num_local_experts
+    assert entry.source_keys[0] == "model.layers.1.block_sparse_moe.experts.0.w1.weight"
+    assert entry.source_keys[e] == "model.layers.1.block_sparse_moe.experts.0.w3.weight"
+    assert len(entry.source_keys) == 2 * e
+    assert entry.operations == ("MergeModulelist(dim=0)", "Concatenate(dim=1)")
+    assert entry.renamings == ("WeightRenaming('.block_sparse_moe.' -> '.mlp.', scope_prefix='')",)
+    assert entry.nbytes == 2 * e * CFG.intermediate_size * CFG.hidden_size * 4
+    assert entry.target_shapes == ((e, 2 * CFG.intermediate_size, CFG.hidden_size),)
+    assert (entry.target_dtype, entry.device, entry.mode, entry.status) == ("float32", "cpu", "direct", "ok")
+    assert plan.total_bytes == sum(t.nbytes for t in build_moe_model(CFG).state_dict().values())
+
+
+# ------------------------------------------------------------------------------------------ the model untouched
+
+
+def test_plan_changes_nothing_on_the_model(tmp_path: Path) -> None:
+    write_original(tmp_path)
+    model = build_moe_model(CFG, seed=3)
+    before = {k: (v, v.clone()) for k, v in model.state_dict(keep_vars=True).items()}
+    surgery.plan_load(model, tmp_path)
+    after = model.state_dict(keep_vars=True)
+    assert all(after[k] is t and torch.equal(t, copy) for k, (t, copy) in before.items())
+    assert load_record(model) is None
+
+
+def test_plan_with_a_fusion_config_leaves_the_model_unfused(tmp_path: Path) -> None:
+    write_checkpoint(build_vision_tower(depth=1, seed=0).state_dict(), tmp_path)
+    tower = build_vision_tower(depth=1, seed=1)
+    keys = list(tower.state_dict())
+    patch_embed = tower.patch_embed
+    plan = surgery.plan_load(tower, tmp_path, fusion_config=FUSE)
+    assert plan.fusions == FUSE
+    assert any(e.target_keys == ("patch_embed.linear_proj.weight",) for e in plan.entries)
+    assert fusion_record(tower) is None and tower.patch_embed is patch_embed
+    assert list(tower.state_dict()) == keys
+    assert all(t.device.type == "cpu" for t in tower.state_dict().values())
+
+
+# ------------------------------------------------------------------------------------------ executed exactly
+
+
+def _executed(report: surgery.LoadReport) -> dict:
+    d = report.plan.to_dict()
+    d.pop("checkpoint")
+    return d
+
+
+@pytest.mark.parametrize(
+    ("build", "kwargs"),
+    [
+        (lambda: build_moe_model(CFG, device="meta"), {}),
+        (lambda: build_moe_model(CFG, seed=3), {}),
+        (lambda: build_moe_model(CFG, seed=3), {"dtype": torch.bfloat16}),
+        (lambda: build_vision_tower(depth=1, seed=1), {"fusion_config": FUSE}),
+    ],
+    ids=["moe-meta", "moe-cpu", "moe-cast", "vision-fused"],
+)
+def test_load_executes_exactly_the_plan(tmp_path: Path, build, kwargs) -> None:
+    probe = build()
+    source = (
+        original_state_dict(build_moe_model(CFG))
+        if hasattr(probe, "lm_head")
+        else (build_vision_tower(depth=1, seed=0).state_dict())
+    )
+    write_checkpoint(source, tmp_path)
+    plan = surgery.plan_load(probe, tmp_path, **kwargs)
+    report = surgery.load_checkpoint(build(), tmp_path, **kwargs)
+    assert _executed(report) == without_path(plan)
+    ok = [e for e in plan.entries if e.status == "ok"]
+    assert sorted(report.loaded_keys) == sorted(k for e in ok for k in e.target_keys)
+    assert sorted(report.mapped_keys) == sorted(k for e in ok if e.mode == "mmap" for k in e.target_keys)
+
+
+# ------------------------------------------------------------------------------------------ rendering
+
+
+def test_render_folds_indices_into_one_row(tmp_path: Path) -> None:
+    write_original(tmp_path)
+    text = surgery.plan_load(build_moe_model(CFG, device="meta"), tmp_path).render()
+    lines = text.splitlines()
+    assert lines[0].startswith(f"LoadPlan for {tmp_path}: 21 targets")
+    (row,) = [line for line in lines if "gate_up_proj" in line]
+    assert row.startswith("model.layers.{0..1}.mlp.experts.gate_up_proj")
+    assert "direct" in row and "(4, 64, 16)" in row and "MergeModulelist(dim=0), Concatenate(dim=1)" in row
+    assert any(line.startswith("model.norm.weight ") and "(16,)" in line for line in lines)
+    assert len(lines) < 21  # folded
+
+
+def test_render_lists_problems(tmp_path: Path) -> None:
+    write_original(tmp_path, lm_head__weight=None, model__layers__0__input_layernorm__weight=torch.ones(2))
+    text = surgery.plan_load(build_moe_model(CFG), tmp_path).render()
+    assert "missing (1): lm_head.weight" in text
+    assert "[mismatch: model.layers.0.input_layernorm.weight: checkpoint (2,) vs model (16,)]" in text
+
+
+def test_render_limits_rows() -> None:
+    plan = LoadPlan("x", entries=[PlanEntry((f"k{i}.w",), (f"k{i}.w",)) for i in range(5)])
+    text = plan.render(max_rows=2)
+    assert text.splitlines()[-1] == "... 3 more rows"
+
+
+def test_plan_round_trips_through_json(tmp_path: Path) -> None:
+    write_original(tmp_path, lm_head__weight=None, extra=torch.ones(1))
+    plan = surgery.plan_load(build_moe_model(CFG), tmp_path)
+    text = plan.to_json()
+    assert json.loads(text)["total_bytes"] == plan.total_bytes
+    assert LoadPlan.from_json(text) == plan
+
+
+def test_plan_from_dict_rejects_unknown_fields() -> None:
+    with pytest.raises(surgery.ConfigurationError, match="unknown field"):
+        LoadPlan.from_dict({"checkpoint": "x", "surprise": 1})
+
+
+@pytest.mark.parametrize(
+    ("keys", "folded"),
+    [
+        (["a.0.w", "a.1.w", "a.2.w"], "a.{0..2}.w"),
+        (["a.0.w", "a.2.w", "a.3.w"], "a.{0,2..3}.w"),
+        (["a.5.w"], "a.5.w"),
+        (
+            ["layers.0.experts.0.w", "layers.0.experts.1.w", "layers.1.experts.0.w"],
+            "layers.{0..1}.experts.{0..1}.w",
+        ),
+        (["x.w", "y.0.b", "y.1.b"], "x.w, y.{0..1}.b"),
+        ([], ""),
+    ],
+)
+def test_fold_indices(keys: list[str], folded: str) -> None:
+    assert fold_indices(keys) == folded
+
+
+def test_plan_of_a_model_without_the_checkpoint_keys_lists_everything_missing(tmp_path: Path) -> None:
+    write_checkpoint({"unrelated": torch.ones(1)}, tmp_path)
+    model = nn.Linear(2, 2)
+    plan = surgery.plan_load(model, tmp_path)
+    assert plan.missing_keys == ["weight", "bias"] and plan.unexpected_keys == ["unrelated"]

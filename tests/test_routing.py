@@ -1,0 +1,437 @@
+r"""Routing checkpoint keys through a transform list (:mod:`surgery.routing`, :mod:`surgery.fastroute`).
+
+The fast path (keys of one shape share one decision) must be indistinguishable from the exact
+per-key path; the property tests below compare the two on random transform lists and keys, and
+the spec tests pin down what :func:`route_keys` means.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from surgery import ConfigurationError, PrefixChange, WeightConverter, WeightRenaming, ops
+from surgery.fastroute import GUARDED, UNIFORM, UNSAFE, TemplateRouter, key_templates, pattern_safety
+from surgery.routing import (
+    KeyRoute,
+    RouteConflict,
+    Routing,
+    _route_keys_exact,
+    _Router,
+    route_key,
+    route_keys,
+)
+from surgery.transforms import WeightTransform, legacy_renamings
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def mixtral_mapping() -> list[WeightTransform]:
+    return [
+        WeightRenaming(r"\.block_sparse_moe\.", ".mlp."),
+        *legacy_renamings(),
+        WeightConverter(
+            ["mlp.experts.*.w1.weight", "mlp.experts.*.w3.weight"],
+            "mlp.experts.gate_up_proj",
+            [ops.MergeModulelist(0), ops.Concatenate(1)],
+        ),
+        WeightConverter("mlp.experts.*.w2.weight", "mlp.experts.down_proj", [ops.MergeModulelist(0)]),
+    ]
+
+
+def mixtral_keys(layers: int = 12, experts: int = 12) -> list[str]:
+    keys = ["model.embed_tokens.weight", "lm_head.weight"]
+    for layer in range(layers):
+        p = f"model.layers.{layer}."
+        keys += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
+        keys += [f"{p}input_layernorm.weight", f"{p}block_sparse_moe.gate.weight"]
+        keys += [f"{p}block_sparse_moe.experts.{e}.w{w}.weight" for e in range(experts) for w in (1, 2, 3)]
+    return keys
+
+
+def assert_same_routing(fast: Routing, exact: Routing) -> None:
+    """Equal, and equal in every order a caller could observe."""
+    assert fast == exact
+    assert list(fast.routes) == list(exact.routes)
+    assert [fast.routes[k] for k in fast.routes] == [exact.routes[k] for k in exact.routes]
+    assert list(fast.groups) == list(exact.groups)
+    for key, group in fast.groups.items():
+        other = exact.groups[key]
+        assert list(group.sources) == list(other.sources)
+        assert all(list(group.sources[i]) == list(other.sources[i]) for i in group.sources)
+    assert fast.conflicts == exact.conflicts
+    assert fast.fired() == exact.fired()
+
+
+def outcome(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    try:
+        return fn(*args, **kwargs)
+    except ConfigurationError as exc:
+        return ("ConfigurationError", str(exc))
+
+
+# --------------------------------------------------------------------------- spec: route_keys
+
+
+def test_renamings_chain_in_list_order() -> None:
+    transforms = [WeightRenaming(r"\.a\.", ".b."), WeightRenaming(r"\.b\.", ".c.")]
+    route = route_keys(["x.a.weight"], transforms).routes["x.a.weight"]
+    assert route.target_key == "x.c.weight"
+    assert route.renamings == (0, 1)
+
+
+def test_renamings_fire_before_a_converter_listed_earlier() -> None:
+    transforms = [
+        WeightConverter("mlp.experts.*.w2.weight", "mlp.experts.down_proj", [ops.MergeModulelist(0)]),
+        WeightRenaming(r"\.block_sparse_moe\.", ".mlp."),
+    ]
+    route = route_keys(["m.block_sparse_moe.experts.0.w2.weight"], transforms).routes[
+        "m.block_sparse_moe.experts.0.w2.weight"
+    ]
+    assert (route.target_key, route.renamings, route.converter) == ("m.mlp.experts.down_proj", (1,), 0)
+
+
+def test_a_converter_claims_only_the_keys_it_matches() -> None:
+    routing = route_keys(
+        ["a.qkv.weight", "a.o.weight"],
+        [WeightConverter("qkv.weight", ["q.weight", "k.weight"], [ops.Chunk(0)])],
+    )
+    assert routing.routes["a.qkv.weight"].converter == 0
+    assert routing.groups["a.q.weight"].target_keys == ("a.q.weight", "a.k.weight")
+    assert routing.routes["a.o.weight"].converter is None
+    assert routing.groups["a.o.weight"].target_keys == ("a.o.weight",)
+
+
+def test_two_converters_claiming_one_key_raise_with_both_patterns() -> None:
+    transforms = [
+        WeightConverter("experts.*.w1.weight", "experts.gate", [ops.MergeModulelist(0)]),
+        WeightConverter(r"w1\.weight", "w1_renamed.weight", []),
+    ]
+    with pytest.raises(ConfigurationError, match=r"experts\.\*\.w1\.weight.*w1\\\\\.weight"):
+        route_keys([f"l.{i}.experts.{e}.w1.weight" for i in range(3) for e in range(3)], transforms)
+
+
+def test_two_keys_landing_on_one_target_conflict_and_the_first_is_kept() -> None:
+    routing = route_keys(["a.gamma", "a.weight"], [WeightRenaming(r"\.gamma$", ".weight")])
+    assert routing.conflicts == [RouteConflict("a.weight", "a.gamma", "a.weight")]
+    assert routing.groups["a.weight"].source_keys == ["a.gamma"]
+    assert routing.routes["a.weight"].target_key == "a.weight"  # still routed, just not filed
+
+
+def test_a_plain_key_landing_on_a_converter_target_conflicts() -> None:
+    transforms = [WeightConverter("experts.*.w2.weight", "experts.down", [ops.MergeModulelist(0)])]
+    keys = ["m.experts.0.w2.weight", "m.experts.1.w2.weight", "m.experts.down"]
+    routing = route_keys(keys, transforms)
+    assert routing.conflicts == [RouteConflict("m.experts.down", "m.experts.0.w2.weight", "m.experts.down")]
+
+
+def test_base_model_prefix_is_added_when_that_names_a_runtime_key() -> None:
+    routing = route_keys(["layers.0.w"], [], runtime_keys={"model.layers.0.w"}, base_model_prefix="model")
+    route = routing.routes["layers.0.w"]
+    assert (route.target_key, route.base_prefix) == ("model.layers.0.w", "+after")
+
+
+def test_base_model_prefix_is_stripped_when_that_names_a_runtime_key() -> None:
+    routing = route_keys(["model.layers.0.w"], [], runtime_keys={"layers.0.w"}, base_model_prefix="model")
+    route = routing.routes["model.layers.0.w"]
+    assert (route.target_key, route.base_prefix) == ("layers.0.w", "-after")
+
+
+def test_base_model_prefix_is_stripped_from_the_renamed_key_like_transformers() -> None:
+    # A checkpoint of the model with a head, loaded into the bare base model: rename first
+    # (model.X -> model.language_model.X), then strip the prefix (language_model.X).
+    renaming = WeightRenaming(r"^model\.(?!language_model)", "model.language_model.")
+    routing = route_keys(
+        ["model.layers.0.w"],
+        [renaming],
+        runtime_keys={"language_model.layers.0.w"},
+        base_model_prefix="model",
+    )
+    route = routing.routes["model.layers.0.w"]
+    assert (route.target_key, route.base_prefix) == ("language_model.layers.0.w", "-after")
+
+
+def test_base_model_prefix_is_added_to_the_checkpoint_key_when_a_scoped_transform_needs_it() -> None:
+    scoped = WeightRenaming(r"^old\.", "new.", scope_prefix="model")
+    routing = route_keys(
+        ["old.w"], [scoped], runtime_keys={"model.new.w"}, base_model_prefix="model"
+    )
+    route = routing.routes["old.w"]
+    assert (route.target_key, route.base_prefix) == ("model.new.w", "+")
+
+
+def test_base_model_prefix_is_left_alone_when_neither_form_is_a_runtime_key() -> None:
+    routing = route_keys(["layers.0.w"], [], runtime_keys={"other.w"}, base_model_prefix="model")
+    route = routing.routes["layers.0.w"]
+    assert (route.target_key, route.base_prefix) == ("layers.0.w", "")
+
+
+def test_base_model_prefix_is_left_alone_when_the_key_already_names_a_runtime_key() -> None:
+    runtime = {"layers.0.w", "model.layers.0.w"}
+    routing = route_keys(["layers.0.w"], [], runtime_keys=runtime, base_model_prefix="model")
+    assert routing.routes["layers.0.w"].base_prefix == ""
+
+
+def test_wildcard_indices_are_recorded_per_key() -> None:
+    routing = route_keys(mixtral_keys(2, 12), mixtral_mapping())
+    route = routing.routes["model.layers.1.block_sparse_moe.experts.11.w3.weight"]
+    assert route.index == (11,)
+    assert route.pattern_index == 1
+    assert route.target_key == "model.layers.1.mlp.experts.gate_up_proj"
+
+
+def test_group_sources_are_ordered_by_numeric_index() -> None:
+    keys = [f"m.experts.{e}.w2.weight" for e in (10, 2, 1, 0, 11, 3, 4, 5, 6, 7, 8, 9)]
+    transforms = [WeightConverter("experts.*.w2.weight", "experts.down", [ops.MergeModulelist(0)])]
+    group = route_keys(keys, transforms).groups["m.experts.down"]
+    assert group.source_keys == [f"m.experts.{e}.w2.weight" for e in range(12)]
+
+
+def test_group_sources_follow_pattern_order_then_index() -> None:
+    group = route_keys(mixtral_keys(1, 3), mixtral_mapping()).groups[
+        "model.layers.0.mlp.experts.gate_up_proj"
+    ]
+    expected = [f"model.layers.0.block_sparse_moe.experts.{e}.w{w}.weight" for w in (1, 3) for e in range(3)]
+    assert group.source_keys == expected
+
+
+def test_fired_lists_the_transforms_that_fired() -> None:
+    routing = route_keys(mixtral_keys(2, 2), mixtral_mapping())
+    assert routing.fired() == [0, 3, 4]
+    assert routing.fired(["model.layers.0.self_attn.q_proj.weight"]) == []
+
+
+def test_routes_are_a_read_only_mapping_in_key_order() -> None:
+    keys = mixtral_keys(3, 3)
+    routes = route_keys(keys, mixtral_mapping()).routes
+    assert list(routes) == keys and len(routes) == len(keys)
+    assert keys[5] in routes and "nope" not in routes
+    assert isinstance(routes[keys[5]], KeyRoute)
+    with pytest.raises(KeyError):
+        routes["nope"]
+
+
+def test_route_key_matches_route_keys() -> None:
+    keys = mixtral_keys(2, 3)
+    routing = route_keys(keys, mixtral_mapping())
+    assert all(route_key(k, mixtral_mapping()) == routing.routes[k] for k in keys)
+
+
+def test_a_key_that_is_not_a_string_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigurationError, match="must be strings"):
+        route_keys(["a.weight", 3], [])  # type: ignore[list-item]
+
+
+# --------------------------------------------------------------------------- fast path == exact path
+
+
+def test_mixtral_routing_equals_the_exact_path() -> None:
+    keys, transforms = mixtral_keys(14, 12), mixtral_mapping()
+    assert_same_routing(route_keys(keys, transforms), _route_keys_exact(keys, transforms))
+
+
+def test_keys_of_one_shape_share_one_class() -> None:
+    router = TemplateRouter(_Router(mixtral_mapping()))
+    keys = mixtral_keys(14, 12)
+    decisions = dict(router.route_many(keys))
+    assert not router.exact_only
+    classes = {id(root.walk(k)) for k, root in zip(keys, map(router.table.__getitem__, key_templates(keys)))}
+    assert len(classes) < 40  # 1 764 keys, a few dozen shapes
+    assert decisions == {k: _Router(mixtral_mapping()).route(k) for k in keys}
+
+
+def test_an_unsafe_pattern_routes_the_whole_list_exactly() -> None:
+    transforms = [WeightRenaming(r"layers\.0\.", "first."), *mixtral_mapping()]
+    assert TemplateRouter(_Router(transforms)).exact_only
+    keys = mixtral_keys(12, 3)
+    assert_same_routing(route_keys(keys, transforms), _route_keys_exact(keys, transforms))
+
+
+def test_a_scope_with_digits_splits_its_class_by_index() -> None:
+    transforms = [
+        WeightRenaming(r"^self_attn\.", "attention.", scope_prefix="model.layers.1"),
+        *mixtral_mapping(),
+    ]
+    keys = mixtral_keys(14, 2)
+    routing = route_keys(keys, transforms)
+    assert (
+        routing.routes["model.layers.1.self_attn.q_proj.weight"].target_key
+        == "model.layers.1.attention.q_proj.weight"
+    )
+    assert (
+        routing.routes["model.layers.11.self_attn.q_proj.weight"].target_key
+        == "model.layers.11.self_attn.q_proj.weight"
+    )
+    assert_same_routing(routing, _route_keys_exact(keys, transforms))
+
+
+def test_a_renaming_that_glues_an_index_to_a_name_still_routes_exactly() -> None:
+    # After ``layer\1_x.`` the index sits next to letters, where ``w1``-style literals could see it.
+    transforms = [WeightRenaming(r"layers\.(\d+)\.", r"layer\1_x."), WeightConverter(r"r1_x\.w", "hit", [])]
+    keys = [f"layer{i}.w" for i in (1, 2, 11, 12, 21)] + [f"layers.{i}.w" for i in (1, 2, 11, 12, 21)]
+    assert_same_routing(route_keys(keys, transforms), _route_keys_exact(keys, transforms))
+
+
+def test_duplicate_keys_route_like_the_exact_path() -> None:
+    keys, transforms = mixtral_keys(2, 2), mixtral_mapping()
+    keys += keys[3:9]
+    assert_same_routing(route_keys(keys, transforms), _route_keys_exact(keys, transforms))
+
+
+def test_a_key_with_a_newline_routes_like_the_exact_path() -> None:
+    keys = ["a.\n1.weight", "a.2.weight", "a.3.weight"]
+    transforms = [WeightRenaming(r"^a\.", "b.")]
+    assert_same_routing(route_keys(keys, transforms), _route_keys_exact(keys, transforms))
+
+
+@pytest.mark.parametrize(
+    ("pattern", "expected"),
+    [
+        (r"\.block_sparse_moe\.", UNIFORM),
+        (r"layers\.(\d+)\.(?:a|b)", UNIFORM),
+        (r"^(?!model\.)(.+)", UNIFORM),
+        (r"x\d{2}", UNIFORM),
+        (r"experts\.(?P<_star0>\d+)\.w1\.weight(?![A-Za-z0-9_])", GUARDED),
+        (r"fc[12]\.", GUARDED),
+        (r"layers\.0\.", UNSAFE),
+        (r"experts\.[0-3]\.", UNSAFE),
+        (r"(\d)\1", UNSAFE),
+        (r"w(1)", UNSAFE),
+        (r"[^5]", UNSAFE),
+    ],
+    ids=[
+        "literal",
+        "digits",
+        "lookahead",
+        "bounded-repeat",
+        "guarded-w1",
+        "guarded-class",
+        "digit-literal",
+        "digit-subset",
+        "backreference",
+        "unguarded-in-group",
+        "negated-digit",
+    ],
+)
+def test_pattern_safety_classifies_how_a_regex_sees_indices(pattern: str, expected: int) -> None:
+    assert pattern_safety(pattern) == expected
+
+
+# --------------------------------------------------------------------------- property: random lists
+
+_SCOPES = [None, None, None, "model", "model.layers.1", "model.layers.10", "encoder.0", "layers"]
+_RENAMINGS = [
+    lambda s: WeightRenaming(r"\.block_sparse_moe\.", ".mlp.", scope_prefix=s),
+    lambda s: WeightRenaming(r"LayerNorm\.gamma", "LayerNorm.weight", scope_prefix=s),
+    lambda s: WeightRenaming(r"layers\.(\d+)\.self_attn", r"blocks.\1.attention", scope_prefix=s),
+    lambda s: WeightRenaming(r"layers\.(\d+)\.", r"layer\1_x.", scope_prefix=s),
+    lambda s: WeightRenaming(r"\.fc1\.", ".up.", scope_prefix=s),
+    lambda s: WeightRenaming(r"(\d+)\.w(\d)\.", r"\1.w\2x.", scope_prefix=s),
+    lambda s: WeightRenaming(r"^model\.", "", scope_prefix=s),
+    lambda s: PrefixChange(prefix_to_add="model", scope_prefix=s),
+    lambda s: PrefixChange(prefix_to_remove="model", scope_prefix=s),
+    lambda s: WeightRenaming(r"experts\.(\d)(\d)\.", r"experts.\2\1.", scope_prefix=s),
+    lambda s: WeightRenaming(r"\.(\d+)\.(\d+)\.", r".\2.\1.", scope_prefix=s),
+    lambda s: WeightRenaming(r"w1", "wA", scope_prefix=s),
+    lambda s: WeightRenaming(r"layers\.0\.", "first.", scope_prefix=s),  # unsafe: a digit literal
+    lambda s: WeightRenaming(r"experts\.[0-3]\.", "low.", scope_prefix=s),  # unsafe: a digit subset
+]
+_CONVERTERS = [
+    lambda s: WeightConverter(
+        ["mlp.experts.*.w1.weight", "mlp.experts.*.w3.weight"],
+        "mlp.experts.gate_up_proj",
+        [ops.MergeModulelist(0), ops.Concatenate(1)],
+        scope_prefix=s,
+    ),
+    lambda s: WeightConverter(
+        "experts.*.w2.weight", "experts.down_proj", [ops.MergeModulelist(0)], scope_prefix=s
+    ),
+    lambda s: WeightConverter(
+        "qkv.weight", ["q.weight", "k.weight", "v.weight"], [ops.Chunk(0)], scope_prefix=s
+    ),
+    lambda s: WeightConverter(
+        r"layers\.(\d+)\.mlp\.gate\.weight", r"layers.\1.router.weight", [], scope_prefix=s
+    ),
+    lambda s: WeightConverter("blocks.*.fc2.weight", "blocks.fc2", [ops.MergeModulelist(0)], scope_prefix=s),
+]
+_MODULES = [
+    "block_sparse_moe.experts.{E}.w{w}.weight",
+    "mlp.experts.{E}.w{w}.weight",
+    "self_attn.q_proj.weight",
+    "mlp.fc1.weight",
+    "LayerNorm.gamma",
+    "conv2d_3x3.weight",
+    "blocks.{E}.fc2.weight",
+    "qkv.weight",
+    "mlp.gate.weight",
+    "{E}.{L}.weight",
+    "experts.{E}.w2.weight",
+    "w{w}.{E}",
+]
+_INDICES = ["0", "1", "2", "3", "7", "9", "10", "11", "12", "99", "100", "101", "05", "1000"]
+
+
+@st.composite
+def transform_lists(draw: st.DrawFn) -> list[WeightTransform]:
+    makers = draw(st.lists(st.sampled_from(_RENAMINGS), max_size=4))
+    makers += draw(st.lists(st.sampled_from(_CONVERTERS), max_size=3))
+    transforms = [make(draw(st.sampled_from(_SCOPES))) for make in makers]
+    if draw(st.booleans()):
+        transforms += legacy_renamings()
+    return draw(st.permutations(transforms))
+
+
+@st.composite
+def key_lists(draw: st.DrawFn) -> list[str]:
+    heads = draw(
+        st.lists(st.sampled_from(["", "model.", "encoder.0.", "x."]), min_size=1, max_size=2, unique=True)
+    )
+    modules = draw(st.lists(st.sampled_from(_MODULES), min_size=1, max_size=3, unique=True))
+    layers = draw(st.lists(st.sampled_from(_INDICES), min_size=1, max_size=5, unique=True))
+    experts = draw(st.lists(st.sampled_from(_INDICES), min_size=1, max_size=5, unique=True))
+    keys = [
+        f"{h}layers.{layer}." + m.format(E=e, w=w, L=layer)
+        for h in heads
+        for m in modules
+        for layer in layers
+        for e in experts
+        for w in (1, 2, 3)
+    ]
+    keys = list(dict.fromkeys(keys))
+    if draw(st.booleans()):
+        keys = draw(st.permutations(keys))
+    extra = draw(st.lists(st.sampled_from(keys), max_size=2))
+    return keys + extra
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+@given(transforms=transform_lists(), keys=key_lists())
+def test_fast_routing_equals_exact_routing(transforms: list[WeightTransform], keys: list[str]) -> None:
+    fast = outcome(route_keys, keys, transforms)
+    exact = outcome(_route_keys_exact, keys, transforms)
+    if isinstance(exact, tuple):
+        assert fast == exact
+    else:
+        assert_same_routing(fast, exact)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+@given(transforms=transform_lists(), keys=key_lists(), data=st.data())
+def test_fast_routing_equals_exact_routing_with_base_model_prefix(
+    transforms: list[WeightTransform], keys: list[str], data: st.DataObject
+) -> None:
+    runtime = set(data.draw(st.lists(st.sampled_from(keys), max_size=len(keys) // 2)))
+    runtime |= {"model." + k for k in data.draw(st.lists(st.sampled_from(keys), max_size=5))}
+    runtime |= {k.removeprefix("model.") for k in data.draw(st.lists(st.sampled_from(keys), max_size=5))}
+    kwargs = {"runtime_keys": runtime, "base_model_prefix": "model"}
+    fast = outcome(route_keys, keys, transforms, **kwargs)
+    exact = outcome(_route_keys_exact, keys, transforms, **kwargs)
+    if isinstance(exact, tuple):
+        assert fast == exact
+    else:
+        assert_same_routing(fast, exact)

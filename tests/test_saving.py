@@ -1,0 +1,389 @@
+"""Saving: exact round trips, idempotence, runtime layout, base-model prefix, atomicity, streaming."""
+
+from __future__ import annotations
+
+import filecmp
+import types
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import surgery
+from surgery import WeightConverter, ops
+from surgery.checkpoint import SAFE_WEIGHTS_NAME, open_checkpoint, write_checkpoint
+from surgery.errors import CheckpointError, ConversionError
+from surgery.examples.moe import ExampleMoEConfig, ExampleMoEModel, build_moe_model, original_state_dict
+from surgery.examples.vision import build_vision_tower
+from surgery.loading import load_record
+from surgery.plan import FUSION_METADATA_KEY
+from surgery.registry import register_checkpoint_conversion_mapping, registry_snapshot
+from surgery.saving import RevertedState
+
+CFG = ExampleMoEConfig()
+FUSE = {"patch_embeddings": True}
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    with open_checkpoint(path) as reader:
+        return {k: reader.get_tensor(k) for k in reader}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert torch.equal(a[k], b[k]), k
+
+
+def same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    return names == sorted(p.name for p in b.iterdir()) and all(
+        filecmp.cmp(a / n, b / n, shallow=False) for n in names
+    )
+
+
+@dataclass(frozen=True)
+class Example:
+    """An example model: its original checkpoint, and how to build and load a fresh copy."""
+
+    original: Callable[[], dict[str, torch.Tensor]]
+    build: Callable[[], nn.Module]
+    load_kwargs: dict
+
+
+EXAMPLES = {
+    "moe": Example(
+        lambda: original_state_dict(build_moe_model(CFG, seed=0, dtype=torch.bfloat16)),
+        lambda: build_moe_model(CFG, device="meta", dtype=torch.bfloat16),
+        {},
+    ),
+    "vision": Example(
+        lambda: build_vision_tower(depth=1, seed=0).state_dict(),
+        lambda: build_vision_tower(depth=1, seed=1),
+        {},
+    ),
+    "vision-fused": Example(
+        lambda: build_vision_tower(depth=1, seed=0).state_dict(),
+        lambda: build_vision_tower(depth=1, seed=1),
+        {"fusion_config": FUSE},
+    ),
+}
+
+
+@pytest.fixture(params=list(EXAMPLES), ids=list(EXAMPLES))
+def example(request) -> Example:
+    return EXAMPLES[request.param]
+
+
+def loaded(example: Example, path: Path) -> nn.Module:
+    model = example.build()
+    assert surgery.load_checkpoint(model, path, **example.load_kwargs).ok
+    return model
+
+
+# ------------------------------------------------------------------------------------------ round trips
+
+
+def test_original_checkpoint_round_trips_bit_identically(tmp_path: Path, example: Example) -> None:
+    original = example.original()
+    write_checkpoint(original, tmp_path / "src")
+    surgery.save_checkpoint(loaded(example, tmp_path / "src"), tmp_path / "out")
+    assert_same(tensors(tmp_path / "out"), original)
+    assert same_files(tmp_path / "src", tmp_path / "out")
+
+
+def test_load_save_load_save_writes_identical_files(tmp_path: Path, example: Example) -> None:
+    original = example.original()
+    write_checkpoint(original, tmp_path / "src", max_shard_size=sum(t.nbytes for t in original.values()) // 2)
+    surgery.save_checkpoint(loaded(example, tmp_path / "src"), tmp_path / "a", max_shard_size="4KB")
+    surgery.save_checkpoint(loaded(example, tmp_path / "a"), tmp_path / "b", max_shard_size="4KB")
+    assert len(list((tmp_path / "a").iterdir())) > 2  # sharded, with an index
+    assert same_files(tmp_path / "a", tmp_path / "b")
+
+
+def test_runtime_layout_save_loads_back_the_same_state_dict(tmp_path: Path, example: Example) -> None:
+    write_checkpoint(example.original(), tmp_path / "src")
+    model = loaded(example, tmp_path / "src")
+    surgery.save_checkpoint(model, tmp_path / "runtime", original_format=False)
+    assert_same(tensors(tmp_path / "runtime"), model.state_dict())
+    again = example.build()  # no fusion_config: a persisted one is re-applied by itself
+    report = surgery.load_checkpoint(again, tmp_path / "runtime")
+    assert report.ok and report.fusions == example.load_kwargs.get("fusion_config")
+    assert_same(again.state_dict(), model.state_dict())
+
+
+def test_runtime_layout_persists_the_fusion_config(tmp_path: Path) -> None:
+    model = build_vision_tower(depth=1)
+    surgery.apply_fusions(model, FUSE)
+    surgery.save_checkpoint(model, tmp_path, original_format=False)
+    with open_checkpoint(tmp_path) as reader:
+        assert reader.metadata[FUSION_METADATA_KEY] == '{"patch_embeddings": true}'
+    surgery.save_checkpoint(model, tmp_path)
+    with open_checkpoint(tmp_path) as reader:
+        assert FUSION_METADATA_KEY not in reader.metadata
+        assert "patch_embed.proj.weight" in reader
+
+
+def test_runtime_layout_checkpoint_converts_nothing_and_saves_the_same_keys(tmp_path: Path) -> None:
+    runtime = build_moe_model(CFG, seed=0).state_dict()
+    write_checkpoint(runtime, tmp_path / "src")
+    model = build_moe_model(CFG, device="meta")
+    report = surgery.load_checkpoint(model, tmp_path / "src")
+    assert report.ok and report.transforms_used == []
+    assert all(e.transform is None and e.renamings == () for e in report.plan.entries)
+    assert load_record(model).transforms == []
+    surgery.save_checkpoint(model, tmp_path / "out")
+    assert_same(tensors(tmp_path / "out"), runtime)
+
+
+def test_dtype_cast_at_load_is_undone_on_save(tmp_path: Path) -> None:
+    original = original_state_dict(build_moe_model(CFG, seed=0, dtype=torch.bfloat16))
+    write_checkpoint(original, tmp_path / "src")
+    model = build_moe_model(CFG, seed=3)  # float32
+    report = surgery.load_checkpoint(model, tmp_path / "src")
+    assert report.mismatched and {t.dtype for t in model.state_dict().values()} == {torch.float32}
+    surgery.save_checkpoint(model, tmp_path / "out")
+    assert same_files(tmp_path / "src", tmp_path / "out")
+
+
+def test_model_never_loaded_saves_the_original_layout(tmp_path: Path) -> None:
+    model = build_moe_model(CFG, seed=0)
+    surgery.save_checkpoint(model, tmp_path)
+    assert_same(tensors(tmp_path), original_state_dict(model))
+
+
+# ------------------------------------------------------------------------------------------ base-model prefix
+
+
+def base_model() -> ExampleMoEModel:
+    model = ExampleMoEModel(CFG)
+    assert model.base_model_prefix == "model"  # the transformers convention, declared by the class
+    return model
+
+
+def test_base_model_checkpoint_loads_into_the_model_with_a_head(tmp_path: Path) -> None:
+    original = {k.removeprefix("model."): v for k, v in original_state_dict(build_moe_model(CFG)).items()}
+    del original["lm_head.weight"]
+    write_checkpoint(original, tmp_path / "src")
+    model = build_moe_model(CFG, seed=3)
+    report = surgery.load_checkpoint(model, tmp_path / "src")
+    assert report.missing_keys == ["lm_head.weight"] and not report.unexpected_keys
+    assert_same(model.model.state_dict(), build_moe_model(CFG, seed=0).model.state_dict())
+    surgery.save_checkpoint(model, tmp_path / "out")
+    saved = tensors(tmp_path / "out")
+    assert set(saved) == {*original, "lm_head.weight"}  # the original prefix form, plus the head
+    assert_same({k: v for k, v in saved.items() if k != "lm_head.weight"}, original)
+
+
+def test_checkpoint_with_a_head_loads_into_the_base_model(tmp_path: Path) -> None:
+    original = original_state_dict(build_moe_model(CFG))
+    write_checkpoint(original, tmp_path / "src")
+    model = base_model()
+    report = surgery.load_checkpoint(model, tmp_path / "src")
+    assert report.unexpected_keys == ["lm_head.weight"] and not report.missing_keys
+    surgery.save_checkpoint(model, tmp_path / "out")
+    assert_same(tensors(tmp_path / "out"), {k: v for k, v in original.items() if k != "lm_head.weight"})
+
+
+# ------------------------------------------------------------------------------------------ tied weights
+
+
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(8, 4)
+        self.lm_head = nn.Linear(4, 8, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+
+
+@pytest.mark.parametrize("name", ["embed_tokens.weight", "lm_head.weight"])
+def test_tied_parameter_is_written_once_under_the_checkpoint_name(tmp_path: Path, name: str) -> None:
+    write_checkpoint({name: torch.ones(8, 4)}, tmp_path / "src")
+    model = TiedLM()
+    assert surgery.load_checkpoint(model, tmp_path / "src").ok
+    surgery.save_checkpoint(model, tmp_path / "out")
+    assert list(tensors(tmp_path / "out")) == [name]
+
+
+def test_meta_model_with_missing_parameters_refuses_to_save_naming_them(tmp_path: Path) -> None:
+    sd = original_state_dict(build_moe_model(CFG))
+    del sd["model.layers.0.input_layernorm.weight"], sd["model.layers.1.input_layernorm.weight"]
+    write_checkpoint(sd, tmp_path / "src")
+    model = build_moe_model(CFG, device="meta")
+    surgery.load_checkpoint(model, tmp_path / "src")
+    with pytest.raises(CheckpointError, match=r"model\.layers\.\{0\.\.1\}\.input_layernorm\.weight"):
+        surgery.save_checkpoint(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------ failed saves
+
+
+@dataclass(frozen=True)
+class FailsOnSave(ops.ConversionOp):
+    """Identity when loading; its reverse raises ``failure`` on real tensors (not on meta)."""
+
+    failure: type[BaseException] = RuntimeError
+    forward: bool = True
+
+    def convert(self, slots, ctx):
+        (t,) = slots
+        if not self.forward and t.device.type != "meta":
+            raise self.failure("injected failure while saving")
+        return [t.clone()]
+
+    @property
+    def reverse_op(self) -> ops.ConversionOp:
+        return FailsOnSave(self.failure, not self.forward)
+
+
+class Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(model_type="toy_fails_on_save")
+        self.a = nn.Parameter(torch.zeros(4))
+        self.b = nn.Parameter(torch.zeros(4))
+        self.c = nn.Parameter(torch.zeros(4))
+
+
+@pytest.mark.parametrize(
+    ("failure", "raised"),
+    [(RuntimeError, ConversionError), (KeyboardInterrupt, KeyboardInterrupt)],
+    ids=["exception", "keyboard-interrupt"],
+)
+def test_failure_midway_through_a_save_leaves_the_earlier_checkpoint_loadable(
+    tmp_path: Path, failure, raised
+) -> None:
+    with registry_snapshot():
+        register_checkpoint_conversion_mapping(
+            "toy_fails_on_save", [WeightConverter("^old_b$", "b", [FailsOnSave(failure)])]
+        )
+        write_checkpoint(
+            {"a": torch.ones(4), "old_b": torch.full((4,), 2.0), "c": torch.ones(4)}, tmp_path / "src"
+        )
+        model = Toy()
+        assert surgery.load_checkpoint(model, tmp_path / "src").ok
+        surgery.save_checkpoint(model, tmp_path / "ckpt", original_format=False, max_shard_size=16)
+        before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+        with pytest.raises(raised, match="injected failure while saving"):
+            surgery.save_checkpoint(model, tmp_path / "ckpt", max_shard_size=16)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+    again = Toy()
+    assert surgery.load_checkpoint(again, tmp_path / "ckpt").ok
+
+
+class _FailsToSerialize(torch.Tensor):
+    """Passes every check, then fails when its bytes are about to be written."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.contiguous:
+            raise KeyboardInterrupt("injected while writing")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_interrupt_while_writing_bytes_leaves_the_earlier_checkpoint_loadable(tmp_path: Path) -> None:
+    write_checkpoint(original_state_dict(build_moe_model(CFG)), tmp_path / "src")
+    model = build_moe_model(CFG, device="meta")
+    surgery.load_checkpoint(model, tmp_path / "src")
+    surgery.save_checkpoint(model, tmp_path / "ckpt", max_shard_size="8KB")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+    model.model.norm._parameters["weight"] = torch.zeros(CFG.hidden_size).as_subclass(_FailsToSerialize)
+    with pytest.raises(KeyboardInterrupt, match="injected"):
+        surgery.save_checkpoint(model, tmp_path / "ckpt", max_shard_size="8KB")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+    assert surgery.load_checkpoint(build_moe_model(CFG, device="meta"), tmp_path / "ckpt").ok
+
+
+# ------------------------------------------------------------------------------------------ streaming
+
+
+def test_reverted_state_knows_every_key_shape_and_dtype_before_computing_anything() -> None:
+    model = build_moe_model(CFG, seed=0, dtype=torch.bfloat16)
+    state = RevertedState(model)
+    truth = original_state_dict(model)
+    assert sorted(state) == sorted(truth) and len(state) == len(truth)
+    assert all(state.spec(k) == (tuple(v.shape), v.dtype) for k, v in truth.items())
+    assert state.cached_keys == ()
+
+
+def test_reverted_state_never_holds_more_than_one_group() -> None:
+    model = build_moe_model(CFG, seed=0)
+    state = RevertedState(model)
+    groups = {k: g for g in state.group_keys for k in g}
+    largest = max(len(g) for g in state.group_keys)
+    assert largest == 2 * CFG.num_local_experts  # w1 and w3 of every expert of one layer
+    alive: list[weakref.ref] = []  # outputs of converter groups (a plain tensor is the model's own)
+    for key in state:  # the order write_checkpoint reads in
+        value = state[key]
+        if len(groups[key]) > 1:
+            alive.append(weakref.ref(value))
+        del value
+        assert set(state.cached_keys) <= set(groups[key])
+        assert sum(r() is not None for r in alive) <= largest
+    assert_same(dict(revert := surgery.revert_state_dict(model)), original_state_dict(model))
+    del revert
+
+
+def test_keys_of_one_group_are_contiguous_in_write_order() -> None:
+    state = RevertedState(build_moe_model(CFG, seed=0))
+    order = list(state)
+    for group in state.group_keys:
+        start = order.index(group[0])
+        assert tuple(order[start : start + len(group)]) == group
+
+
+def test_unfused_experts_are_views_of_the_fused_parameter_not_copies() -> None:
+    model = build_moe_model(CFG, seed=0)
+    fused = model.model.layers[0].mlp.experts.gate_up_proj
+    w3 = RevertedState(model)["model.layers.0.block_sparse_moe.experts.1.w3.weight"]
+    assert w3.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert w3.is_contiguous() and torch.equal(w3, fused[1, CFG.intermediate_size :])
+
+
+def test_reversed_mapping_that_is_not_one_to_one_is_refused() -> None:
+    class TwoNames(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = types.SimpleNamespace(model_type="toy_two_names")
+            self.x = nn.Parameter(torch.zeros(2))
+            self.y = nn.Parameter(torch.zeros(2))
+
+    with registry_snapshot():
+        register_checkpoint_conversion_mapping(
+            "toy_two_names", [surgery.WeightRenaming("^a$", "x"), surgery.WeightRenaming("^a$", "y")]
+        )
+        with pytest.raises(ConversionError, match="two tensors would be written as 'a'"):
+            RevertedState(TwoNames())
+
+
+def test_save_to_a_single_file_path(tmp_path: Path) -> None:
+    model = build_moe_model(CFG, seed=0)
+    files = surgery.save_checkpoint(model, tmp_path / "m.safetensors")
+    assert files == [tmp_path / "m.safetensors"]
+    assert not (tmp_path / SAFE_WEIGHTS_NAME).exists()
+    assert_same(tensors(tmp_path / "m.safetensors"), original_state_dict(model))
+
+
+@pytest.mark.parametrize("shard_size", [2_000, 5_000, 9_000, 20_000, 40_000])
+def test_saving_with_the_source_shard_size_rewrites_the_same_shards(tmp_path: Path, shard_size: int) -> None:
+    write_checkpoint(
+        original_state_dict(build_moe_model(CFG, seed=0)), tmp_path / "src", max_shard_size=shard_size
+    )
+    model = build_moe_model(CFG, device="meta")
+    assert surgery.load_checkpoint(model, tmp_path / "src").ok
+    surgery.save_checkpoint(model, tmp_path / "out", max_shard_size=shard_size)
+    assert same_files(tmp_path / "src", tmp_path / "out")
+
+
+def test_runtime_layout_checkpoint_resaved_in_runtime_layout_keeps_its_shards(tmp_path: Path) -> None:
+    write_checkpoint(build_moe_model(CFG, seed=0).state_dict(), tmp_path / "src", max_shard_size=9_000)
+    model = build_moe_model(CFG, device="meta")
+    assert surgery.load_checkpoint(model, tmp_path / "src").ok
+    surgery.save_checkpoint(model, tmp_path / "out", original_format=False, max_shard_size=9_000)
+    assert same_files(tmp_path / "src", tmp_path / "out")
