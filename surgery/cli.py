@@ -22,7 +22,7 @@ from torch import nn
 
 from .errors import SurgeryError
 
-__all__ = ["main", "build_model"]
+__all__ = ["build_model", "main"]
 
 _BENCHES = ("route", "load", "fusion", "graph")
 

@@ -76,10 +76,12 @@ def _moe_part(root: Path, quick: bool, timings: list[tuple[str, float]]) -> bool
         ok_out = torch.equal(model(ids), reference(ids))
     print(f"outputs equal the source model's: {ok_out}")
     with _step("MoE: save back in the original layout", timings):
-        surgery.save_checkpoint(model, out_dir, max_shard_size=sum(t.nbytes for t in original.values()) // 2 + 1)
+        surgery.save_checkpoint(
+            model, out_dir, max_shard_size=sum(t.nbytes for t in original.values()) // 2 + 1
+        )
     same_files = _same_files(src_dir, out_dir)
     with open_checkpoint(out_dir) as r:
-        same = _same_tensors({k: r.get_tensor(k) for k in r.keys()}, original)
+        same = _same_tensors({k: r.get_tensor(k) for k in r}, original)
     print(f"written files byte-identical to the input: {same_files}; tensors identical: {same}")
     return report.ok and ok_values and ok_out and same_files and same
 

@@ -8,14 +8,14 @@ with how to fix the problem.
 from __future__ import annotations
 
 __all__ = [
-    "SurgeryError",
-    "ConfigurationError",
-    "PatternError",
-    "ConversionError",
     "CheckpointError",
+    "ConfigurationError",
+    "ConversionError",
     "FusionError",
-    "RegistryError",
     "LoadError",
+    "PatternError",
+    "RegistryError",
+    "SurgeryError",
 ]
 
 

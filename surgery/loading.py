@@ -330,7 +330,9 @@ def load_checkpoint(
     model.__dict__.pop(_RECORD_ATTR, None)  # a failed or interrupted load leaves no record behind
     with _opened(path, allow_pickle) as reader:
         with _undo_fusions_on_error(model):
-            prep = _prepare(model, path, device=device, dtype=dtype, fusion_config=fusion_config, reader=reader)
+            prep = _prepare(
+                model, path, device=device, dtype=dtype, fusion_config=fusion_config, reader=reader
+            )
         failures = list(prep.failures)
         done: dict[int, _Work] = {}
         loaded: list[str] = []
@@ -474,7 +476,9 @@ def _record(model: nn.Module, prep: _Prepared, done: list[_Work], path: str | os
     if prefix and len(base_changes) == 1:
         (mark,) = base_changes
         change = (
-            PrefixChange(prefix_to_add=prefix) if mark.startswith("+") else PrefixChange(prefix_to_remove=prefix)
+            PrefixChange(prefix_to_add=prefix)
+            if mark.startswith("+")
+            else PrefixChange(prefix_to_remove=prefix)
         )
         change.mark_used()
         if mark.endswith("after"):

@@ -469,7 +469,7 @@ def _retry_with_prefix(
     the checkpoint key with ``pre`` stripped or added and routed again (so that transforms scoped
     under the prefix see it). The last element says which form won (see :class:`KeyRoute`).
     """
-    first, fired, conv, pat, stars, targets = decision
+    _first, fired, conv, pat, stars, targets = decision
     if all(t.startswith(pre) for t in targets):
         moved = tuple(t[len(pre) :] for t in targets)
         mark = "-after"

@@ -39,9 +39,20 @@ def test_public_names_are_exported() -> None:
     import surgery
 
     for name in (
-        "WeightRenaming", "PrefixChange", "WeightConverter", "register_checkpoint_conversion_mapping",
-        "get_model_conversion_mapping", "ModuleGraph", "load_checkpoint", "plan_load", "save_checkpoint",
-        "revert_state_dict", "preview_fusions", "apply_fusions", "register_fusion", "ops",
+        "WeightRenaming",
+        "PrefixChange",
+        "WeightConverter",
+        "register_checkpoint_conversion_mapping",
+        "get_model_conversion_mapping",
+        "ModuleGraph",
+        "load_checkpoint",
+        "plan_load",
+        "save_checkpoint",
+        "revert_state_dict",
+        "preview_fusions",
+        "apply_fusions",
+        "register_fusion",
+        "ops",
     ):
         assert name in surgery.__all__
         assert getattr(surgery, name) is not None

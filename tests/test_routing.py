@@ -154,9 +154,7 @@ def test_base_model_prefix_is_stripped_from_the_renamed_key_like_transformers() 
 
 def test_base_model_prefix_is_added_to_the_checkpoint_key_when_a_scoped_transform_needs_it() -> None:
     scoped = WeightRenaming(r"^old\.", "new.", scope_prefix="model")
-    routing = route_keys(
-        ["old.w"], [scoped], runtime_keys={"model.new.w"}, base_model_prefix="model"
-    )
+    routing = route_keys(["old.w"], [scoped], runtime_keys={"model.new.w"}, base_model_prefix="model")
     route = routing.routes["old.w"]
     assert (route.target_key, route.base_prefix) == ("model.new.w", "+")
 

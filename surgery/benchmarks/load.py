@@ -221,87 +221,93 @@ def _maxrss() -> int:
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run one variant in this (fresh) process and return its measurements."""
-    variant, cfg = spec["variant"], ExampleMoEConfig(**spec["config"])
-    original, runtime = spec["original"], spec.get("runtime", "")
+    """Run one variant ``repeat`` times in this fresh process; fastest run, first run, worst peak.
+
+    Runs stop early once they took ``budget_s`` together (a variant that slow is far from any
+    target; best-of-N only matters against noise on short runs).
+    """
+    cfg = ExampleMoEConfig(**spec["config"])
+    if spec["variant"] == "save":
+        return _child_save(spec, cfg)
+    run_once = _runner(spec, cfg)
+    # The first meta-tensor init imports torch._dynamo (seconds): an import, not construction.
+    build_moe_model(ExampleMoEConfig(), seed=None, device="meta")
+    runs: list[dict[str, Any]] = []
+    while not runs or (len(runs) < spec["repeat"] and sum(r["total_s"] for r in runs) < spec["budget_s"]):
+        gc.collect()
+        base = _reset_peak()
+        res = run_once()
+        res["delta"], res["peak"] = _maxrss() - base, _maxrss()
+        runs.append(res)
+    best = dict(min(runs, key=lambda r: r["total_s"]))
+    best["first_s"] = runs[0]["total_s"]
+    best["delta"] = max(r["delta"] for r in runs)
+    best["peak"] = max(r["peak"] for r in runs)
+    best["runs"] = [round(r["total_s"], 3) for r in runs]
+    return best
+
+
+def _runner(spec: dict[str, Any], cfg: ExampleMoEConfig) -> Callable[[], dict[str, Any]]:
+    """One timed run of ``spec["variant"]``: total (construction + load) and load-only seconds."""
+    variant, original, runtime = spec["variant"], spec["original"], spec.get("runtime", "")
     from safetensors.torch import load_file
 
     from ..loading import load_checkpoint
 
-    hf_model_cls: Any = None
+    def meta_model() -> ExampleMoEForCausalLM:
+        return build_moe_model(cfg, seed=None, device="meta", dtype=torch.bfloat16)
+
+    def floor() -> dict[str, Any]:
+        t0 = time.perf_counter()
+        model = _empty_model(cfg) if variant == "floor" else meta_model()
+        t1 = time.perf_counter()
+        result = model.load_state_dict(load_file(runtime, backend="pread"), assign=variant != "floor")
+        t2 = time.perf_counter()
+        notes = f"{len(result.missing_keys)} missing" if result.missing_keys else ""
+        return {"total_s": t2 - t0, "load_s": t2 - t1, "notes": notes}
+
+    def ours() -> dict[str, Any]:
+        t0 = time.perf_counter()
+        model = meta_model() if variant in ("ours_meta", "ours_mmap") else _empty_model(cfg)
+        path = runtime if variant in ("ours_mmap", "ours_runtime_alloc") else original
+        t1 = time.perf_counter()
+        report = load_checkpoint(model, path, progress=False)
+        t2 = time.perf_counter()
+        mapped, params = len(report.mapped_keys), len(model.state_dict())
+        notes = f"{mapped}/{params} params mapped " if variant == "ours_mmap" else ""
+        notes += "" if report.ok else f"NOT OK: {str(report).splitlines()[0]}"
+        return {"total_s": t2 - t0, "load_s": t2 - t1, "mapped": mapped, "params": params, "notes": notes}
+
+    def hf() -> dict[str, Any]:
+        t0 = time.perf_counter()
+        _, info = hf_cls.from_pretrained(original, dtype=torch.bfloat16, output_loading_info=True)
+        t1 = time.perf_counter()
+        problems = {k: len(v) for k, v in info.items() if v}
+        notes = "nothing missing" if not problems else f"PROBLEMS {problems}"
+        return {"total_s": t1 - t0, "load_s": t1 - t0, "missing": len(info["missing_keys"]), "notes": notes}
+
+    def raw() -> dict[str, Any]:
+        t0 = time.perf_counter()
+        state = load_file(original, backend=variant.removeprefix("raw_"))
+        n = sum(1 for _ in state.values())
+        t1 = time.perf_counter()
+        return {"total_s": t1 - t0, "load_s": t1 - t0, "notes": f"{n} keys"}
+
     if variant == "hf":
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from transformers import MixtralForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        hf_model_cls = MixtralForCausalLM
-    # The first meta-tensor init imports torch._dynamo (seconds): an import, not construction.
-    build_moe_model(ExampleMoEConfig(), seed=None, device="meta")
-    gc.collect()
-    base = _reset_peak()
-    out: dict[str, Any] = {"notes": ""}
-    t0 = time.perf_counter()
+        hf_cls: Any = MixtralForCausalLM
+        return hf
     if variant in ("floor", "floor_assign"):
-        model = (
-            _empty_model(cfg)
-            if variant == "floor"
-            else build_moe_model(cfg, seed=None, device="meta", dtype=torch.bfloat16)
-        )
-        t1 = time.perf_counter()
-        state = load_file(runtime, backend="pread")
-        result = model.load_state_dict(state, assign=variant != "floor")
-        del state
-        out["notes"] = f"{len(result.missing_keys)} missing" if result.missing_keys else ""
-    elif variant in ("ours_alloc", "ours_meta", "ours_mmap", "ours_runtime_alloc"):
-        meta = variant in ("ours_meta", "ours_mmap")
-        model = (
-            build_moe_model(cfg, seed=None, device="meta", dtype=torch.bfloat16)
-            if meta
-            else _empty_model(cfg)
-        )
-        path = runtime if variant in ("ours_mmap", "ours_runtime_alloc") else original
-        t1 = time.perf_counter()
-        report = load_checkpoint(model, path, progress=False)
-        out["mapped"] = len(report.mapped_keys)
-        out["loaded"] = len(report.loaded_keys)
-        out["params"] = len(model.state_dict())
-        out["notes"] = "" if report.ok else f"NOT OK: {str(report).splitlines()[0]}"
-        if variant == "ours_mmap":
-            t2 = time.perf_counter()
-            again = build_moe_model(cfg, seed=None, device="meta", dtype=torch.bfloat16)
-            start = time.perf_counter()
-            load_checkpoint(again, path, progress=False)
-            out["warm_s"] = time.perf_counter() - start
-            out["notes"] = (
-                f"{out['mapped']}/{out['params']} params mapped; 2nd load in-process {out['warm_s']:.3f} s "
-                + out["notes"]
-            )
-            out.update(load_s=t2 - t1, total_s=t2 - t0, peak=_maxrss(), delta=_maxrss() - base)
-            return out
-    elif variant == "hf":
-        t1 = t0
-        model, info = hf_model_cls.from_pretrained(original, dtype=torch.bfloat16, output_loading_info=True)
-        problems = {k: len(v) for k, v in info.items() if v}
-        out["missing"] = len(info.get("missing_keys", ()))
-        out["notes"] = "nothing missing" if not problems else f"PROBLEMS {problems}"
-    elif variant in ("raw_pread", "raw_mmap"):
-        model = None
-        t1 = t0
-        state = load_file(original, backend=variant.removeprefix("raw_"))
-        n = 0
-        for _ in state.values():
-            n += 1
-        out["notes"] = f"{n} keys"
-        del state
-    elif variant == "save":
-        return _child_save(spec, cfg)
-    else:
-        raise SystemExit(f"unknown variant {variant!r}")
-    t2 = time.perf_counter()
-    out.update(load_s=t2 - t1, total_s=t2 - t0, peak=_maxrss(), base=base, delta=_maxrss() - base)
-    del model
-    return out
+        return floor
+    if variant in ("ours_alloc", "ours_meta", "ours_mmap", "ours_runtime_alloc"):
+        return ours
+    if variant in ("raw_pread", "raw_mmap"):
+        return raw
+    raise SystemExit(f"unknown variant {variant!r}")
 
 
 _SAVES = {
@@ -384,30 +390,12 @@ def _spawn(spec: dict[str, Any]) -> dict[str, Any]:
     return json.loads(line.removeprefix("RESULT "))
 
 
-def _best_of(spec: dict[str, Any], repeat: int, budget_s: float) -> dict[str, Any]:
-    """Run ``spec`` up to ``repeat`` times in fresh processes: fastest run, smallest peak.
-
-    Runs stop early once the measured runs took ``budget_s`` together: a variant that slow is far
-    from any target, and best-of-N only matters against noise on short runs.
-    """
-    runs = [_spawn(spec)]
-    while len(runs) < repeat and sum(r["total_s"] for r in runs) < budget_s:
-        runs.append(_spawn(spec))
-    best = min(runs, key=lambda r: r["total_s"])
-    best = dict(best)
-    for k in ("peak", "delta", "extra"):
-        if k in best:
-            best[k] = min(r[k] for r in runs)
-    best["runs"] = [round(r["total_s"], 3) for r in runs]
-    return best
-
-
 def _measure(
-    rows: list[_Row], name: str, label: str, spec: dict[str, Any], repeat: int, budget_s: float = 12.0
+    rows: list[_Row], name: str, label: str, spec: dict[str, Any], repeat: int, budget_s: float = 8.0
 ) -> None:
     print(f"  running {label.strip()} ...", file=sys.stderr, flush=True)
     try:
-        rows.append(_Row(name, label, _best_of(spec, repeat, budget_s)))
+        rows.append(_Row(name, label, _spawn({**spec, "variant": name, "repeat": repeat, "budget_s": budget_s})))
     except (RuntimeError, subprocess.TimeoutExpired, StopIteration) as exc:
         rows.append(_Row(name, label, None, str(exc)[:200]))
 

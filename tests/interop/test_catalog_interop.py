@@ -723,7 +723,6 @@ class Cross:
     hub_layout: bool = False
 
 
-
 CROSS: tuple[Any, ...] = (
     Cross(
         "MixtralModel<-MixtralForCausalLM",
