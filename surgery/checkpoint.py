@@ -3,7 +3,8 @@
 :func:`open_checkpoint` accepts a ``.safetensors`` file, a directory holding ``model.safetensors``,
 or a sharded checkpoint described by ``model.safetensors.index.json``. Every header (and the
 index) is parsed and validated up front, before a single tensor byte is read; tensors are then
-read on demand, one key at a time, with our own reader over the file:
+read on demand, one key at a time, with our own reader over the file
+(:mod:`surgery.safetensors_format`):
 
 * ``get_tensor(key, copy=False)``: a zero-copy view over a private copy-on-write ``mmap`` of the
   file (writing to it never touches the file);
@@ -17,22 +18,21 @@ Pickle checkpoints (``.bin``, ``.pt``, ...) are refused unless the caller opts i
 
 :func:`write_checkpoint` streams tensors one at a time into temporary files in the target
 directory, fsyncs them and renames them into place, so a failed or interrupted save leaves the
-previous checkpoint loadable.
+previous checkpoint loadable. Given the ``specs`` (shape and dtype) of every key, it plans the
+files from them alone and looks up each value only when writing it, so a lazily computed state
+dict never has more than one value alive.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import difflib
 import itertools
 import json
 import math
-import mmap
 import os
 import re
 import signal
-import stat
 import struct
 import threading
 import uuid
@@ -40,11 +40,19 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from .errors import CheckpointError, ConfigurationError
+from .safetensors_format import (
+    DTYPE_NAMES,
+    PACKED,
+    SafetensorsFile,
+    TensorInfo,
+    tensor_memory,
+    unique_pairs,
+)
 
 __all__ = [
     "SAFE_WEIGHTS_INDEX_NAME",
@@ -63,253 +71,11 @@ _PICKLE_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 _PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt"})
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _NUMBERED = re.compile(r"(.+)-\d{5}-of-(\d{5})(\.\w+)")
-_MAX_HEADER = 100_000_000  # the safetensors format's own limit
-
-# safetensors dtype name -> torch dtype name; entries this torch lacks are left out of _DTYPES.
-_TORCH_NAMES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U64": "uint64",
-    "U32": "uint32",
-    "U16": "uint16",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E8M0": "float8_e8m0fnu",
-    "F4": "float4_e2m1fn_x2",
-}
-_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, tname) for name, tname in _TORCH_NAMES.items() if hasattr(torch, tname)
-}
-_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
-# F4 stores two 4-bit values per byte: the file's shape counts values, torch's counts bytes.
-_PACKED = {"F4": 2}
-
-_PyMemoryView_FromMemory = ctypes.pythonapi.PyMemoryView_FromMemory
-_PyMemoryView_FromMemory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
-_PyMemoryView_FromMemory.restype = ctypes.py_object
-_PYBUF_READ, _PYBUF_WRITE = 0x100, 0x200
-
-
-def _memory(tensor: torch.Tensor, *, writable: bool) -> memoryview:
-    """A byte view of a contiguous CPU tensor's memory; the caller keeps ``tensor`` alive."""
-    flag = _PYBUF_WRITE if writable else _PYBUF_READ
-    return _PyMemoryView_FromMemory(tensor.data_ptr(), tensor.nbytes, flag)
 
 
 # --------------------------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """Where one stored tensor lives; known from the header alone.
-
-    Attributes:
-        key: the checkpoint key.
-        dtype: the torch dtype it is read as.
-        shape: its torch shape.
-        file: the file that holds it.
-        offset: absolute byte offset of its data in ``file`` (``-1`` in a pickle file).
-        nbytes: size of its data in bytes.
-    """
-
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    file: Path
-    offset: int
-    nbytes: int
-
-    @property
-    def numel(self) -> int:
-        """Number of elements (of ``dtype``)."""
-        return math.prod(self.shape)
-
-
-def _corrupt(path: Path, problem: str) -> CheckpointError:
-    return CheckpointError(
-        f"Corrupt safetensors file '{path}': {problem}. The file is truncated, damaged or was not "
-        "written by a safetensors writer; re-download or re-export it."
-    )
-
-
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate key {key!r}")
-        result[key] = value
-    return result
-
-
-def _pread_exact(fd: int, nbytes: int, offset: int) -> bytes:
-    data = os.pread(fd, nbytes, offset)
-    while len(data) < nbytes:
-        more = os.pread(fd, nbytes - len(data), offset + len(data))
-        if not more:
-            break
-        data += more
-    return data
-
-
-def _parse_entry(path: Path, key: str, entry: object, data_start: int, size: int) -> TensorInfo:
-    """Validate one header entry and turn it into a :class:`TensorInfo`."""
-    if not isinstance(entry, dict):
-        raise _corrupt(path, f"the header entry of tensor {key!r} is not an object")
-    name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(name, str):
-        raise _corrupt(path, f"tensor {key!r} has no dtype string")
-    if name not in _DTYPES:
-        why = (
-            f"this torch ({torch.__version__}) has no dtype for it"
-            if name in _TORCH_NAMES
-            else "it is not a safetensors dtype"
-        )
-        raise CheckpointError(
-            f"Tensor {key!r} in '{path}' has dtype {name!r}, which cannot be read: {why}. Supported "
-            f"dtypes: {', '.join(_DTYPES)}. Convert the tensor to one of them, or upgrade torch."
-        )
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise _corrupt(path, f"tensor {key!r} has shape {shape!r}; expected a list of non-negative ints")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-        raise _corrupt(path, f"tensor {key!r} has data_offsets {offsets!r}; expected [begin, end]")
-    begin, end = offsets
-    if not 0 <= begin <= end:
-        raise _corrupt(path, f"tensor {key!r} has data_offsets [{begin}, {end}]; need 0 <= begin <= end")
-    dtype = _DTYPES[name]
-    pack = _PACKED.get(name, 1)
-    numel = math.prod(shape)
-    if pack > 1 and (not shape or shape[-1] % pack):
-        raise _corrupt(
-            path, f"{name} tensor {key!r} has shape {shape}; its last dim must be a multiple of {pack}"
-        )
-    expected = numel // pack * dtype.itemsize
-    if end - begin != expected:
-        raise _corrupt(
-            path,
-            f"tensor {key!r} ({name}, shape {shape}) needs {expected} bytes but its data_offsets "
-            f"[{begin}, {end}] span {end - begin}",
-        )
-    if data_start + end > size:
-        raise _corrupt(
-            path,
-            f"tensor {key!r} ends at byte {data_start + end} but the file has only {size} bytes",
-        )
-    torch_shape = (*shape[:-1], shape[-1] // pack) if pack > 1 else tuple(shape)
-    return TensorInfo(key, dtype, torch_shape, path, data_start + begin, end - begin)
-
-
-def _parse_header(path: Path, fd: int, size: int) -> tuple[dict[str, str], dict[str, TensorInfo]]:
-    """Read and validate a safetensors header; returns (metadata, infos in offset order)."""
-    if size < 8:
-        raise _corrupt(path, f"it has {size} bytes, fewer than the 8-byte header length")
-    (length,) = struct.unpack("<Q", _pread_exact(fd, 8, 0))
-    if length > size - 8:
-        raise _corrupt(path, f"the header claims {length} bytes but the file has only {size - 8} after it")
-    if length > _MAX_HEADER:
-        raise _corrupt(path, f"the header claims {length} bytes, more than the format's {_MAX_HEADER}")
-    raw = _pread_exact(fd, length, 8)
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_pairs)
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, duplicate keys
-        raise _corrupt(path, f"the header is not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise _corrupt(path, "the header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise _corrupt(path, "__metadata__ must map strings to strings")
-    data_start = 8 + length
-    infos = [_parse_entry(path, key, entry, data_start, size) for key, entry in header.items()]
-    infos.sort(key=lambda i: (i.offset, i.nbytes))
-    previous: TensorInfo | None = None
-    for info in infos:
-        if info.nbytes == 0:
-            continue
-        if previous is not None and info.offset < previous.offset + previous.nbytes:
-            raise _corrupt(path, f"the data of tensors {previous.key!r} and {info.key!r} overlap")
-        previous = info
-    return metadata, {info.key: info for info in infos}
-
-
-class _SafetensorsFile:
-    """One open ``.safetensors`` file: validated header, a handle, and a lazy private mapping."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        if not path.is_file():  # before open(): opening a FIFO would block
-            raise CheckpointError(f"'{path}' is not a regular file; point at a .safetensors file.")
-        try:
-            self._handle = open(path, "rb", buffering=0)  # noqa: SIM115 - lives until close()
-        except OSError as exc:
-            raise CheckpointError(
-                f"Cannot open checkpoint file '{path}': {exc.strerror or exc}. Check the path and permissions."
-            ) from None
-        try:
-            st = os.fstat(self._handle.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise CheckpointError(f"'{path}' is not a regular file; point at a .safetensors file.")
-            self.metadata, self.infos = _parse_header(path, self._handle.fileno(), st.st_size)
-        except BaseException:
-            self._handle.close()
-            raise
-        self._lock = threading.Lock()
-        self._map: mmap.mmap | None = None
-
-    def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zero-copy tensor over the private (copy-on-write) mapping."""
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        with self._lock:
-            if self._map is None:
-                if self._handle.closed:
-                    raise CheckpointError(f"'{self.path}' is closed; open the checkpoint again.")
-                self._map = mmap.mmap(self._handle.fileno(), 0, access=mmap.ACCESS_COPY)
-            region = self._map
-        flat = torch.frombuffer(region, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
-        return flat.view(shape)
-
-    def read_into(self, offset: int, out: torch.Tensor, key: str) -> None:
-        """Fill the contiguous CPU tensor ``out`` with the ``out.nbytes`` bytes at ``offset``."""
-        nbytes = out.nbytes
-        if nbytes == 0:
-            return
-        if not hasattr(os, "preadv"):  # e.g. Windows: copy out of the mapping instead
-            out.copy_(self.view(offset, nbytes, out.dtype, tuple(out.shape)))
-            return
-        target = _memory(out, writable=True)
-        done = 0
-        try:
-            fd = self._handle.fileno()
-        except ValueError:
-            raise CheckpointError(f"'{self.path}' is closed; open the checkpoint again.") from None
-        while done < nbytes:
-            got = os.preadv(fd, [target[done:]], offset + done)
-            if got == 0:
-                raise CheckpointError(
-                    f"'{self.path}' ended while reading tensor {key!r}: the file was truncated after it "
-                    "was opened. Restore the file and open the checkpoint again."
-                )
-            done += got
-
-    def close(self) -> None:
-        with self._lock:
-            # Never mmap.close(): torch.frombuffer keeps a reference to the mapping object but not
-            # a buffer export, so closing would unmap memory under live views. Dropping our reference
-            # unmaps it once the last view is gone.
-            self._map = None
-            self._handle.close()
 
 
 class _PickleFile:
@@ -347,7 +113,7 @@ class _PickleFile:
         self.tensors = {}
 
 
-_File = _SafetensorsFile | _PickleFile
+_File = SafetensorsFile | _PickleFile
 
 
 class CheckpointReader:
@@ -563,7 +329,7 @@ def _open_file(path: Path, *, allow_pickle: bool) -> _File:
         if not allow_pickle:
             raise _refuse_pickle(path)
         return _PickleFile(path)
-    return _SafetensorsFile(path)
+    return SafetensorsFile(path)
 
 
 def _index_error(index: Path, problem: str, fix: str) -> CheckpointError:
@@ -608,7 +374,7 @@ def _shard_path(index: Path, name: object, key: str) -> Path:
 
 def _open_index(given: Path, index: Path, *, allow_pickle: bool) -> CheckpointReader:
     try:
-        raw = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=_unique_pairs)
+        raw = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=unique_pairs)
     except OSError as exc:
         raise CheckpointError(f"Cannot read checkpoint index '{index}': {exc.strerror or exc}.") from None
     except ValueError as exc:
@@ -787,57 +553,121 @@ def parse_size(size: int | str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class _Pending:
+    """One tensor to write: what its header entry says, and its value when already in hand."""
+
     key: str
-    tensor: torch.Tensor
+    tensor: torch.Tensor | None  # None: looked up in the state dict while writing (specs)
+    dtype: torch.dtype
     dtype_name: str
-    shape: tuple[int, ...]  # as written in the header (F4 counts values, not bytes)
+    shape: tuple[int, ...]  # torch's shape
+    header_shape: tuple[int, ...]  # as written in the header (F4 counts values, not bytes)
     nbytes: int
 
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
-def _collect(state_dict: Mapping[str, torch.Tensor]) -> list[_Pending]:
-    """Validate every key and tensor before a byte is written."""
+
+def _check_key(key: object, seen: set[str]) -> None:
+    if not isinstance(key, str) or key == "__metadata__":
+        raise CheckpointError(f"Cannot save key {key!r}: keys must be strings other than '__metadata__'.")
+    if key in seen:
+        raise CheckpointError(f"Key {key!r} appears twice in the state dict; every key must be unique.")
+    seen.add(key)
+
+
+def _pending(key: str, tensor: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...]) -> _Pending:
+    """The header entry of ``key``; refuses dtypes and shapes safetensors cannot hold."""
+    name = DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise CheckpointError(
+            f"Cannot save {key!r}: dtype {dtype} has no safetensors equivalent; convert it to one "
+            f"of {', '.join(str(d) for d in DTYPE_NAMES)}."
+        )
+    header_shape = shape
+    pack = PACKED.get(name, 1)
+    if pack > 1:
+        if not shape:
+            raise CheckpointError(f"Cannot save 0-dim {dtype} tensor {key!r}; give it one dimension.")
+        header_shape = (*shape[:-1], shape[-1] * pack)
+    return _Pending(key, tensor, dtype, name, shape, header_shape, math.prod(shape) * dtype.itemsize)
+
+
+def _refuse_non_mapping(state_dict: object) -> None:
     if not isinstance(state_dict, Mapping):
         raise CheckpointError(
             f"write_checkpoint expects a Mapping[str, Tensor], got {type(state_dict).__name__}."
         )
+
+
+def _check_tensor(key: str, tensor: object) -> torch.Tensor:
+    """``tensor`` if it is a tensor whose bytes can be saved, else a :class:`CheckpointError`."""
+    if not isinstance(tensor, torch.Tensor):
+        raise CheckpointError(f"Cannot save {key!r}: expected a torch.Tensor, got {type(tensor).__name__}.")
+    if tensor.layout != torch.strided:
+        raise CheckpointError(f"Cannot save {key!r}: it is a {tensor.layout} tensor; call .to_dense() first.")
+    if tensor.device.type == "meta":
+        raise CheckpointError(
+            f"Cannot save {key!r}: it is on the meta device and has no data; materialize it."
+        )
+    return tensor
+
+
+def _collect(state_dict: Mapping[str, torch.Tensor]) -> list[_Pending]:
+    """Validate every key and tensor before a byte is written."""
+    _refuse_non_mapping(state_dict)
     pending: list[_Pending] = []
     seen: set[str] = set()
     for key in state_dict:
-        if not isinstance(key, str) or key == "__metadata__":
-            raise CheckpointError(f"Cannot save key {key!r}: keys must be strings other than '__metadata__'.")
-        if key in seen:
-            raise CheckpointError(f"Key {key!r} appears twice in the state dict; every key must be unique.")
-        seen.add(key)
-        tensor = state_dict[key]
-        if not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(
-                f"Cannot save {key!r}: expected a torch.Tensor, got {type(tensor).__name__}."
-            )
-        if tensor.layout != torch.strided:
-            raise CheckpointError(
-                f"Cannot save {key!r}: it is a {tensor.layout} tensor; call .to_dense() first."
-            )
-        if tensor.device.type == "meta":
-            raise CheckpointError(
-                f"Cannot save {key!r}: it is on the meta device and has no data; materialize it."
-            )
-        name = _NAMES.get(tensor.dtype)
-        if name is None:
-            raise CheckpointError(
-                f"Cannot save {key!r}: dtype {tensor.dtype} has no safetensors equivalent; convert it to one "
-                f"of {', '.join(str(d) for d in _NAMES)}."
-            )
-        shape = tuple(tensor.shape)
-        pack = _PACKED.get(name, 1)
-        if pack > 1:
-            if not shape:
-                raise CheckpointError(
-                    f"Cannot save 0-dim {tensor.dtype} tensor {key!r}; give it one dimension."
-                )
-            shape = (*shape[:-1], shape[-1] * pack)
-        pending.append(_Pending(key, tensor, name, shape, tensor.numel() * tensor.element_size()))
+        _check_key(key, seen)
+        tensor = _check_tensor(key, state_dict[key])
+        pending.append(_pending(key, tensor, tensor.dtype, tuple(tensor.shape)))
     _check_aliasing(pending)
     return pending
+
+
+def _collect_specs(
+    state_dict: Mapping[str, torch.Tensor], specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+) -> list[_Pending]:
+    """Validate every key and spec before a byte is written, without looking up a single value."""
+    _refuse_non_mapping(state_dict)
+    if not isinstance(specs, Mapping):
+        raise CheckpointError(
+            f"write_checkpoint(specs=...) expects a Mapping[str, (shape, dtype)], got {type(specs).__name__}."
+        )
+    pending: list[_Pending] = []
+    seen: set[str] = set()
+    for key, spec in specs.items():
+        _check_key(key, seen)
+        shape, dtype = spec if isinstance(spec, tuple) and len(spec) == 2 else (None, None)
+        valid_shape = isinstance(shape, (tuple, list, torch.Size)) and all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        )
+        if not valid_shape or not isinstance(dtype, torch.dtype):
+            raise CheckpointError(
+                f"specs[{key!r}] is {spec!r}; expected (shape, dtype), e.g. ((4, 2), torch.float32)."
+            )
+        pending.append(_pending(key, None, dtype, tuple(shape)))
+    unspecified = [k for k in state_dict if k not in seen]
+    if unspecified or len(seen) != len(state_dict):
+        missing = sorted(seen.difference(state_dict))
+        raise CheckpointError(
+            f"specs and the state dict disagree on the keys: no spec for {unspecified[:5]}, no value for "
+            f"{missing[:5]}. Pass one (shape, dtype) per key of the state dict, and nothing else."
+        )
+    return pending
+
+
+def _fetch(state_dict: Mapping[str, torch.Tensor], p: _Pending) -> torch.Tensor:
+    """Look up ``p``'s value and check it against its spec."""
+    tensor = _check_tensor(p.key, state_dict[p.key])
+    if tensor.dtype != p.dtype or tuple(tensor.shape) != p.shape:
+        raise CheckpointError(
+            f"Cannot save {p.key!r}: its value has shape {tuple(tensor.shape)} and dtype {tensor.dtype}, but "
+            f"specs promised shape {p.shape} and dtype {p.dtype}. Make the specs describe the values exactly; "
+            "the previous checkpoint (if any) is unchanged."
+        )
+    return tensor
 
 
 def _check_aliasing(pending: list[_Pending]) -> None:
@@ -845,7 +675,7 @@ def _check_aliasing(pending: list[_Pending]) -> None:
     spans = []
     for p in pending:
         t = p.tensor
-        if t.numel() == 0:
+        if t is None or t.numel() == 0:
             continue
         extent = 1 + sum((size - 1) * step for size, step in zip(t.shape, t.stride()))
         start = t.data_ptr()
@@ -860,38 +690,64 @@ def _check_aliasing(pending: list[_Pending]) -> None:
             )
 
 
-def _header(pending: list[_Pending], metadata: dict[str, str]) -> tuple[bytes, list[_Pending]]:
+def _header(pending: list[_Pending], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
+    """The encoded header, and each key's data offset from the start of the file, in data order."""
     # Largest elements first, so every tensor starts at a multiple of its element size
     # (the header is padded to 8): zero-copy views are then always aligned.
-    ordered = sorted(pending, key=lambda p: (-p.tensor.element_size(), p.key))
+    ordered = sorted(pending, key=lambda p: (-p.dtype.itemsize, p.key))
     header: dict[str, Any] = {"__metadata__": metadata}
+    offsets: dict[str, int] = {}
     offset = 0
     for p in ordered:
         header[p.key] = {
             "dtype": p.dtype_name,
-            "shape": list(p.shape),
+            "shape": list(p.header_shape),
             "data_offsets": [offset, offset + p.nbytes],
         }
+        offsets[p.key] = offset
         offset += p.nbytes
     blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     blob += b" " * (-len(blob) % 8)
-    return struct.pack("<Q", len(blob)) + blob, ordered
+    head = struct.pack("<Q", len(blob)) + blob
+    return head, {key: len(head) + begin for key, begin in offsets.items()}
 
 
-def _write_file(target: Path, pending: list[_Pending], metadata: dict[str, str]) -> None:
-    """Write one safetensors file, streaming one tensor at a time, and fsync it."""
-    head, ordered = _header(pending, metadata)
+def _write_tensor(f: BinaryIO, offset: int, tensor: torch.Tensor) -> None:
+    """Write ``tensor``'s bytes at ``offset`` (a CPU copy and a contiguous copy only when needed)."""
+    data = tensor.detach()
+    if data.device.type != "cpu":
+        data = data.to("cpu")
+    data = data.contiguous()  # a copy only for strided views: one tensor at a time
+    if f.tell() != offset:
+        f.seek(offset)
+    f.write(tensor_memory(data, writable=False))
+
+
+def _write_file(
+    target: Path,
+    pending: list[_Pending],
+    metadata: dict[str, str],
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Write one safetensors file, one tensor at a time, and fsync it.
+
+    Tensors in hand are written in data order. Without them (``state_dict`` given), each value
+    is looked up in ``pending`` order, checked, written at its offset and dropped before the
+    next lookup, so only one value is ever alive.
+    """
+    head, offsets = _header(pending, metadata)
     with open(target, "xb") as f:
         f.write(head)
-        for p in ordered:
-            if p.nbytes == 0:
-                continue
-            data = p.tensor.detach()
-            if data.device.type != "cpu":
-                data = data.to("cpu")
-            data = data.contiguous()  # a copy only for strided views: one tensor at a time
-            f.write(_memory(data, writable=False))
-            del data
+        if state_dict is None:
+            for p in sorted(pending, key=lambda p: offsets[p.key]):
+                if p.tensor is not None and p.nbytes:
+                    _write_tensor(f, offsets[p.key], p.tensor)
+        else:
+            for p in pending:
+                value = _fetch(state_dict, p)
+                if p.nbytes:
+                    _write_tensor(f, offsets[p.key], value)
+                del value  # before the next lookup computes the next value
         f.flush()
         os.fsync(f.fileno())
 
@@ -995,7 +851,7 @@ def _write_index(target: Path, shards: list[list[_Pending]], names: list[str]) -
     index = {
         "metadata": {
             "total_size": sum(p.nbytes for p in pending),
-            "total_parameters": sum(p.tensor.numel() for p in pending),
+            "total_parameters": sum(p.numel for p in pending),
         },
         "weight_map": dict(sorted(weight_map.items())),
     }
@@ -1012,6 +868,7 @@ def write_checkpoint(
     *,
     max_shard_size: int | str = "5GB",
     metadata: Mapping[str, str] | None = None,
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
 ) -> list[Path]:
     """Save tensors as safetensors, atomically, streaming one tensor at a time.
 
@@ -1024,6 +881,12 @@ def write_checkpoint(
     checkpoint is complete. If anything fails (or Ctrl-C arrives) before that, the previous
     checkpoint is left loadable and no temporary file remains.
 
+    With ``specs``, ``state_dict`` may compute its values lazily (like
+    :class:`~surgery.saving.RevertedState`): shards, headers and the index are planned from
+    ``specs`` alone, then each value is looked up once, in ``specs`` order, checked against its
+    spec, written and dropped before the next lookup, so at most one value is alive at a time.
+    The files are byte-identical to a save of the same tensors without ``specs``.
+
     Args:
         state_dict: checkpoint key -> tensor. Tensors on other devices are copied to CPU and
             strided views made contiguous, one tensor at a time; tensors that share memory are
@@ -1031,13 +894,17 @@ def write_checkpoint(
         path: a directory, or a file path ending in ``.safetensors``.
         max_shard_size: bytes of tensor data per shard (``"5GB"``, ``"500MiB"``, an int).
         metadata: extra string metadata stored in every file next to ``{"format": "pt"}``.
+        specs: checkpoint key -> ``(shape, dtype)`` of its value, for exactly the keys of
+            ``state_dict``; its order is the write (and sharding) order. Values are then not
+            checked for shared memory (they are never held together).
 
     Returns:
         The files written: tensor files in order, then the index if there is one.
 
     Raises:
-        CheckpointError: a bad key, tensor or metadata (raised before anything is written), or
-            an I/O failure.
+        CheckpointError: a bad key, tensor, spec or metadata (raised before anything is written),
+            a value that does not match its spec (the previous checkpoint is then unchanged), or an
+            I/O failure.
 
     Example:
         >>> write_checkpoint({"w": torch.ones(2)}, tmp_dir, max_shard_size="1GB")  # doctest: +SKIP
@@ -1054,7 +921,7 @@ def write_checkpoint(
                 f"Metadata 'format' is always 'pt' for torch checkpoints, not {v!r}; drop it."
             )
         meta[k] = v
-    pending = _collect(state_dict)
+    pending = _collect(state_dict) if specs is None else _collect_specs(state_dict, specs)
     target = Path(path)
     single_file = target.suffix == ".safetensors"
     if single_file and target.is_dir():
@@ -1084,7 +951,7 @@ def write_checkpoint(
         for shard, name in zip(shards, names):
             temp = directory / f".{name}.{token}.tmp"
             staged.append((temp, name))
-            _write_file(temp, shard, meta)
+            _write_file(temp, shard, meta, None if specs is None else state_dict)
         stale: list[str] = []
         if not single_file:
             old = _previous_shards(directory) - set(names)

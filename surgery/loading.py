@@ -29,17 +29,15 @@ from torch import nn
 
 from .checkpoint import CheckpointReader, open_checkpoint
 from .errors import ConversionError, LoadError, SurgeryError
+from .placement import all_contiguous, flatten_slots, placement_views
 from .plan import (
     LoadPlan,
-    _all_contiguous,
     _ctx,
-    _flatten,
     _fusion_config_of,
     _meta_clone,
     _model_device,
     _ordered_sources,
     _persisted_fusion_config,
-    _placement_views,
     _prepare,
     _Prepared,
     _Work,
@@ -169,13 +167,13 @@ def _execute(prep: _Prepared, w: _Work) -> list[tuple[str, torch.Tensor, bool]]:
     if entry.mode == "direct":
         key = w.dest_keys[0]
         dest, fresh = _alloc(prep.runtime[key], prep.target_dtype[key], w.device)
-        views = _placement_views(conv, dest, w.slot_shapes or [], ctx)
-        if views is None or not _all_contiguous(views):
+        views = placement_views(conv, dest, w.slot_shapes or [], ctx)
+        if views is None or not all_contiguous(views):
             raise ConversionError(
                 f"{conv!r}: the planned direct placement of {key!r} is not possible; this is a bug, "
                 "please report it (loading with the default plan of another version avoids it)."
             )
-        for src, view in zip(_ordered_sources(conv, w), _flatten(views)):
+        for src, view in zip(_ordered_sources(conv, w), flatten_slots(views)):
             reader.read_into(src, view)
         return [(key, dest, fresh)]
     for src in entry.source_keys:

@@ -16,8 +16,8 @@ its op chain on ``meta`` tensors, settle conflicts, and choose per target how it
 * ``convert``: read, run the op chain, cast, set;
 * ``skip``: unexpected, mismatched in shape, conflicting or failing (all reported).
 
-Saving reuses the placement views the other way round: a fused parameter is cut into its
-per-expert checkpoint tensors without a copy.
+The placement views themselves live in :mod:`surgery.placement`; saving uses them the other way
+round, cutting a fused parameter into its per-expert checkpoint tensors without a copy.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from torch import nn
 
 from .checkpoint import CheckpointReader
 from .errors import ConfigurationError, LoadError, SurgeryError
-from .ops import Chunk, OpContext, Split, SplitModulelist
+from .ops import OpContext
+from .placement import all_contiguous, placement_views, source_slot_shapes
 from .report import ConversionFailure, Mismatch
 from .routing import Routing, route_keys
 from .transforms import WeightConverter, WeightTransform
@@ -523,7 +524,7 @@ def _prepare(
             entry.transform = repr(converter)
             entry.operations = tuple(repr(op) for op in converter.operations)
             config = config_for(group.target_keys[0])
-            slot_shapes = _slot_shapes(converter, src_keys, pattern_of, {i.key: i for i in infos})
+            slot_shapes = source_slot_shapes(converter, src_keys, pattern_of, {i.key: i for i in infos})
             try:
                 outputs = _infer_outputs(converter, group.key, infos, pattern_of, runtime, config)
             except SurgeryError as exc:
@@ -694,104 +695,15 @@ def _choose_mode(
         return "convert"
     dest = torch.empty(params[0].shape, dtype=params[0].dtype, device="meta")
     ctx = _ctx(w.converter, w.group_key, runtime, w.config)
-    views = _placement_views(w.converter, dest, w.slot_shapes, ctx)
-    return "direct" if views is not None and _all_contiguous(views) else "convert"
+    views = placement_views(w.converter, dest, w.slot_shapes, ctx)
+    return "direct" if views is not None and all_contiguous(views) else "convert"
 
 
 # --------------------------------------------------------------------------- direct placement
 
 
-def _placement_ops(converter: WeightConverter) -> list[Any] | None:
-    """The inverse chain, if every inverse op can be taken as views (split/unbind)."""
-    inverse = [op.reverse_op for op in reversed(converter.operations)]
-    if all(isinstance(op, (Split, Chunk, SplitModulelist)) for op in inverse):
-        return inverse
-    return None
-
-
-def _stage_shapes(converter: WeightConverter, slots_shapes: list[Any], ctx: OpContext) -> list[list[Any]]:
-    """Shapes of the slots before each op (meta run)."""
-
-    def meta(s: Any) -> Any:
-        return (
-            [torch.empty(x, device="meta") for x in s]
-            if isinstance(s, list)
-            else torch.empty(s, device="meta")
-        )
-
-    slots = [meta(s) for s in slots_shapes]
-    stages = [[_shape_of(s) for s in slots]]
-    for op in converter.operations:
-        slots = op.convert(slots, ctx)
-        stages.append([_shape_of(s) for s in slots])
-    return stages
-
-
-def _placement_views(
-    converter: WeightConverter,
-    dest: torch.Tensor,
-    slot_shapes: list[Any],
-    ctx: OpContext,
-) -> list[Any] | None:
-    """Cut ``dest`` into one view per source tensor by walking the op chain backwards.
-
-    ``slot_shapes`` holds, per source pattern, the source's shape (or the list of shapes of a
-    gathered ``*`` source). Returns the slots of views (``None`` when the chain cannot be taken
-    as views): reading each source into its view fills ``dest``, and slicing ``dest`` into them
-    undoes the converter without a copy.
-    """
-    inverse = _placement_ops(converter)
-    if inverse is None:
-        return None
-    try:
-        stages = _stage_shapes(converter, slot_shapes, ctx)
-    except (SurgeryError, RuntimeError):
-        return None
-    slots: list[Any] = [dest]
-    for back, op in enumerate(inverse):
-        before = stages[len(stages) - 2 - back]  # shapes of the forward op's inputs
-        if isinstance(op, (Split, Chunk)):
-            if len(slots) != 1 or isinstance(slots[0], list) or any(isinstance(s, list) for s in before):
-                return None
-            sizes = [s[op.dim] for s in before]
-            slots = list(torch.split(slots[0], sizes, dim=op.dim))
-        else:  # SplitModulelist
-            if any(isinstance(s, list) for s in slots):
-                return None
-            slots = [list(torch.unbind(s, dim=op.dim)) for s in slots]
-        if [_shape_of(s) for s in slots] != before:
-            return None
-    return slots
-
-
-def _shape_of(s: Any) -> Any:
-    return [tuple(x.shape) for x in s] if isinstance(s, list) else tuple(s.shape)
-
-
-def _slot_shapes(
-    conv: WeightConverter,
-    src_keys: tuple[str, ...],
-    pattern_of: dict[str, tuple[int, tuple[int, ...]]],
-    infos: dict[str, Any],
-) -> list[Any] | None:
-    """Per source pattern of ``conv``: the source's shape, or the index-ordered list of shapes."""
-    by_pattern: dict[int, dict[tuple[int, ...], tuple[int, ...]]] = {}
-    for src in src_keys:
-        pat, idx = pattern_of[src]
-        by_pattern.setdefault(pat, {})[idx] = tuple(infos[src].shape)
-    out: list[Any] = []
-    for i in range(len(conv.source_patterns)):
-        got = by_pattern.get(i)
-        if not got:
-            return None
-        if conv.gathers_from(i):
-            out.append([got[ix] for ix in sorted(got)])
-        else:
-            out.append(next(iter(got.values())))
-    return out
-
-
 def _ordered_sources(conv: WeightConverter, w: _Work) -> list[str]:
+    """``w``'s source keys in the order of :func:`~surgery.placement.flatten_slots` of its views."""
     by_pattern: dict[int, dict[tuple[int, ...], str]] = {}
     for src in w.entry.source_keys:
         pat, idx = w.pattern_of[src]
@@ -799,14 +711,3 @@ def _ordered_sources(conv: WeightConverter, w: _Work) -> list[str]:
     return [
         by_pattern[i][ix] for i in range(len(conv.source_patterns)) for ix in sorted(by_pattern.get(i, {}))
     ]
-
-
-def _flatten(slots: list[Any]) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for s in slots:
-        out.extend(s if isinstance(s, list) else [s])
-    return out
-
-
-def _all_contiguous(slots: list[Any]) -> bool:
-    return all(t.is_contiguous() for t in _flatten(slots))

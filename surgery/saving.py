@@ -9,9 +9,12 @@ with a dtype cast are cast back, so load → save reproduces the input bit for b
 
 :class:`RevertedState` is the lazy view a save writes from: every output key, shape and dtype is
 known up front (the reversed chains run on ``meta`` tensors), and values are computed one
-converter group at a time, holding only the current group's outputs. Where the reversed chain
-only slices (``Split``/``Chunk``/``SplitModulelist``, e.g. fused experts back to per-expert
-weights) the outputs are views of the parameter and cost no memory at all.
+converter group at a time, holding only the current group's outputs. :func:`save_checkpoint`
+hands those specs to :func:`~surgery.checkpoint.write_checkpoint`, which plans the files from
+them and writes each value as soon as it is computed, so a save holds at most one group's
+outputs beyond the model itself. Where the reversed chain only slices
+(``Split``/``Chunk``/``SplitModulelist``, e.g. fused experts back to per-expert weights) the
+outputs are views of the parameter and cost no memory at all.
 """
 
 from __future__ import annotations
@@ -31,17 +34,8 @@ from .checkpoint import write_checkpoint
 from .errors import CheckpointError, ConfigurationError, ConversionError
 from .loading import load_record
 from .ops import OpContext, run_chain
-from .plan import (
-    FUSION_METADATA_KEY,
-    FUSION_TAG,
-    _all_contiguous,
-    _flatten,
-    _fusion_config_of,
-    _fusion_transforms,
-    _placement_views,
-    _shape_of,
-    fold_indices,
-)
+from .placement import all_contiguous, flatten_slots, placement_views, shape_of
+from .plan import FUSION_METADATA_KEY, FUSION_TAG, _fusion_config_of, _fusion_transforms, fold_indices
 from .routing import route_keys
 from .transforms import PrefixChange, WeightConverter, WeightTransform, split_transforms
 
@@ -297,13 +291,13 @@ class RevertedState(Mapping[str, torch.Tensor]):
         forward = self._forward[index]
         meta = torch.empty(source.shape, dtype=source.dtype, device="meta")
         try:
-            slot_shapes = [_shape_of(s) for s in run_chain(self._converters[index].operations, [meta], ctx)]
+            slot_shapes = [shape_of(s) for s in run_chain(self._converters[index].operations, [meta], ctx)]
         except ConversionError:
             return None
-        views = _placement_views(
+        views = placement_views(
             forward, meta, slot_shapes, OpContext(n_targets=1, target_shapes=(tuple(source.shape),))
         )
-        if views is None or not _all_contiguous(views) or not source.is_contiguous():
+        if views is None or not all_contiguous(views) or not source.is_contiguous():
             return None
         return slot_shapes
 
@@ -314,7 +308,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
         elif g.slot_shapes is not None:
             src = self._state[g.sources[0]]
             ctx = OpContext(n_targets=1, target_shapes=(tuple(src.shape),))
-            flat = _flatten(_placement_views(self._forward[g.converter], src, g.slot_shapes, ctx) or [])
+            flat = flatten_slots(placement_views(self._forward[g.converter], src, g.slot_shapes, ctx) or [])
             if len(flat) != len(g.chain_order):
                 raise ConversionError(
                     f"saving {g.sources[0]!r}: the planned views do not match; this is a bug."
@@ -442,7 +436,7 @@ def save_checkpoint(
     if not original_format and fusion:
         meta[FUSION_METADATA_KEY] = json.dumps(fusion, sort_keys=True)
     state = RevertedState(model, original_format=original_format)
-    files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta)
+    files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
     _update_config_json(Path(path), None if original_format else fusion)
     return files
 

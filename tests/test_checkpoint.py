@@ -8,6 +8,7 @@ import os
 import struct
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -883,3 +884,177 @@ def test_resaving_tensors_read_zero_copy_from_the_same_checkpoint_works(sharded:
         write_checkpoint({f"renamed.{k}": v for k, v in views.items()}, sharded, max_shard_size=40)
     with open_checkpoint(sharded) as reader:
         assert torch.equal(reader.get_tensor("renamed.c"), torch.full((8,), 2.0))
+
+
+# ------------------------------------------------------------------------------------------ streaming writes (specs)
+
+
+def specs_of(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()}
+
+
+class _Lazy(Mapping):
+    """Computes a fresh tensor on every lookup (as a converter would), and tracks which are alive."""
+
+    def __init__(self, values: Mapping[str, torch.Tensor], *, fail_at: str | None = None) -> None:
+        self._values = dict(values)
+        self._fail_at = fail_at
+        self.lookups: list[str] = []
+        self._refs: list[weakref.ref] = []
+        self.most_alive = 0
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.lookups.append(key)
+        if key == self._fail_at:
+            raise RuntimeError(f"injected failure computing {key}")
+        value = self._values[key].clone()
+        self._refs.append(weakref.ref(value))
+        self.most_alive = max(self.most_alive, sum(r() is not None for r in self._refs))
+        return value
+
+
+def mixed_state_dict() -> dict[str, torch.Tensor]:
+    """Keys whose order differs from the header's (largest elements first, then by key)."""
+    sd = {"z.bias": random_tensor(torch.float16, (6,), 7), **small_state_dict()}
+    sd["t.weight"] = random_tensor(torch.float32, (3, 5), 8).t()  # not contiguous
+    sd["empty"] = torch.zeros(0, 4, dtype=torch.float64)
+    return sd
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    specs=st.lists(
+        st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 4), max_size=3)), min_size=1, max_size=6
+    ),
+    shard_size=st.integers(1, 200),
+    single_file=st.booleans(),
+)
+def test_specs_write_is_byte_identical_to_writing_the_tensors(
+    specs, shard_size: int, single_file: bool
+) -> None:
+    sd = {}
+    for i, (dtype, shape) in enumerate(specs):
+        if dtype == getattr(torch, "float4_e2m1fn_x2", None) and not shape:
+            shape = [1]
+        sd[f"t{(7 * i) % 11}"] = random_tensor(dtype, tuple(shape), i)
+    name = "m.safetensors" if single_file else ""
+    with tempfile.TemporaryDirectory() as plain, tempfile.TemporaryDirectory() as lazy:
+        write_checkpoint(sd, Path(plain) / name, max_shard_size=shard_size)
+        write_checkpoint(_Lazy(sd), Path(lazy) / name, max_shard_size=shard_size, specs=specs_of(sd))
+        assert listing(Path(lazy)) == listing(Path(plain))
+
+
+def test_specs_write_looks_up_each_value_once_in_specs_order(tmp_path: Path) -> None:
+    sd = mixed_state_dict()
+    order = sorted(sd, reverse=True)
+    lazy = _Lazy(sd)
+    write_checkpoint(lazy, tmp_path, max_shard_size=100, specs={k: specs_of(sd)[k] for k in order})
+    assert lazy.lookups == order
+    with open_checkpoint(tmp_path) as reader:
+        assert len(reader.files) > 1
+        for key, value in sd.items():
+            assert_identical(reader.get_tensor(key), value)
+
+
+def test_specs_write_holds_at_most_one_value_at_a_time(tmp_path: Path) -> None:
+    sd = mixed_state_dict()
+    lazy = _Lazy(sd)
+    write_checkpoint(lazy, tmp_path, max_shard_size=100, specs=specs_of(sd))
+    assert len(lazy.lookups) == len(sd)
+    assert lazy.most_alive == 1
+    lazy = _Lazy(sd)
+    write_checkpoint(lazy, tmp_path / "m.safetensors", specs=specs_of(sd))
+    assert lazy.most_alive == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (torch.zeros(3, 4), r"shape \(3, 4\) and dtype torch.float32, but specs promised shape \(4, 4\)"),
+        (torch.zeros(4, 4, dtype=torch.float16), r"dtype torch.float16, but specs promised .* torch.float32"),
+        (torch.zeros(4, 4, device="meta"), "meta device"),
+        (torch.zeros(4, 4).to_sparse(), "to_dense"),
+        ([0.0] * 16, "expected a torch.Tensor"),
+    ],
+    ids=["shape", "dtype", "meta", "sparse", "not-a-tensor"],
+)
+def test_value_that_does_not_match_its_spec_is_refused_and_the_previous_checkpoint_stays(
+    sharded: Path, value, problem: str
+) -> None:
+    before = listing(sharded)
+    sd = {"first": torch.ones(8), "bad.key": value, "last": torch.ones(8)}
+    specs = {
+        "first": ((8,), torch.float32),
+        "bad.key": ((4, 4), torch.float32),
+        "last": ((8,), torch.float32),
+    }
+    with pytest.raises(CheckpointError, match=rf"Cannot save 'bad\.key': .*{problem}"):
+        write_checkpoint(sd, sharded, max_shard_size=40, specs=specs)
+    assert listing(sharded) == before
+    with open_checkpoint(sharded) as reader:
+        assert torch.equal(reader.get_tensor("c"), torch.full((8,), 2.0))
+
+
+@pytest.mark.parametrize(
+    ("specs", "problem"),
+    [
+        ({"a": ((2,), torch.float32)}, r"no spec for \['b'\]"),
+        (
+            {"a": ((2,), torch.float32), "b": ((2,), torch.float32), "c": ((2,), torch.float32)},
+            r"no value for \['c'\]",
+        ),
+        ({"a": ((2,), torch.float32), "b": (2, torch.float32)}, r"specs\['b'\] is \(2, torch.float32\)"),
+        ({"a": ((2,), torch.float32), "b": ((-2,), torch.float32)}, r"specs\['b'\]"),
+        ({"a": ((2,), torch.float32), "b": ((2,), "float32")}, r"specs\['b'\]"),
+        ({"a": ((2,), torch.float32), "b": ((2,), torch.complex128)}, "no safetensors equivalent"),
+        ({"a": ((2,), torch.float32), 3: ((2,), torch.float32)}, "keys must be strings"),
+        ([("a", ((2,), torch.float32))], "expects a Mapping"),
+    ],
+    ids=[
+        "missing-spec",
+        "extra-spec",
+        "not-a-pair",
+        "negative-dim",
+        "not-a-dtype",
+        "complex128",
+        "non-str",
+        "list",
+    ],
+)
+def test_bad_specs_are_refused_before_any_value_is_looked_up(tmp_path: Path, specs, problem: str) -> None:
+    lazy = _Lazy({"a": torch.zeros(2), "b": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match=problem):
+        write_checkpoint(lazy, tmp_path / "c", specs=specs)
+    assert lazy.lookups == []
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(
+    ("fail_at", "failing", "raised"),
+    [
+        ("new.4", None, RuntimeError),
+        (None, _FailsToSerialize, RuntimeError),
+        (None, _InterruptedWhileSerializing, KeyboardInterrupt),
+    ],
+    ids=["lookup-raises", "write-raises", "keyboard-interrupt"],
+)
+def test_specs_write_failing_midway_leaves_the_previous_checkpoint_loadable(
+    sharded: Path, fail_at, failing, raised
+) -> None:
+    before = listing(sharded)
+    sd = _new_state_dict_failing_midway(failing or _FailsToSerialize)
+    if failing is None:
+        sd["new.4"] = torch.ones(8)
+    lazy = _Lazy(sd, fail_at=fail_at)
+    with pytest.raises(raised, match="injected"):
+        write_checkpoint(lazy, sharded, max_shard_size=40, specs=specs_of(sd))
+    assert lazy.lookups == [f"new.{i}" for i in range(5)]  # several shards were already written
+    assert listing(sharded) == before
+    with open_checkpoint(sharded) as reader:
+        assert torch.equal(reader.get_tensor("c"), torch.full((8,), 2.0))

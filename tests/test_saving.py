@@ -6,7 +6,7 @@ import filecmp
 import types
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -328,6 +328,73 @@ def test_reverted_state_never_holds_more_than_one_group() -> None:
         assert sum(r() is not None for r in alive) <= largest
     assert_same(dict(revert := surgery.revert_state_dict(model)), original_state_dict(model))
     del revert
+
+
+class _Tracker:
+    """Weak references to every tensor a reversed chain produced while saving."""
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref] = []
+        self.groups = 0
+        self.most_alive = 0
+
+    def see(self, tensors: list[torch.Tensor]) -> None:
+        self.groups += 1
+        self.refs.extend(weakref.ref(t) for t in tensors)
+        self.most_alive = max(self.most_alive, sum(r() is not None for r in self.refs))
+
+
+@dataclass(frozen=True)
+class Tracked(ops.ConversionOp):
+    """Identity; its reverse tells ``tracker`` about the real tensors it passes on."""
+
+    tracker: _Tracker = field(compare=False)
+    forward: bool = True
+
+    def convert(self, slots, ctx):
+        if not self.forward and slots[0].device.type != "meta":
+            self.tracker.see(slots)
+        return list(slots)
+
+    @property
+    def reverse_op(self) -> ops.ConversionOp:
+        return Tracked(self.tracker, not self.forward)
+
+    def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape
+
+
+class TransposedPairs(nn.Module):
+    """``layers.N.ab`` is ``cat([a_t.T, b_t.T])``: saving it back copies (transposes) both halves."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(model_type="toy_transposed_pairs")
+        self.layers = nn.ModuleList(nn.Module() for _ in range(n))
+        for layer in self.layers:
+            layer.ab = nn.Parameter(torch.zeros(12, 4))
+
+
+def test_save_whose_reversed_chain_copies_holds_at_most_one_group_at_a_time(tmp_path: Path) -> None:
+    tracker = _Tracker()
+    original = {f"layers.{i}.{n}": torch.randn(4, 6) for i in range(4) for n in ("a_t", "b_t")}
+    with registry_snapshot():
+        register_checkpoint_conversion_mapping(
+            "toy_transposed_pairs",
+            [
+                WeightConverter(
+                    ["a_t", "b_t"], "ab", [Tracked(tracker), ops.Transpose(0, 1), ops.Concatenate(0)]
+                )
+            ],
+        )
+        write_checkpoint(original, tmp_path / "src")
+        model = TransposedPairs()
+        assert surgery.load_checkpoint(model, tmp_path / "src").ok
+        surgery.save_checkpoint(model, tmp_path / "out", max_shard_size=200)
+    assert tracker.groups == 4
+    assert tracker.most_alive == 2  # a_t and b_t of one layer; never two layers' copies
+    assert len(list((tmp_path / "out").glob("model-*.safetensors"))) == 4
+    assert_same(tensors(tmp_path / "out"), original)
 
 
 def test_keys_of_one_group_are_contiguous_in_write_order() -> None:

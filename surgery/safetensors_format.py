@@ -1,0 +1,312 @@
+"""The safetensors file format: dtype table, validated headers, and a zero-copy file reader.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header mapping each key to
+``{"dtype", "shape", "data_offsets"}`` (plus an optional ``__metadata__`` of strings), then the
+raw tensor bytes. :func:`parse_header` validates every entry (dtype, shape, byte count, bounds,
+overlaps) before a single tensor byte is read; :class:`SafetensorsFile` then serves tensors from
+one open file:
+
+* :meth:`SafetensorsFile.view`: a zero-copy view over a private copy-on-write ``mmap``;
+* :meth:`SafetensorsFile.read_into`: an owned copy, read with ``os.preadv`` straight into the
+  destination tensor's memory (no shared file position, so any number of threads may read).
+
+Checkpoint-level concerns (directories, indexes, pickle files, atomic writing) live in
+:mod:`surgery.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import mmap
+import os
+import stat
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+
+__all__ = [
+    "DTYPES",
+    "DTYPE_NAMES",
+    "PACKED",
+    "SafetensorsFile",
+    "TensorInfo",
+    "parse_header",
+    "tensor_memory",
+    "unique_pairs",
+]
+
+_MAX_HEADER = 100_000_000  # the safetensors format's own limit
+
+# safetensors dtype name -> torch dtype name; entries this torch lacks are left out of DTYPES.
+_TORCH_NAMES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F4": "float4_e2m1fn_x2",
+}
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, tname) for name, tname in _TORCH_NAMES.items() if hasattr(torch, tname)
+}
+"""safetensors dtype name (``"BF16"``) -> the torch dtype it is read as."""
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+"""torch dtype -> safetensors dtype name: the dtypes a file can hold."""
+PACKED: dict[str, int] = {"F4": 2}
+"""Values per stored element of packed dtypes: the file's shape counts values, torch's counts bytes."""
+
+_PyMemoryView_FromMemory = ctypes.pythonapi.PyMemoryView_FromMemory
+_PyMemoryView_FromMemory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PyMemoryView_FromMemory.restype = ctypes.py_object
+_PYBUF_READ, _PYBUF_WRITE = 0x100, 0x200
+
+
+def tensor_memory(tensor: torch.Tensor, *, writable: bool) -> memoryview:
+    """A byte view of a contiguous CPU tensor's memory; the caller keeps ``tensor`` alive."""
+    flag = _PYBUF_WRITE if writable else _PYBUF_READ
+    return _PyMemoryView_FromMemory(tensor.data_ptr(), tensor.nbytes, flag)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """Where one stored tensor lives; known from the header alone.
+
+    Attributes:
+        key: the checkpoint key.
+        dtype: the torch dtype it is read as.
+        shape: its torch shape.
+        file: the file that holds it.
+        offset: absolute byte offset of its data in ``file`` (``-1`` in a pickle file).
+        nbytes: size of its data in bytes.
+    """
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: Path
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements (of ``dtype``)."""
+        return math.prod(self.shape)
+
+
+def _corrupt(path: Path, problem: str) -> CheckpointError:
+    return CheckpointError(
+        f"Corrupt safetensors file '{path}': {problem}. The file is truncated, damaged or was not "
+        "written by a safetensors writer; re-download or re-export it."
+    )
+
+
+def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for :func:`json.loads` that refuses a key repeated in one object.
+
+    Raises:
+        ValueError: a duplicate key (callers turn it into a :class:`CheckpointError`).
+    """
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _pread_exact(fd: int, nbytes: int, offset: int) -> bytes:
+    data = os.pread(fd, nbytes, offset)
+    while len(data) < nbytes:
+        more = os.pread(fd, nbytes - len(data), offset + len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
+def _parse_entry(path: Path, key: str, entry: object, data_start: int, size: int) -> TensorInfo:
+    """Validate one header entry and turn it into a :class:`TensorInfo`."""
+    if not isinstance(entry, dict):
+        raise _corrupt(path, f"the header entry of tensor {key!r} is not an object")
+    name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(name, str):
+        raise _corrupt(path, f"tensor {key!r} has no dtype string")
+    if name not in DTYPES:
+        why = (
+            f"this torch ({torch.__version__}) has no dtype for it"
+            if name in _TORCH_NAMES
+            else "it is not a safetensors dtype"
+        )
+        raise CheckpointError(
+            f"Tensor {key!r} in '{path}' has dtype {name!r}, which cannot be read: {why}. Supported "
+            f"dtypes: {', '.join(DTYPES)}. Convert the tensor to one of them, or upgrade torch."
+        )
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise _corrupt(path, f"tensor {key!r} has shape {shape!r}; expected a list of non-negative ints")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        raise _corrupt(path, f"tensor {key!r} has data_offsets {offsets!r}; expected [begin, end]")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise _corrupt(path, f"tensor {key!r} has data_offsets [{begin}, {end}]; need 0 <= begin <= end")
+    dtype = DTYPES[name]
+    pack = PACKED.get(name, 1)
+    numel = math.prod(shape)
+    if pack > 1 and (not shape or shape[-1] % pack):
+        raise _corrupt(
+            path, f"{name} tensor {key!r} has shape {shape}; its last dim must be a multiple of {pack}"
+        )
+    expected = numel // pack * dtype.itemsize
+    if end - begin != expected:
+        raise _corrupt(
+            path,
+            f"tensor {key!r} ({name}, shape {shape}) needs {expected} bytes but its data_offsets "
+            f"[{begin}, {end}] span {end - begin}",
+        )
+    if data_start + end > size:
+        raise _corrupt(
+            path,
+            f"tensor {key!r} ends at byte {data_start + end} but the file has only {size} bytes",
+        )
+    torch_shape = (*shape[:-1], shape[-1] // pack) if pack > 1 else tuple(shape)
+    return TensorInfo(key, dtype, torch_shape, path, data_start + begin, end - begin)
+
+
+def parse_header(path: Path, fd: int, size: int) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+    """Read and validate the header of the open file ``fd`` (``size`` bytes long).
+
+    Returns:
+        ``(metadata, infos)``: the ``__metadata__`` strings, and every tensor's
+        :class:`TensorInfo` keyed by name, in data-offset order.
+
+    Raises:
+        CheckpointError: the header is truncated, not JSON, repeats a key, names an unknown
+            dtype, or describes data that is out of bounds, mis-sized or overlapping.
+    """
+    if size < 8:
+        raise _corrupt(path, f"it has {size} bytes, fewer than the 8-byte header length")
+    (length,) = struct.unpack("<Q", _pread_exact(fd, 8, 0))
+    if length > size - 8:
+        raise _corrupt(path, f"the header claims {length} bytes but the file has only {size - 8} after it")
+    if length > _MAX_HEADER:
+        raise _corrupt(path, f"the header claims {length} bytes, more than the format's {_MAX_HEADER}")
+    raw = _pread_exact(fd, length, 8)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, duplicate keys
+        raise _corrupt(path, f"the header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(path, "the header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _corrupt(path, "__metadata__ must map strings to strings")
+    data_start = 8 + length
+    infos = [_parse_entry(path, key, entry, data_start, size) for key, entry in header.items()]
+    infos.sort(key=lambda i: (i.offset, i.nbytes))
+    previous: TensorInfo | None = None
+    for info in infos:
+        if info.nbytes == 0:
+            continue
+        if previous is not None and info.offset < previous.offset + previous.nbytes:
+            raise _corrupt(path, f"the data of tensors {previous.key!r} and {info.key!r} overlap")
+        previous = info
+    return metadata, {info.key: info for info in infos}
+
+
+class SafetensorsFile:
+    """One open ``.safetensors`` file: validated header, a handle, and a lazy private mapping.
+
+    Attributes:
+        path: the file.
+        metadata: its ``__metadata__`` strings.
+        infos: every tensor's :class:`TensorInfo`, in data-offset order.
+
+    Raises:
+        CheckpointError: the path is not a regular file, cannot be opened, or its header is corrupt.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        if not path.is_file():  # before open(): opening a FIFO would block
+            raise CheckpointError(f"'{path}' is not a regular file; point at a .safetensors file.")
+        try:
+            self._handle = open(path, "rb", buffering=0)  # noqa: SIM115 - lives until close()
+        except OSError as exc:
+            raise CheckpointError(
+                f"Cannot open checkpoint file '{path}': {exc.strerror or exc}. Check the path and permissions."
+            ) from None
+        try:
+            st = os.fstat(self._handle.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"'{path}' is not a regular file; point at a .safetensors file.")
+            self.metadata, self.infos = parse_header(path, self._handle.fileno(), st.st_size)
+        except BaseException:
+            self._handle.close()
+            raise
+        self._lock = threading.Lock()
+        self._map: mmap.mmap | None = None
+
+    def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zero-copy tensor over the private (copy-on-write) mapping."""
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        with self._lock:
+            if self._map is None:
+                if self._handle.closed:
+                    raise CheckpointError(f"'{self.path}' is closed; open the checkpoint again.")
+                self._map = mmap.mmap(self._handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            region = self._map
+        flat = torch.frombuffer(region, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
+        return flat.view(shape)
+
+    def read_into(self, offset: int, out: torch.Tensor, key: str) -> None:
+        """Fill the contiguous CPU tensor ``out`` with the ``out.nbytes`` bytes at ``offset``."""
+        nbytes = out.nbytes
+        if nbytes == 0:
+            return
+        if not hasattr(os, "preadv"):  # e.g. Windows: copy out of the mapping instead
+            out.copy_(self.view(offset, nbytes, out.dtype, tuple(out.shape)))
+            return
+        target = tensor_memory(out, writable=True)
+        done = 0
+        try:
+            fd = self._handle.fileno()
+        except ValueError:
+            raise CheckpointError(f"'{self.path}' is closed; open the checkpoint again.") from None
+        while done < nbytes:
+            got = os.preadv(fd, [target[done:]], offset + done)
+            if got == 0:
+                raise CheckpointError(
+                    f"'{self.path}' ended while reading tensor {key!r}: the file was truncated after it "
+                    "was opened. Restore the file and open the checkpoint again."
+                )
+            done += got
+
+    def close(self) -> None:
+        with self._lock:
+            # Never mmap.close(): torch.frombuffer keeps a reference to the mapping object but not
+            # a buffer export, so closing would unmap memory under live views. Dropping our reference
+            # unmaps it once the last view is gone.
+            self._map = None
+            self._handle.close()
