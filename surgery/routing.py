@@ -14,6 +14,8 @@ made on access from those shared decisions (:class:`RouteTable`).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -236,6 +238,32 @@ def route_keys(
     """
     keys = keys if isinstance(keys, list) else list(keys)
     _check_str(keys)
+    with _gc_paused():
+        return _route_keys_fast(keys, transforms, runtime_keys, base_model_prefix)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Routing allocates only acyclic containers; cycle collections mid-call are pure overhead.
+
+    The collector is paused for the duration of one call (and restored even on error), which
+    saves a collection pass per ~700 allocations on a 100k-key checkpoint.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _route_keys_fast(
+    keys: list[str],
+    transforms: Sequence[WeightTransform],
+    runtime_keys: Collection[str] | None,
+    base_model_prefix: str | None,
+) -> Routing:
     router = TemplateRouter(_Router(transforms))
     filer = _Filer(router, runtime_keys, base_model_prefix)
     if router.exact_only:
