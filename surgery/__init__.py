@@ -5,8 +5,8 @@ Map of the package (one concept per module):
 * ``patterns``, ``ops``, ``transforms``: the reversible weight-transform engine.
 * ``routing`` (+ ``fastroute``): every checkpoint key through a transform list, once.
 * ``graph``, ``registry``, ``resolution``: which conversion mapping applies where.
-* ``safetensors_format``, ``checkpoint``: the file format; lazy, validated reads and atomic,
-  streaming writes of single-file and sharded checkpoints.
+* ``safetensors_format``, ``checkpoint``, ``checkpoint_writer``: the file format; lazy,
+  validated reads; atomic, streaming writes of single-file and sharded checkpoints.
 * ``plan``, ``placement``, ``loading``, ``report``, ``saving``: plan a load from headers, read
   straight into place, load into rewritten models, report, export back.
 * ``fusion``: torch.fx rewrites of module instances, with preview.
