@@ -48,7 +48,7 @@ from .registry import registered_keys
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["ModuleGraph", "TensorInfo"]
+__all__ = ["ModuleGraph", "TensorInfo", "submodels_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +92,64 @@ def _model_type(module: nn.Module) -> str | None:
     return model_type if isinstance(model_type, str) and model_type else None
 
 
+def _check_module(model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise ConfigurationError(
+            f"ModuleGraph needs a torch.nn.Module, got {type(model).__name__}: {model!r}."
+        )
+
+
+def _walk(
+    model: nn.Module, registered: frozenset[str]
+) -> Iterator[tuple[str, nn.Module, str | None, str | None, bool]]:
+    """``named_modules(remove_duplicate=False)`` with what the graph records per module.
+
+    Yields ``(path, module, canonical, model_type, is_submodel)``: ``canonical`` is the path of
+    the module's first visit when ``path`` is an alias (then the other two are ``None``/``False``),
+    else ``None``.
+    """
+    path_of: dict[int, str] = {}
+    context: dict[str, object] = {}  # path -> config of the nearest sub-model at or above it
+    for path, module in model.named_modules(remove_duplicate=False):
+        canonical = path_of.get(id(module))
+        if canonical is not None:
+            yield path, module, canonical, None, False
+            continue
+        path_of[id(module)] = path
+        cls = type(module)
+        model_type = _model_type(module)
+        parent_config = context.get(_parent(path)) if path else None
+        config = getattr(module, "config", None) if model_type is not None else None
+        is_submodel = cls.__name__ in registered or (
+            model_type is not None
+            and (not path or config is not parent_config or hasattr(cls, "base_model_prefix"))
+        )
+        context[path] = config if is_submodel and config is not None else parent_config
+        yield path, module, None, model_type, is_submodel
+
+
+def submodels_of(model: nn.Module) -> list[tuple[str, nn.Module, str | None]]:
+    """``(path, module, model_type)`` of every sub-model, as :meth:`ModuleGraph.submodels` lists them.
+
+    The same walk as building a :class:`ModuleGraph`, without the graph: no ``networkx`` import
+    and no per-tensor records, for callers (resolution on every load) that need only this.
+
+    Raises:
+        ConfigurationError: ``model`` is not a module.
+
+    Example:
+        >>> import torch
+        >>> submodels_of(torch.nn.Sequential(torch.nn.Linear(2, 3)))
+        []
+    """
+    _check_module(model)
+    return [
+        (path, module, model_type)
+        for path, module, canonical, model_type, is_submodel in _walk(model, registered_keys())
+        if canonical is None and is_submodel
+    ]
+
+
 class ModuleGraph:
     """A ``networkx.DiGraph`` of ``model``'s modules (see the module docstring for the attributes).
 
@@ -113,10 +171,7 @@ class ModuleGraph:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        if not isinstance(model, nn.Module):
-            raise ConfigurationError(
-                f"ModuleGraph needs a torch.nn.Module, got {type(model).__name__}: {model!r}."
-            )
+        _check_module(model)
         self.model = model
         import networkx  # here, not at module level: it costs ~0.3 s and `import surgery` stays fast
 
@@ -131,12 +186,9 @@ class ModuleGraph:
     def _build(self, registered: frozenset[str]) -> None:
         nodes: list[tuple[str, dict[str, Any]]] = []
         edges: list[tuple[str, str, dict[str, str]]] = []
-        path_of: dict[int, str] = {}
         aliases: dict[str, list[str]] = {}
-        context: dict[str, object] = {}  # path -> config of the nearest sub-model at or above it
         tensor_keys = self._tensor_keys
-        for path, module in self.model.named_modules(remove_duplicate=False):
-            canonical = path_of.get(id(module))
+        for path, module, canonical, model_type, is_submodel in _walk(self.model, registered):
             if canonical is not None:
                 self._canonical[path] = canonical
                 aliases.setdefault(canonical, []).append(path)
@@ -144,18 +196,9 @@ class ModuleGraph:
                     if p is not None:
                         tensor_keys.setdefault(id(p), []).append(_join(path, name))
                 continue
-            path_of[id(module)] = path
             self._canonical[path] = path
             self._modules[path] = module
             cls = type(module)
-            model_type = _model_type(module)
-            parent_config = context.get(_parent(path)) if path else None
-            config = getattr(module, "config", None) if model_type is not None else None
-            is_submodel = cls.__name__ in registered or (
-                model_type is not None
-                and (not path or config is not parent_config or hasattr(cls, "base_model_prefix"))
-            )
-            context[path] = config if is_submodel and config is not None else parent_config
             nodes.append(
                 (
                     path,

@@ -7,7 +7,10 @@ converter's outputs on ``meta`` tensors and decides, per target, whether it is m
 
 Phase 2 (:func:`load_checkpoint`) executes exactly that plan on a thread pool (4 workers by
 default; ``SURGERY_SYNC_LOAD=1`` or ``sync=True`` for sequential loading) with bounded read-ahead,
-sets each parameter as soon as its tensors are ready and frees the temporaries at once. Ctrl-C
+sets each parameter as soon as its tensors are ready and frees the temporaries at once. Entries
+that are all Python overhead (memory-mapped ones, and ones whose tensors average under 256 KiB,
+such as a thousand tiny experts) run on the calling thread, where the GIL costs no hand-offs, and
+the cycle collector is paused for the duration of a load (it only allocates acyclic objects). Ctrl-C
 cancels what has not started. A successful load leaves a :class:`LoadRecord` on the model, which
 saving reads to invert exactly what happened.
 """
@@ -29,6 +32,7 @@ from torch import nn
 
 from .checkpoint import CheckpointReader, open_checkpoint
 from .errors import ConversionError, LoadError, SurgeryError
+from .gcpause import gc_paused
 from .placement import all_contiguous, flatten_slots, placement_views
 from .plan import (
     LoadPlan,
@@ -43,6 +47,7 @@ from .plan import (
     _Work,
 )
 from .report import ConversionFailure, LoadReport
+from .safetensors_format import SafetensorsFile
 from .transforms import PrefixChange, WeightTransform
 
 __all__ = ["DEFAULT_WORKERS", "SYNC_ENV", "LoadRecord", "load_checkpoint", "load_record", "plan_load"]
@@ -51,6 +56,9 @@ DEFAULT_WORKERS = 4
 SYNC_ENV = "SURGERY_SYNC_LOAD"
 _RECORD_ATTR = "_surgery_load_record"
 _READ_AHEAD_BYTES = 512 * 2**20
+_INLINE_BYTES_PER_TENSOR = 256 * 2**10
+"""Entries whose tensors average less than this run on the calling thread: their cost is Python
+per-key work that holds the GIL, so worker threads only add hand-offs and GIL contention."""
 
 
 @dataclass
@@ -173,8 +181,7 @@ def _execute(prep: _Prepared, w: _Work) -> list[tuple[str, torch.Tensor, bool]]:
                 f"{conv!r}: the planned direct placement of {key!r} is not possible; this is a bug, "
                 "please report it (loading with the default plan of another version avoids it)."
             )
-        for src, view in zip(_ordered_sources(conv, w), flatten_slots(views)):
-            reader.read_into(src, view)
+        _read_placed(reader, list(zip(_ordered_sources(conv, w), flatten_slots(views))), dest)
         return [(key, dest, fresh)]
     for src in entry.source_keys:
         pat, idx = w.pattern_of[src]
@@ -185,6 +192,55 @@ def _execute(prep: _Prepared, w: _Work) -> list[tuple[str, torch.Tensor, bool]]:
         param = prep.runtime[key]
         result.append((key, *_place(param, outputs.pop(key).to(prep.target_dtype[key]), w.device)))
     return result
+
+
+def _read_placed(reader: CheckpointReader, pairs: list[tuple[str, torch.Tensor]], dest: torch.Tensor) -> None:
+    """``reader.read_into(src, view)`` for every pair of views cut from ``dest``, minus the overhead.
+
+    The placement already made every view a contiguous slice of ``dest``; what is left to check
+    per tensor (its file, dtype and shape) is checked here, and the views that pass are read
+    straight from their file in one call per file (one ``preadv`` per run of sources that sit
+    back to back in the file and in ``dest``). Anything unusual goes through ``read_into``, and
+    a batch that fails is read again key by key, so errors name the tensor as they always did.
+    """
+    if not hasattr(os, "preadv") or dest.device.type != "cpu" or dest.layout != torch.strided:
+        for src, view in pairs:
+            reader.read_into(src, view)
+        return
+    lookup = reader._lookup
+    source: Any = None
+    batch: list[tuple[str, torch.Tensor]] = []
+    spans: list[list[Any]] = []  # [offset, address, nbytes, key]
+    end_offset = end_address = -1
+
+    def flush() -> None:
+        if not batch:
+            return
+        try:
+            source.read_spans(spans)
+        except SurgeryError:
+            for src, view in batch:
+                reader.read_into(src, view)
+        batch.clear()
+        spans.clear()
+
+    for src, view in pairs:
+        info, file = lookup(src)
+        if file.__class__ is not SafetensorsFile or view.dtype != info.dtype or view.shape != info.shape:
+            flush()
+            reader.read_into(src, view)
+            continue
+        if file is not source:
+            flush()
+            source = file
+        batch.append((src, view))
+        address = view.data_ptr()
+        if spans and info.offset == end_offset and address == end_address:
+            spans[-1][2] += info.nbytes
+        else:
+            spans.append([info.offset, address, info.nbytes, src])
+        end_offset, end_address = info.offset + info.nbytes, address + info.nbytes
+    flush()
 
 
 def _set_tensor(model: nn.Module, key: str, tensor: torch.Tensor, old: torch.Tensor) -> None:
@@ -258,7 +314,7 @@ def plan_load(
         >>> plan = surgery.plan_load(model, "ckpt/")  # doctest: +SKIP
         >>> print(plan.render())  # doctest: +SKIP
     """
-    with _opened(path, allow_pickle) as reader:
+    with gc_paused(), _opened(path, allow_pickle) as reader:
         needs_fusion = fusion_config is not None or (
             _fusion_config_of(model) is None and _persisted_fusion_config(reader) is not None
         )
@@ -326,7 +382,7 @@ def load_checkpoint(
     """
     start = time.perf_counter()
     model.__dict__.pop(_RECORD_ATTR, None)  # a failed or interrupted load leaves no record behind
-    with _opened(path, allow_pickle) as reader:
+    with gc_paused(), _opened(path, allow_pickle) as reader:
         with _undo_fusions_on_error(model):
             prep = _prepare(
                 model, path, device=device, dtype=dtype, fusion_config=fusion_config, reader=reader
@@ -422,6 +478,14 @@ def _run_pool(prep: _Prepared, workers: int, finish, fail) -> None:
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="surgery-load") as pool:
         try:
             for w in prep.work:
+                if _runs_inline(w):
+                    try:
+                        results = _execute(prep, w)
+                    except SurgeryError as exc:
+                        fail(w, exc)
+                    else:
+                        finish(w, results)
+                    continue
                 cost = w.entry.nbytes if w.entry.mode == "convert" else 0
                 while pending and (
                     len(pending) >= 2 * workers or in_flight + cost > max(_READ_AHEAD_BYTES, cost)
@@ -442,6 +506,12 @@ def _run_pool(prep: _Prepared, workers: int, finish, fail) -> None:
                 f.cancel()
             pool.shutdown(wait=True, cancel_futures=True)
             raise
+
+
+def _runs_inline(w: _Work) -> bool:
+    """Memory-mapped entries (no I/O) and entries of small tensors are not worth a thread hand-off."""
+    entry = w.entry
+    return entry.mode == "mmap" or entry.nbytes < _INLINE_BYTES_PER_TENSOR * max(1, len(entry.source_keys))
 
 
 def _collect(f: Future, w: _Work, finish, fail) -> None:
@@ -485,12 +555,13 @@ def _record(model: nn.Module, prep: _Prepared, done: list[_Work], path: str | os
             transforms.insert(0, change)  # applied to the checkpoint keys: the first renaming
     reader = prep.reader
     in_order = [k for k in reader if k in sources]  # checkpoint order, not completion order
+    infos = [reader.info(k) for k in in_order]
     file_index = {f: i for i, f in enumerate(reader.files)}
     record = LoadRecord(
         transforms=transforms,
-        source_dtypes={k: reader.info(k).dtype for k in in_order},
-        source_shapes={k: tuple(reader.info(k).shape) for k in in_order},
-        source_shards={k: file_index.get(reader.info(k).file, 0) for k in in_order},
+        source_dtypes={k: i.dtype for k, i in zip(in_order, infos)},
+        source_shapes={k: tuple(i.shape) for k, i in zip(in_order, infos)},
+        source_shards={k: file_index.get(i.file, 0) for k, i in zip(in_order, infos)},
         loaded_keys={k for w in done for k in w.dest_keys},
         checkpoint=str(path),
     )

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .errors import SurgeryError
-from .ops import Chunk, OpContext, Split, SplitModulelist
+from .ops import Chunk, Concatenate, MergeModulelist, OpContext, Split, SplitModulelist
 from .transforms import WeightConverter
 
 __all__ = ["all_contiguous", "flatten_slots", "placement_views", "shape_of", "source_slot_shapes"]
@@ -39,6 +39,75 @@ def _placement_ops(converter: WeightConverter) -> list[Any] | None:
 
 
 def _stage_shapes(converter: WeightConverter, slots_shapes: list[Any], ctx: OpContext) -> list[list[Any]]:
+    """Shapes of the slots before each op (and after the last one)."""
+    stages = _rule_stage_shapes(converter.operations, slots_shapes)
+    return stages if stages is not None else _meta_stage_shapes(converter, slots_shapes, ctx)
+
+
+def _plain_shape(s: Any) -> bool:
+    return isinstance(s, tuple) and all(type(d) is int and d >= 0 for d in s)
+
+
+def _rule_stage_shapes(operations: tuple[Any, ...], slots_shapes: list[Any]) -> list[list[Any]] | None:
+    """:func:`_meta_stage_shapes` by shape arithmetic, for the common chains of built-in ops.
+
+    Covers chains of ``MergeModulelist`` and ``Concatenate`` on well-formed inputs only; anything
+    else (custom ops, a check that would fail) returns ``None`` and takes the meta run, so errors
+    and edge cases behave exactly as there. Stacking a thousand experts on ``meta`` tensors goes
+    through torch's Python reference kernels, which costs milliseconds per call.
+    """
+    if not all(type(op) in (Concatenate, MergeModulelist) for op in operations):
+        return None
+    slots: list[Any] = []
+    for s in slots_shapes:
+        if isinstance(s, list):
+            try:
+                kinds = set(s)  # a thousand experts share a handful of shapes: check those
+            except TypeError:
+                return None
+            if not all(_plain_shape(x) for x in kinds):
+                return None
+            slots.append(s if all(type(x) is tuple for x in kinds) else [tuple(x) for x in s])
+        elif _plain_shape(s):
+            slots.append(tuple(s))
+        else:
+            return None
+    stages = [slots]
+    for op in operations:
+        out: list[Any] = []
+        if type(op) is MergeModulelist:
+            for s in slots:
+                items = s if isinstance(s, list) else [s]
+                if not items:
+                    return None
+                first = items[0]
+                if len(set(items)) != 1:
+                    return None
+                nd = len(first) + 1
+                if not -nd <= op.dim < nd:
+                    return None
+                d = op.dim % nd
+                out.append((*first[:d], len(items), *first[d:]))
+        else:  # Concatenate
+            if not slots or any(isinstance(s, list) for s in slots):
+                return None
+            first = slots[0]
+            nd = len(first)
+            if not -nd <= op.dim < nd:
+                return None
+            d = op.dim % nd
+            for t in slots[1:]:
+                if len(t) != nd or t[:d] != first[:d] or t[d + 1 :] != first[d + 1 :]:
+                    return None
+            out.append((*first[:d], sum(t[d] for t in slots), *first[d + 1 :]))
+        slots = out
+        stages.append(slots)
+    return stages
+
+
+def _meta_stage_shapes(
+    converter: WeightConverter, slots_shapes: list[Any], ctx: OpContext
+) -> list[list[Any]]:
     """Shapes of the slots before each op (meta run)."""
 
     def meta(s: Any) -> Any:

@@ -33,13 +33,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import ops
 from .checkpoint import CheckpointReader
 from .errors import ConfigurationError, LoadError, SurgeryError
 from .ops import OpContext
 from .placement import all_contiguous, placement_views, source_slot_shapes
 from .report import ConversionFailure, Mismatch
 from .routing import Routing, route_keys
-from .transforms import WeightConverter, WeightTransform
+from .transforms import WeightConverter, WeightTransform, expand_outputs
 
 __all__ = ["FUSION_METADATA_KEY", "LoadPlan", "PlanEntry", "fold_indices"]
 
@@ -471,7 +472,7 @@ def _prepare(
     )
     config_for = _config_lookup(model)
     plan = LoadPlan(str(path), fusions=fusions)
-    plan.transforms = [repr(t) for t in transforms]
+    plan.transforms = transform_repr = [repr(t) for t in transforms]
     mismatches: list[Mismatch] = []
     failures: list[tuple[int, ConversionFailure]] = []
     conflicts = [
@@ -487,6 +488,8 @@ def _prepare(
     conflicted_groups = {c.target_key for c in routing.conflicts}
     target_dtype: dict[str, torch.dtype] = {}
     covered: set[str] = set()
+    infer_cache: dict[Any, list[Any]] = {}
+    mode_cache: dict[Any, bool] = {}
 
     def where(t: torch.Tensor) -> torch.device:
         return stand_in if stand_in is not None and t.device.type == "meta" else t.device
@@ -503,9 +506,9 @@ def _prepare(
     for group in routing.groups.values():
         src_keys = tuple(group.source_keys)
         infos = [reader.info(k) for k in src_keys]
-        renamings = tuple(
-            dict.fromkeys(repr(transforms[i]) for k in src_keys for i in routing.routes[k].renamings)
-        )
+        routes = [routing.routes[k] for k in src_keys]
+        fired = dict.fromkeys(i for r in routes for i in r.renamings)
+        renamings = tuple(dict.fromkeys(transform_repr[i] for i in fired))
         entry = PlanEntry(
             target_keys=group.target_keys,
             source_keys=src_keys,
@@ -517,16 +520,18 @@ def _prepare(
         index = len(plan.entries)
         plan.entries.append(entry)
         converter = _converter_at(transforms, group.converter)
-        pattern_of = {k: (routing.routes[k].pattern_index or 0, routing.routes[k].index) for k in src_keys}
+        pattern_of = {k: (r.pattern_index or 0, r.index) for k, r in zip(src_keys, routes)}
         config = None
         slot_shapes = None
         if converter is not None:
-            entry.transform = repr(converter)
+            entry.transform = transform_repr[group.converter]  # type: ignore[index]
             entry.operations = tuple(repr(op) for op in converter.operations)
             config = config_for(group.target_keys[0])
             slot_shapes = source_slot_shapes(converter, src_keys, pattern_of, {i.key: i for i in infos})
             try:
-                outputs = _infer_outputs(converter, group.key, infos, pattern_of, runtime, config)
+                outputs = _infer_outputs(
+                    converter, group.key, infos, pattern_of, runtime, config, infer_cache
+                )
             except SurgeryError as exc:
                 entry.status, entry.mode, entry.message = "error", "skip", str(exc)
                 failures.append(
@@ -577,7 +582,7 @@ def _prepare(
                 mismatches.append(
                     Mismatch(k, "dtype", _dtype_name(od), _dtype_name(d), src_keys, loaded=True)
                 )
-        entry.mode = _choose_mode(work, [where(p) for p in params], params, cast, runtime)
+        entry.mode = _choose_mode(work, [where(p) for p in params], params, cast, runtime, mode_cache)
 
     work_list = _settle_conflicts(candidates, conflicted_groups, tied, conflicts)
     for k in list(covered):
@@ -651,6 +656,24 @@ def _converter_at(transforms: list[WeightTransform], index: int | None) -> Weigh
     return t
 
 
+_BUILTIN_OPS = frozenset(
+    {
+        ops.Chunk,
+        ops.Concatenate,
+        ops.Conv3dToLinear,
+        ops.Interleave,
+        ops.LinearToConv3d,
+        ops.MergeModulelist,
+        ops.PermuteForRope,
+        ops.Split,
+        ops.SplitModulelist,
+        ops.Transpose,
+    }
+)
+"""Op types whose output shapes depend only on input shapes/dtypes, ``n_targets``,
+``target_shapes`` and ``config`` (never on key names), so a meta run can be reused."""
+
+
 def _infer_outputs(
     converter: WeightConverter,
     group_key: str,
@@ -658,14 +681,68 @@ def _infer_outputs(
     pattern_of: dict[str, tuple[int, tuple[int, ...]]],
     runtime: dict[str, torch.Tensor],
     config: Any,
+    cache: dict[Any, list[Any]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Run the op chain on meta tensors: output names and shapes without reading data."""
+    """Run the op chain on meta tensors: output names and shapes without reading data.
+
+    ``cache`` (one per planning pass) reuses the outputs of an earlier group of the same
+    converter whose sources had the same patterns, indices, shapes and dtypes and whose targets
+    the same shapes: 32 layers of 1,024 experts then stack their meta tensors once, not 32 times.
+    Only successful runs of built-in op chains are reused; anything else runs as before.
+    """
+    key = None
+    if cache is not None and all(type(op) in _BUILTIN_OPS for op in converter.operations):
+        try:
+            targets = converter._expand_target_keys(group_key)
+            ctx = _ctx(converter, group_key, runtime, config)
+        except SurgeryError:
+            targets = ()  # the uncached run below raises it, after the same steps as always
+        else:
+            key = (
+                id(converter),
+                ctx.n_targets,
+                ctx.target_shapes,
+                id(config),
+                tuple((pattern_of[i.key], i.shape, i.dtype) for i in infos),
+            )
+            slots = cache.get(key)
+            if slots is not None and group_key not in converter._collected:
+                return expand_outputs(targets, slots, converter)
     for info in infos:
         pat, idx = pattern_of[info.key]
         converter.add_tensor(
             group_key, info.key, pat, torch.empty(info.shape, dtype=info.dtype, device="meta"), index=idx
         )
-    return converter.convert(group_key, _ctx(converter, group_key, runtime, config))
+    outputs = converter.convert(group_key, _ctx(converter, group_key, runtime, config))
+    if key is not None and cache is not None:
+        slots = _output_slots(targets, outputs, converter)
+        if slots is not None:
+            cache[key] = slots
+    return outputs
+
+
+def _output_slots(
+    targets: tuple[str, ...], outputs: dict[str, torch.Tensor], converter: WeightConverter
+) -> list[Any] | None:
+    """The chain's output slots behind ``outputs`` (undoing ``expand_outputs``), or ``None`` if unsure."""
+    slots: list[Any] = []
+    for t in targets:
+        if "*" in t:
+            items: list[torch.Tensor] = []
+            while (name := t.replace("*", str(len(items)), 1)) in outputs:
+                items.append(outputs[name])
+            slots.append(items)
+        elif t in outputs:
+            slots.append(outputs[t])
+        else:
+            return None
+    try:
+        again = expand_outputs(targets, slots, converter)
+    except SurgeryError:
+        return None
+    if list(again) != list(outputs) or any(again[k] is not outputs[k] for k in outputs):
+        return None
+    return slots
 
 
 def _ctx(
@@ -682,8 +759,13 @@ def _choose_mode(
     params: list[torch.Tensor],
     cast: bool,
     runtime: dict[str, torch.Tensor],
+    cache: dict[Any, bool] | None = None,
 ) -> str:
-    """``mmap``, ``direct`` or ``convert`` (see the module docstring)."""
+    """``mmap``, ``direct`` or ``convert`` (see the module docstring).
+
+    ``cache`` (one per planning pass) remembers, per converter of built-in ops, destination shape
+    and source shapes, whether the placement views work out: the 32 layers of a model decide once.
+    """
     on_meta = all(d.type == "meta" for d in devices)
     on_cpu = w.device.type == "cpu"
     usable = on_meta or all(p.is_contiguous() for p in params)
@@ -693,10 +775,30 @@ def _choose_mode(
         return "mmap" if on_meta else "direct"
     if len(params) != 1 or w.slot_shapes is None:
         return "convert"
-    dest = torch.empty(params[0].shape, dtype=params[0].dtype, device="meta")
     ctx = _ctx(w.converter, w.group_key, runtime, w.config)
+    key = None
+    if cache is not None and all(type(op) in _BUILTIN_OPS for op in w.converter.operations):
+        try:
+            key = (
+                id(w.converter),
+                tuple(params[0].shape),
+                params[0].dtype,
+                tuple(tuple(s) if isinstance(s, list) else s for s in w.slot_shapes),
+                ctx.n_targets,
+                ctx.target_shapes,
+                id(ctx.config),
+            )
+            hash(key)
+        except TypeError:
+            key = None
+        if key is not None and key in cache:
+            return "direct" if cache[key] else "convert"
+    dest = torch.empty(params[0].shape, dtype=params[0].dtype, device="meta")
     views = placement_views(w.converter, dest, w.slot_shapes, ctx)
-    return "direct" if views is not None and all_contiguous(views) else "convert"
+    direct = views is not None and all_contiguous(views)
+    if key is not None and cache is not None:
+        cache[key] = direct
+    return "direct" if direct else "convert"
 
 
 # --------------------------------------------------------------------------- direct placement

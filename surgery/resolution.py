@@ -1,6 +1,7 @@
 """Resolution: which registered conversion mappings apply to a model, and where.
 
 :func:`get_model_conversion_mapping` walks the sub-models of a :class:`~surgery.graph.ModuleGraph`
+(:func:`~surgery.graph.submodels_of` when no graph is given: the same walk without building one)
 depth first, in ``named_modules()`` order, and for each one:
 
 1. **Ancestor dedup (class name).** Skip it when an ancestor (or the root ``""``) already claimed
@@ -32,7 +33,7 @@ from typing import Any, Literal
 from torch import nn
 
 from .errors import ConfigurationError
-from .graph import ModuleGraph
+from .graph import ModuleGraph, submodels_of
 from .registry import RegistryEntry, entry_applies_to, lookup_entry
 from .transforms import WeightTransform, legacy_renamings
 
@@ -121,15 +122,20 @@ def explain_model_conversion_mapping(
     Raises:
         RegistryError: a matched alias chain is broken (cycle, unknown target).
     """
-    graph = graph if graph is not None else ModuleGraph(model)
+    # Without a graph, walk the modules directly: building one imports networkx (~0.2 s on the
+    # first load of a process) for nothing more than this list.
+    walk: list[tuple[str, nn.Module, str | None]] = (
+        submodels_of(model)
+        if graph is None
+        else [(path, module, graph.nodes[path]["model_type"]) for path, module in graph.submodels()]
+    )
     claimed_class: dict[str, list[str]] = {}
     claimed_type: dict[str, list[str]] = {}
     records: list[SubmodelResolution] = []
-    for path, module in graph.submodels():
+    for path, module, model_type in walk:
         cls = type(module)
         class_name = cls.__name__
-        model_type = graph.nodes[path]["model_type"]
-        base = {"path": path, "class_name": class_name, "model_type": model_type}
+        base: dict[str, Any] = {"path": path, "class_name": class_name, "model_type": model_type}
 
         ancestor = _claimed_by(claimed_class.get(class_name, []), path)
         if ancestor is not None:

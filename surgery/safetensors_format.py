@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
+from .gcpause import gc_paused
 
 __all__ = [
     "DTYPES",
@@ -193,6 +194,62 @@ def _parse_entry(path: Path, key: str, entry: object, data_start: int, size: int
     return TensorInfo(key, dtype, torch_shape, path, data_start + begin, end - begin)
 
 
+def _loads_plain(raw: bytes) -> dict[str, Any] | None:
+    """The header parsed without a duplicate-key hook, when that provably lost no key.
+
+    Every key-value pair of JSON text has exactly one ``:`` outside strings, so when the text's
+    ``:`` count equals the pairs found in the top-level object and in the objects directly inside
+    it, no pair was dropped as a duplicate (and none sits deeper). Otherwise (a ``:`` inside a
+    string, deeper objects, invalid JSON) returns ``None`` and the caller parses with the hook.
+    """
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        return None
+    if type(header) is not dict:
+        return None
+    pairs = len(header)
+    for value in header.values():
+        if type(value) is dict:
+            pairs += len(value)
+    return header if raw.count(b":") == pairs else None
+
+
+def _parse_entries(path: Path, header: dict[str, Any], data_start: int, size: int) -> list[TensorInfo]:
+    """:func:`_parse_entry` over every entry, with a lean path for well-formed unpacked entries.
+
+    An entry that fails any check of the lean path goes through :func:`_parse_entry`, which
+    raises the precise error (or accepts it exactly as it always did).
+    """
+    infos: list[TensorInfo] = []
+    append = infos.append
+    dtypes, packed = DTYPES, PACKED
+    prod = math.prod
+    for key, entry in header.items():
+        if type(entry) is dict:
+            name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+            dtype = dtypes.get(name) if type(name) is str and name not in packed else None
+            if (
+                dtype is not None
+                and type(shape) is list
+                and type(offsets) is list
+                and len(offsets) == 2
+                and all(type(d) is int and d >= 0 for d in shape)
+            ):
+                begin, end = offsets
+                if (
+                    type(begin) is int
+                    and type(end) is int
+                    and 0 <= begin <= end
+                    and end - begin == prod(shape) * dtype.itemsize
+                    and data_start + end <= size
+                ):
+                    append(TensorInfo(key, dtype, tuple(shape), path, data_start + begin, end - begin))
+                    continue
+        append(_parse_entry(path, key, entry, data_start, size))
+    return infos
+
+
 def parse_header(path: Path, fd: int, size: int) -> tuple[dict[str, str], dict[str, TensorInfo]]:
     """Read and validate the header of the open file ``fd`` (``size`` bytes long).
 
@@ -212,17 +269,25 @@ def parse_header(path: Path, fd: int, size: int) -> tuple[dict[str, str], dict[s
     if length > _MAX_HEADER:
         raise _corrupt(path, f"the header claims {length} bytes, more than the format's {_MAX_HEADER}")
     raw = _pread_exact(fd, length, 8)
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, duplicate keys
-        raise _corrupt(path, f"the header is not valid JSON ({exc})") from None
+    with gc_paused():
+        return _parse_header_text(path, raw, 8 + length, size)
+
+
+def _parse_header_text(
+    path: Path, raw: bytes, data_start: int, size: int
+) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+    header = _loads_plain(raw)
+    if header is None:  # the careful parse: it names the duplicate key or the JSON error
+        try:
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, duplicate keys
+            raise _corrupt(path, f"the header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
         raise _corrupt(path, "the header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise _corrupt(path, "__metadata__ must map strings to strings")
-    data_start = 8 + length
-    infos = [_parse_entry(path, key, entry, data_start, size) for key, entry in header.items()]
+    infos = _parse_entries(path, header, data_start, size)
     infos.sort(key=lambda i: (i.offset, i.nbytes))
     previous: TensorInfo | None = None
     for info in infos:
@@ -288,7 +353,30 @@ class SafetensorsFile:
         if not hasattr(os, "preadv"):  # e.g. Windows: copy out of the mapping instead
             out.copy_(self.view(offset, nbytes, out.dtype, tuple(out.shape)))
             return
-        target = tensor_memory(out, writable=True)
+        self._read_memory(offset, tensor_memory(out, writable=True), key)
+
+    def read_spans(self, spans: list[tuple[int, int, int, str]]) -> None:
+        """Per ``(offset, address, nbytes, key)``: fill ``nbytes`` of CPU memory at ``address``
+        with the bytes at ``offset`` (needs ``os.preadv``; the caller keeps the memory alive).
+
+        The loader reads the thousands of experts of one fused parameter with one call (and one
+        ``preadv`` per run of tensors that sit back to back in the file and in memory); ``key``
+        names the span in errors.
+        """
+        try:
+            fd = self._handle.fileno()
+        except ValueError:
+            raise CheckpointError(f"'{self.path}' is closed; open the checkpoint again.") from None
+        preadv, memory = os.preadv, _PyMemoryView_FromMemory
+        for offset, address, nbytes, key in spans:
+            if nbytes:
+                target = memory(address, nbytes, _PYBUF_WRITE)
+                got = preadv(fd, [target], offset)
+                if got != nbytes:
+                    self._read_memory(offset + got, target[got:], key)
+
+    def _read_memory(self, offset: int, target: memoryview, key: str) -> None:
+        nbytes = len(target)
         done = 0
         try:
             fd = self._handle.fileno()

@@ -531,3 +531,44 @@ def test_sync_switch_reads_the_environment_unless_the_argument_decides(
     else:
         monkeypatch.setenv(SYNC_ENV, env)
     assert _sync_requested(sync) is sequential
+
+
+# ------------------------------------------------------------------------------------------ batched reads
+
+
+class Stacked(nn.Module):
+    """One fused parameter filled from ``experts.{0..n-1}.w`` (``MergeModulelist``)."""
+
+    def __init__(self, model_type: str, n: int, device: str | None = None) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(model_type=model_type)
+        self.fused = nn.Parameter(torch.zeros(n, 2, 3, device=device))
+
+
+@pytest.mark.parametrize("on_meta", [False, True], ids=["allocated", "meta"])
+def test_experts_stored_back_to_back_fill_the_fused_parameter_exactly(
+    tmp_path: Path, registry, on_meta: bool
+) -> None:
+    # Nine experts sort the same as text and as numbers, so the file holds them back to back in
+    # the fused order: the loader reads them as one run.
+    register_checkpoint_conversion_mapping(
+        "toy_stacked", [WeightConverter("experts.*.w", "fused", [ops.MergeModulelist()])]
+    )
+    experts = {f"experts.{i}.w": torch.arange(6.0).reshape(2, 3) + 10 * i for i in range(9)}
+    write_checkpoint(experts, tmp_path)
+    model = Stacked("toy_stacked", 9, device="meta" if on_meta else None)
+    report = surgery.load_checkpoint(model, tmp_path)
+    assert report.ok and [e.mode for e in report.plan.entries] == ["direct"]
+    assert torch.equal(model.fused, torch.stack([experts[f"experts.{i}.w"] for i in range(9)]))
+
+
+def test_experts_stored_out_of_order_fill_the_fused_parameter_exactly(tmp_path: Path, registry) -> None:
+    # Twelve experts sort as text (0, 1, 10, 11, 2, ...): the runs break wherever the orders differ.
+    register_checkpoint_conversion_mapping(
+        "toy_stacked", [WeightConverter("experts.*.w", "fused", [ops.MergeModulelist()])]
+    )
+    experts = {f"experts.{i}.w": torch.full((2, 3), float(i)) for i in range(12)}
+    write_checkpoint(experts, tmp_path)
+    model = Stacked("toy_stacked", 12)
+    assert surgery.load_checkpoint(model, tmp_path).ok
+    assert torch.equal(model.fused, torch.stack([experts[f"experts.{i}.w"] for i in range(12)]))

@@ -6,6 +6,8 @@ the classes here behave like library classes; a class moved to another module is
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -433,3 +435,30 @@ def test_a_quantizer_hook_returning_something_else_is_an_error():
 def test_include_legacy_must_be_a_bool():
     with pytest.raises(ConfigurationError, match="include_legacy"):
         get_model_conversion_mapping(nn.Linear(1, 1), include_legacy="yes")
+
+
+def test_resolution_without_a_graph_does_not_import_networkx():
+    # The first load of a process resolves the mapping; building a ModuleGraph would import
+    # networkx (~0.2 s) for nothing, so resolution walks the modules itself.
+    code = (
+        "import sys, torch\n"
+        "from surgery.resolution import get_model_conversion_mapping\n"
+        "get_model_conversion_mapping(torch.nn.Sequential(torch.nn.Linear(2, 2)))\n"
+        "print('networkx' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def test_explanations_with_and_without_a_prebuilt_graph_agree():
+    shared = nn.Linear(2, 2)
+    model = nn.ModuleDict({"seg": DetrForSegmentation(), "a": shared, "b": nn.Sequential(shared)})
+
+    def described(records):
+        return [
+            (r.path, r.class_name, r.model_type, r.outcome, r.key, r.claimed_by, r.filtered) for r in records
+        ]
+
+    assert described(explain_model_conversion_mapping(model)) == described(
+        explain_model_conversion_mapping(model, graph=ModuleGraph(model))
+    )
