@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from surgery import ConfigurationError, PrefixChange, WeightConverter, WeightRenaming, ops
+from surgery.benchmarks.route import mixtral_mapping
 from surgery.fastroute import GUARDED, UNIFORM, UNSAFE, TemplateRouter, key_templates, pattern_safety
 from surgery.routing import (
     KeyRoute,
@@ -25,19 +26,6 @@ from surgery.routing import (
 from surgery.transforms import WeightTransform, legacy_renamings
 
 # --------------------------------------------------------------------------- fixtures
-
-
-def mixtral_mapping() -> list[WeightTransform]:
-    return [
-        WeightRenaming(r"\.block_sparse_moe\.", ".mlp."),
-        *legacy_renamings(),
-        WeightConverter(
-            ["mlp.experts.*.w1.weight", "mlp.experts.*.w3.weight"],
-            "mlp.experts.gate_up_proj",
-            [ops.MergeModulelist(0), ops.Concatenate(1)],
-        ),
-        WeightConverter("mlp.experts.*.w2.weight", "mlp.experts.down_proj", [ops.MergeModulelist(0)]),
-    ]
 
 
 def mixtral_keys(layers: int = 12, experts: int = 12) -> list[str]:
@@ -195,8 +183,9 @@ def test_group_sources_follow_pattern_order_then_index() -> None:
 
 
 def test_fired_lists_the_transforms_that_fired() -> None:
-    routing = route_keys(mixtral_keys(2, 2), mixtral_mapping())
-    assert routing.fired() == [0, 3, 4]
+    mapping = mixtral_mapping()  # legacy gamma, legacy beta, block rename, two converters
+    routing = route_keys(mixtral_keys(2, 2), mapping)
+    assert [mapping[i] for i in routing.fired()] == [mapping[2], mapping[3], mapping[4]]
     assert routing.fired(["model.layers.0.self_attn.q_proj.weight"]) == []
 
 

@@ -18,9 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import ops
 from ..routing import _route_keys_exact, route_keys
-from ..transforms import WeightConverter, WeightRenaming, WeightTransform, legacy_renamings
+from ..transforms import WeightTransform, legacy_renamings
 
 __all__ = ["main", "mixtral_keys", "mixtral_mapping", "run"]
 
@@ -29,17 +28,10 @@ _NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 def mixtral_mapping() -> list[WeightTransform]:
-    """The Mixtral conversion mapping (with the built-in legacy renames)."""
-    return [
-        WeightRenaming(r"\.block_sparse_moe\.", ".mlp."),
-        *legacy_renamings(),
-        WeightConverter(
-            ["mlp.experts.*.w1.weight", "mlp.experts.*.w3.weight"],
-            "mlp.experts.gate_up_proj",
-            [ops.MergeModulelist(0), ops.Concatenate(1)],
-        ),
-        WeightConverter("mlp.experts.*.w2.weight", "mlp.experts.down_proj", [ops.MergeModulelist(0)]),
-    ]
+    """The built-in catalog's Mixtral mapping, after the legacy renames (as resolution orders them)."""
+    from surgery.registry import get_checkpoint_conversion_mapping
+
+    return [*legacy_renamings(), *get_checkpoint_conversion_mapping("mixtral")]
 
 
 def mixtral_keys(n_keys: int, *, num_experts: int = 128) -> list[str]:
