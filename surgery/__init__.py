@@ -7,7 +7,7 @@ Map of the package (one concept per module):
 * ``graph``, ``registry``, ``resolution``: which conversion mapping applies where.
 * ``safetensors_format``, ``checkpoint``, ``checkpoint_writer``: the file format; lazy,
   validated reads; atomic, streaming writes of single-file and sharded checkpoints.
-* ``plan``, ``placement``, ``loading``, ``report``, ``saving``: plan a load from headers, read
+* ``plan``, ``planning``, ``placement``, ``loading``, ``report``, ``saving``: plan a load from headers, read
   straight into place, load into rewritten models, report, export back.
 * ``fusion``: torch.fx rewrites of module instances, with preview.
 * ``examples``, ``demo``, ``cli``, ``benchmarks``: example models, the demo, the command line.

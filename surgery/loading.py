@@ -34,8 +34,8 @@ from .checkpoint import CheckpointReader, open_checkpoint
 from .errors import ConversionError, LoadError, SurgeryError
 from .gcpause import gc_paused
 from .placement import all_contiguous, flatten_slots, placement_views
-from .plan import (
-    LoadPlan,
+from .plan import LoadPlan
+from .planning import (
     _ctx,
     _fusion_config_of,
     _meta_clone,

@@ -35,7 +35,8 @@ from .errors import CheckpointError, ConfigurationError, ConversionError
 from .loading import load_record
 from .ops import OpContext, run_chain
 from .placement import all_contiguous, flatten_slots, placement_views, shape_of
-from .plan import FUSION_METADATA_KEY, FUSION_TAG, _fusion_config_of, _fusion_transforms, fold_indices
+from .plan import FUSION_METADATA_KEY, FUSION_TAG, fold_indices
+from .planning import _fusion_config_of, _fusion_transforms
 from .routing import route_keys
 from .transforms import PrefixChange, WeightConverter, WeightTransform, split_transforms
 

@@ -1,0 +1,600 @@
+"""Planning a load: from checkpoint headers to the exact list of work the loader executes.
+
+:func:`_prepare` resolves the model's transforms (and fusions), routes every checkpoint key once,
+infers every converter's output shapes (arithmetic shape rules for built-in chains, a ``meta`` run
+otherwise), settles conflicts, checks everything against the model, and chooses per target how
+it is filled:
+
+* ``mmap``: a runtime-layout tensor of matching dtype going into a ``meta`` model on CPU is
+  memory-mapped from the file and assigned without a copy;
+* ``direct``: bytes are read straight into the destination; for a converter the destination is
+  cut into views by the *inverse* op chain (``MergeModulelist`` + ``Concatenate`` become
+  contiguous slices of the fused parameter), so every expert is read once into its place;
+* ``convert``: read, run the op chain, cast, set;
+* ``skip``: unexpected, mismatched in shape, conflicting or failing (all reported).
+
+The result is a :class:`~surgery.plan.LoadPlan` plus the executable work list that
+:func:`surgery.load_checkpoint` runs. Nothing here reads tensor data.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import ops
+from .checkpoint import CheckpointReader
+from .errors import ConfigurationError, LoadError, SurgeryError
+from .ops import OpContext
+from .placement import all_contiguous, placement_views, source_slot_shapes
+from .plan import FUSION_METADATA_KEY, FUSION_TAG, LoadPlan, PlanEntry
+from .report import ConversionFailure, Mismatch
+from .routing import Routing, route_keys
+from .transforms import WeightConverter, WeightTransform, expand_outputs
+
+__all__: list[str] = []  # internal: used by loading and saving
+
+
+# --------------------------------------------------------------------------- model helpers
+
+
+def _runtime_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Runtime keys → the tensor object behind them (parameters and persistent buffers)."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def _tied_groups(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for k, t in tensors.items():
+        by_id.setdefault(id(t), []).append(k)
+    return {k: keys for keys in by_id.values() if len(keys) > 1 for k in keys}
+
+
+def _config_lookup(model: nn.Module):
+    cache: dict[str, Any] = {}
+
+    def config_for(key: str) -> Any:
+        parts = key.split(".")[:-1]
+        while True:
+            path = ".".join(parts)
+            if path in cache:
+                return cache[path]
+            try:
+                mod = model.get_submodule(path) if path else model
+            except AttributeError:
+                mod = None
+            cfg = getattr(mod, "config", None) if mod is not None else None
+            if cfg is not None or not parts:
+                cache[path] = cfg
+                return cfg
+            parts.pop()
+
+    return config_for
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _meta_clone(model: nn.Module) -> nn.Module:
+    """A structural copy of ``model`` whose tensors live on ``meta`` (no data is copied)."""
+    memo: dict[int, Any] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in memo:
+            continue
+        meta = t.detach().to("meta")
+        memo[id(t)] = (
+            nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        )
+    return copy.deepcopy(model, memo)
+
+
+def _resolve_transforms(model: nn.Module) -> list[WeightTransform]:
+    from .resolution import get_model_conversion_mapping
+
+    transforms = list(get_model_conversion_mapping(model))
+    for t in _fusion_transforms(model):
+        t.__dict__[FUSION_TAG] = True  # saving reverses fusions whether or not they fired
+        transforms.append(t)
+    return transforms
+
+
+def _fusion_transforms(model: nn.Module) -> list[WeightTransform]:
+    try:
+        from .fusion import fusion_transforms
+    except ImportError:
+        return []
+    return list(fusion_transforms(model))
+
+
+def _fusion_config_of(model: nn.Module) -> dict[str, Any] | None:
+    try:
+        from .fusion import fusion_config_of
+    except ImportError:
+        return None
+    return fusion_config_of(model)
+
+
+def _persisted_fusion_config(reader: CheckpointReader) -> dict[str, Any] | None:
+
+    raw = reader.metadata.get(FUSION_METADATA_KEY)
+    if raw is None:
+        cfg_path = reader.path / "config.json" if reader.path.is_dir() else reader.path.parent / "config.json"
+        if cfg_path.is_file():
+            try:
+                data = json.loads(cfg_path.read_text())
+            except (OSError, ValueError):
+                return None
+            value = data.get("fusion_config") if isinstance(data, dict) else None
+            return value if isinstance(value, dict) and value else None
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise LoadError(
+            f"{reader.path}: metadata {FUSION_METADATA_KEY!r} is not valid JSON ({exc}); "
+            "re-save the checkpoint or pass fusion_config= explicitly."
+        ) from exc
+    return value if isinstance(value, dict) else None
+
+
+def _apply_fusions(
+    model: nn.Module, fusion_config: dict[str, Any] | None, reader: CheckpointReader
+) -> dict | None:
+    """Apply the requested (or persisted) fusions; return the config in force."""
+    current = _fusion_config_of(model)
+    wanted = (
+        fusion_config
+        if fusion_config is not None
+        else (None if current else _persisted_fusion_config(reader))
+    )
+    if wanted is None:
+        return current
+    from .fusion import apply_fusions
+
+    if current is not None and (current == wanted or not any(v is not False for v in wanted.values())):
+        return current
+    apply_fusions(model, wanted)
+    return _fusion_config_of(model)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass
+class _Work:
+    """An executable plan entry."""
+
+    entry: PlanEntry
+    converter: WeightConverter | None
+    group_key: str
+    pattern_of: dict[str, tuple[int, tuple[int, ...]]]
+    dest_keys: tuple[str, ...]  # runtime keys to set (same order as entry.target_keys)
+    device: torch.device
+    config: Any = None
+    slot_shapes: list[Any] | None = None  # per source pattern, for direct placement
+    index: int = 0  # position in the plan
+
+
+@dataclass
+class _Prepared:
+    plan: LoadPlan
+    work: list[_Work]
+    routing: Routing
+    transforms: list[WeightTransform]
+    reader: CheckpointReader
+    runtime: dict[str, torch.Tensor]
+    tied: dict[str, list[str]]
+    mismatches: list[Mismatch]
+    failures: list[tuple[int, ConversionFailure]]
+    conflicts: list[ConversionFailure]
+    target_dtype: dict[str, torch.dtype]
+
+
+def _normalize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "checkpoint":
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise ConfigurationError(
+        f"dtype={dtype!r} is not a torch dtype; pass e.g. torch.bfloat16, 'bfloat16', or 'checkpoint' "
+        "to keep each tensor's checkpoint dtype."
+    )
+
+
+def _normalize_device(device: torch.device | str | None) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigurationError(
+            f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'."
+        ) from None
+
+
+def _model_device(model: nn.Module) -> torch.device | None:
+    """The device of the model's first tensor that is not on ``meta`` (``None`` if all are)."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return None
+
+
+def _prepare(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    device: torch.device | str | None,
+    dtype: torch.dtype | str | None,
+    fusion_config: dict[str, Any] | None,
+    reader: CheckpointReader,
+    stand_in: torch.device | None = None,
+) -> _Prepared:
+    """Route every key and decide, from headers alone, how each target will be filled.
+
+    ``stand_in``: plan as if tensors on ``meta`` lived on this device (the dry run of a fused
+    model works on a meta copy of a model that really lives there).
+    """
+    want_dtype = _normalize_dtype(dtype)
+    dev = _normalize_device(device)
+    fusions = _apply_fusions(model, fusion_config, reader)
+    transforms = _resolve_transforms(model)
+    runtime = _runtime_tensors(model)
+    tied = _tied_groups(runtime)
+    base_prefix = getattr(model, "base_model_prefix", None) or None
+    routing = route_keys(
+        reader.keys(), transforms, runtime_keys=runtime.keys(), base_model_prefix=base_prefix
+    )
+    config_for = _config_lookup(model)
+    plan = LoadPlan(str(path), fusions=fusions)
+    plan.transforms = transform_repr = [repr(t) for t in transforms]
+    mismatches: list[Mismatch] = []
+    failures: list[tuple[int, ConversionFailure]] = []
+    conflicts = [
+        ConversionFailure(
+            "routing",
+            (c.first, c.second),
+            (c.target_key,),
+            f"checkpoint keys {c.first!r} and {c.second!r} both land on {c.target_key!r}; neither is "
+            "loaded. Remove one of them from the checkpoint, or fix the mapping that renames them together.",
+        )
+        for c in routing.conflicts
+    ]
+    conflicted_groups = {c.target_key for c in routing.conflicts}
+    target_dtype: dict[str, torch.dtype] = {}
+    covered: set[str] = set()
+    infer_cache: dict[Any, list[Any]] = {}
+    mode_cache: dict[Any, bool] = {}
+
+    def where(t: torch.Tensor) -> torch.device:
+        return stand_in if stand_in is not None and t.device.type == "meta" else t.device
+
+    def dest_dtype(key: str, ckpt_dtype: torch.dtype) -> torch.dtype:
+        param = runtime[key]
+        if want_dtype == "checkpoint":
+            return ckpt_dtype
+        if isinstance(want_dtype, torch.dtype) and param.is_floating_point() and ckpt_dtype.is_floating_point:
+            return want_dtype
+        return param.dtype
+
+    candidates: list[_Work] = []
+    for group in routing.groups.values():
+        src_keys = tuple(group.source_keys)
+        infos = [reader.info(k) for k in src_keys]
+        routes = [routing.routes[k] for k in src_keys]
+        fired = dict.fromkeys(i for r in routes for i in r.renamings)
+        renamings = tuple(dict.fromkeys(transform_repr[i] for i in fired))
+        entry = PlanEntry(
+            target_keys=group.target_keys,
+            source_keys=src_keys,
+            renamings=renamings,
+            nbytes=sum(i.nbytes for i in infos),
+            source_shapes=tuple(tuple(i.shape) for i in infos),
+            source_dtypes=tuple(_dtype_name(i.dtype) for i in infos),
+        )
+        index = len(plan.entries)
+        plan.entries.append(entry)
+        converter = _converter_at(transforms, group.converter)
+        pattern_of = {k: (r.pattern_index or 0, r.index) for k, r in zip(src_keys, routes)}
+        config = None
+        slot_shapes = None
+        if converter is not None:
+            entry.transform = transform_repr[group.converter]  # type: ignore[index]
+            entry.operations = tuple(repr(op) for op in converter.operations)
+            config = config_for(group.target_keys[0])
+            slot_shapes = source_slot_shapes(converter, src_keys, pattern_of, {i.key: i for i in infos})
+            try:
+                outputs = _infer_outputs(
+                    converter, group.key, infos, pattern_of, runtime, config, infer_cache
+                )
+            except SurgeryError as exc:
+                entry.status, entry.mode, entry.message = "error", "skip", str(exc)
+                failures.append(
+                    (index, ConversionFailure(repr(converter), src_keys, group.target_keys, str(exc)))
+                )
+                covered.update(k for k in group.target_keys if k in runtime)
+                continue
+            out_keys = tuple(outputs)
+            out_shapes = [tuple(outputs[k].shape) for k in out_keys]
+            out_dtypes = [outputs[k].dtype for k in out_keys]
+        else:
+            out_keys = group.target_keys
+            out_shapes = [tuple(infos[0].shape)]
+            out_dtypes = [infos[0].dtype]
+        entry.target_keys = out_keys
+        unknown = [k for k in out_keys if k not in runtime]
+        if unknown:
+            entry.status, entry.mode = "unexpected", "skip"
+            entry.message = f"{', '.join(unknown[:3])} not in the model"
+            plan.unexpected_keys.extend(src_keys)
+            continue
+        params = [runtime[k] for k in out_keys]
+        entry.target_shapes = tuple(tuple(p.shape) for p in params)
+        target_device = dev or where(params[0])
+        if target_device.type == "meta":
+            target_device = torch.device("cpu")
+        entry.device = str(target_device)
+        work = _Work(
+            entry, converter, group.key, pattern_of, out_keys, target_device, config, slot_shapes, index
+        )
+        candidates.append(work)
+        covered.update(out_keys)
+        bad_shape = [
+            (k, s, tuple(p.shape)) for k, s, p in zip(out_keys, out_shapes, params) if s != tuple(p.shape)
+        ]
+        if bad_shape:
+            entry.status, entry.mode = "mismatch", "skip"
+            entry.message = "; ".join(f"{k}: checkpoint {s} vs model {m}" for k, s, m in bad_shape)
+            for k, s, m in bad_shape:
+                mismatches.append(Mismatch(k, "shape", str(s), str(m), src_keys, loaded=False))
+            continue
+        dts = [dest_dtype(k, d) for k, d in zip(out_keys, out_dtypes)]
+        entry.target_dtype = _dtype_name(dts[0])
+        cast = any(d != od for d, od in zip(dts, out_dtypes))
+        for k, od, d in zip(out_keys, out_dtypes, dts):
+            target_dtype[k] = d
+            if od != d and d != want_dtype:  # a cast nobody asked for: report it (saving undoes it)
+                mismatches.append(
+                    Mismatch(k, "dtype", _dtype_name(od), _dtype_name(d), src_keys, loaded=True)
+                )
+        entry.mode = _choose_mode(work, [where(p) for p in params], params, cast, runtime, mode_cache)
+
+    work_list = _settle_conflicts(candidates, conflicted_groups, tied, conflicts)
+    for k in list(covered):
+        covered.update(tied.get(k, ()))
+    plan.missing_keys = [k for k in runtime if k not in covered]
+    return _Prepared(
+        plan,
+        work_list,
+        routing,
+        transforms,
+        reader,
+        runtime,
+        tied,
+        mismatches,
+        failures,
+        conflicts,
+        target_dtype,
+    )
+
+
+def _settle_conflicts(
+    candidates: list[_Work],
+    conflicted_groups: set[str],
+    tied: dict[str, list[str]],
+    conflicts: list[ConversionFailure],
+) -> list[_Work]:
+    """Drop every entry that shares a target with another one; return what is left to execute.
+
+    Two routes to one parameter (two checkpoint keys renamed alike, or two names of one tied
+    parameter) are a conflict: neither is loaded, and the report names both.
+    """
+    producers: dict[str, list[_Work]] = {}
+    for w in candidates:
+        for k in w.dest_keys:
+            producers.setdefault(tied.get(k, [k])[0], []).append(w)
+    bad: set[int] = set()
+    for w in candidates:
+        if w.group_key in conflicted_groups:
+            bad.add(id(w))
+    for key, ws in producers.items():
+        if len(ws) < 2:
+            continue
+        bad.update(id(w) for w in ws)
+        sources = tuple(k for w in ws for k in w.entry.source_keys)
+        names = sorted({k for w in ws for k in w.dest_keys if tied.get(k, [k])[0] == key})
+        conflicts.append(
+            ConversionFailure(
+                "routing",
+                sources,
+                tuple(names),
+                f"{len(ws)} checkpoint entries ({', '.join(w.entry.source_keys[0] for w in ws)}) land on "
+                f"{' = '.join(names)}; neither is loaded. Keep one of them in the checkpoint.",
+            )
+        )
+    out: list[_Work] = []
+    for w in candidates:
+        if id(w) in bad:
+            w.entry.status, w.entry.mode = "conflict", "skip"
+            w.entry.message = "another checkpoint entry lands on the same parameter"
+        elif w.entry.status == "ok":
+            out.append(w)
+    return out
+
+
+def _converter_at(transforms: list[WeightTransform], index: int | None) -> WeightConverter | None:
+    if index is None:
+        return None
+    t = transforms[index]
+    if not isinstance(t, WeightConverter):
+        raise ConfigurationError(f"routing filed a key under {t!r}, which is not a converter.")
+    return t
+
+
+_BUILTIN_OPS = frozenset(
+    {
+        ops.Chunk,
+        ops.Concatenate,
+        ops.Conv3dToLinear,
+        ops.Interleave,
+        ops.LinearToConv3d,
+        ops.MergeModulelist,
+        ops.PermuteForRope,
+        ops.Split,
+        ops.SplitModulelist,
+        ops.Transpose,
+    }
+)
+"""Op types whose output shapes depend only on input shapes/dtypes, ``n_targets``,
+``target_shapes`` and ``config`` (never on key names), so a meta run can be reused."""
+
+
+def _infer_outputs(
+    converter: WeightConverter,
+    group_key: str,
+    infos: list[Any],
+    pattern_of: dict[str, tuple[int, tuple[int, ...]]],
+    runtime: dict[str, torch.Tensor],
+    config: Any,
+    cache: dict[Any, list[Any]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Run the op chain on meta tensors: output names and shapes without reading data.
+
+    ``cache`` (one per planning pass) reuses the outputs of an earlier group of the same
+    converter whose sources had the same patterns, indices, shapes and dtypes and whose targets
+    the same shapes: 32 layers of 1,024 experts then stack their meta tensors once, not 32 times.
+    Only successful runs of built-in op chains are reused; anything else runs as before.
+    """
+    key = None
+    if cache is not None and all(type(op) in _BUILTIN_OPS for op in converter.operations):
+        try:
+            targets = converter._expand_target_keys(group_key)
+            ctx = _ctx(converter, group_key, runtime, config)
+        except SurgeryError:
+            targets = ()  # the uncached run below raises it, after the same steps as always
+        else:
+            key = (
+                id(converter),
+                ctx.n_targets,
+                ctx.target_shapes,
+                id(config),
+                tuple((pattern_of[i.key], i.shape, i.dtype) for i in infos),
+            )
+            slots = cache.get(key)
+            if slots is not None and group_key not in converter._collected:
+                return expand_outputs(targets, slots, converter)
+    for info in infos:
+        pat, idx = pattern_of[info.key]
+        converter.add_tensor(
+            group_key, info.key, pat, torch.empty(info.shape, dtype=info.dtype, device="meta"), index=idx
+        )
+    outputs = converter.convert(group_key, _ctx(converter, group_key, runtime, config))
+    if key is not None and cache is not None:
+        slots = _output_slots(targets, outputs, converter)
+        if slots is not None:
+            cache[key] = slots
+    return outputs
+
+
+def _output_slots(
+    targets: tuple[str, ...], outputs: dict[str, torch.Tensor], converter: WeightConverter
+) -> list[Any] | None:
+    """The chain's output slots behind ``outputs`` (undoing ``expand_outputs``), or ``None`` if unsure."""
+    slots: list[Any] = []
+    for t in targets:
+        if "*" in t:
+            items: list[torch.Tensor] = []
+            while (name := t.replace("*", str(len(items)), 1)) in outputs:
+                items.append(outputs[name])
+            slots.append(items)
+        elif t in outputs:
+            slots.append(outputs[t])
+        else:
+            return None
+    try:
+        again = expand_outputs(targets, slots, converter)
+    except SurgeryError:
+        return None
+    if list(again) != list(outputs) or any(again[k] is not outputs[k] for k in outputs):
+        return None
+    return slots
+
+
+def _ctx(
+    converter: WeightConverter, group_key: str, runtime: dict[str, torch.Tensor], config: Any
+) -> OpContext:
+    targets = converter._expand_target_keys(group_key)
+    shapes = tuple(tuple(runtime[k].shape) if k in runtime else None for k in targets)
+    return OpContext(n_targets=len(targets), target_shapes=shapes, config=config)
+
+
+def _choose_mode(
+    w: _Work,
+    devices: list[torch.device],
+    params: list[torch.Tensor],
+    cast: bool,
+    runtime: dict[str, torch.Tensor],
+    cache: dict[Any, bool] | None = None,
+) -> str:
+    """``mmap``, ``direct`` or ``convert`` (see the module docstring).
+
+    ``cache`` (one per planning pass) remembers, per converter of built-in ops, destination shape
+    and source shapes, whether the placement views work out: the 32 layers of a model decide once.
+    """
+    on_meta = all(d.type == "meta" for d in devices)
+    on_cpu = w.device.type == "cpu"
+    usable = on_meta or all(p.is_contiguous() for p in params)
+    if cast or not on_cpu or not usable:
+        return "convert"
+    if w.converter is None:
+        return "mmap" if on_meta else "direct"
+    if len(params) != 1 or w.slot_shapes is None:
+        return "convert"
+    ctx = _ctx(w.converter, w.group_key, runtime, w.config)
+    key = None
+    if cache is not None and all(type(op) in _BUILTIN_OPS for op in w.converter.operations):
+        try:
+            key = (
+                id(w.converter),
+                tuple(params[0].shape),
+                params[0].dtype,
+                tuple(tuple(s) if isinstance(s, list) else s for s in w.slot_shapes),
+                ctx.n_targets,
+                ctx.target_shapes,
+                id(ctx.config),
+            )
+            hash(key)
+        except TypeError:
+            key = None
+        if key is not None and key in cache:
+            return "direct" if cache[key] else "convert"
+    dest = torch.empty(params[0].shape, dtype=params[0].dtype, device="meta")
+    views = placement_views(w.converter, dest, w.slot_shapes, ctx)
+    direct = views is not None and all_contiguous(views)
+    if key is not None and cache is not None:
+        cache[key] = direct
+    return "direct" if direct else "convert"
+
+
+# --------------------------------------------------------------------------- direct placement
+
+
+def _ordered_sources(conv: WeightConverter, w: _Work) -> list[str]:
+    """``w``'s source keys in the order of :func:`~surgery.placement.flatten_slots` of its views."""
+    by_pattern: dict[int, dict[tuple[int, ...], str]] = {}
+    for src in w.entry.source_keys:
+        pat, idx = w.pattern_of[src]
+        by_pattern.setdefault(pat, {})[idx] = src
+    return [
+        by_pattern[i][ix] for i in range(len(conv.source_patterns)) for ix in sorted(by_pattern.get(i, {}))
+    ]
