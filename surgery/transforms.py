@@ -138,7 +138,7 @@ class WeightTransform:
         return new
 
     def _reset_state(self) -> None:
-        pass
+        """Forget per-load state. Renamings keep none; converters override this."""
 
     # ------------------------------------------------------------------ matching
     def match(self, key: str) -> TransformMatch | None:

@@ -186,7 +186,7 @@ def _warm(paths: Sequence[Path]) -> None:
         for f in sorted(p.rglob("*.safetensors")) if p.is_dir() else [p]:
             with open(f, "rb", buffering=0) as fh:
                 while fh.read(64 * _MB):
-                    pass
+                    continue
 
 
 # --------------------------------------------------------------------------- child side
