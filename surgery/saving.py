@@ -36,7 +36,7 @@ from .loading import load_record
 from .ops import OpContext, run_chain
 from .placement import all_contiguous, flatten_slots, placement_views, shape_of
 from .plan import FUSION_METADATA_KEY, FUSION_TAG, fold_indices
-from .planning import _fusion_config_of, _fusion_transforms
+from .planning import _fusion_config_of, _fusion_transforms, _tied_groups
 from .routing import route_keys
 from .transforms import PrefixChange, WeightConverter, WeightTransform, split_transforms
 
@@ -61,15 +61,12 @@ def _dedup_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The runtime state dict with tied tensors kept once (the name the checkpoint used, if known)."""
     state = model.state_dict(keep_vars=True)
     record = load_record(model)
-    by_id: dict[int, list[str]] = {}
-    for k, t in state.items():
-        by_id.setdefault(id(t), []).append(k)
+    groups = {id(keys): keys for keys in _tied_groups(state).values()}  # one entry per tied group
     drop: set[str] = set()
-    for keys in by_id.values():
-        if len(keys) > 1:
-            preferred = [k for k in keys if record is not None and k in record.loaded_keys]
-            chosen = preferred[0] if preferred else keys[0]
-            drop.update(k for k in keys if k != chosen)
+    for keys in groups.values():
+        preferred = [k for k in keys if record is not None and k in record.loaded_keys]
+        chosen = preferred[0] if preferred else keys[0]
+        drop.update(k for k in keys if k != chosen)
     return {k: t.detach() for k, t in state.items() if k not in drop}
 
 
