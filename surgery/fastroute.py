@@ -38,8 +38,8 @@ A class is built on its second key: a key seen once is routed exactly (building 
 routes, which a one-off key such as ``lm_head.weight`` would never repay).
 
 **Per key**, :func:`~surgery.routing.route_keys` then needs one ``itemgetter`` selection (the
-fixed digits and the index runs the targets copy), one cached lookup that yields the target
-group, and one slice for the wildcard index; see :class:`KeyClass`.
+fixed digits and the digits the targets copy), one cached lookup that yields how to file the
+key, and one slice for the wildcard index; see :class:`KeyClass`.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ __all__ = [
     "Decision",
     "KeyClass",
     "TemplateRouter",
+    "key_template",
     "key_templates",
     "pattern_safety",
     "transform_safety",
@@ -83,7 +84,7 @@ UNSAFE = 2  #: a test may tell free digits apart; the list must route every key 
 
 _DIGITS = frozenset("0123456789")
 _PROBE = _DIGITS | {"."}
-_ZERO = str.maketrans("123456789", "000000000")
+_ZERO_BYTES = bytes.maketrans(b"123456789", b"000000000")
 _NOTHING = itemgetter(slice(0, 0))  # selects "" from any key
 
 # --------------------------------------------------------------------------- static analysis
@@ -207,16 +208,31 @@ def transform_safety(transform: WeightTransform) -> int:
 # --------------------------------------------------------------------------- templates
 
 
+def key_template(key: str) -> str:
+    """``key`` with its digits replaced by ``0``.
+
+    Example:
+        >>> key_template("layers.12.w1")
+        'layers.00.w0'
+    """
+    # A byte table beats ``str.translate``'s per-call setup; UTF-8 never puts an ASCII digit
+    # byte inside a multi-byte character, so only the digits change.
+    return key.encode("utf-8", "surrogatepass").translate(_ZERO_BYTES).decode("utf-8", "surrogatepass")
+
+
 def key_templates(keys: Sequence[str]) -> list[str]:
-    """Every key with its digits replaced by ``0``, computed in one pass over all keys.
+    """Every key's :func:`key_template`, computed in one pass over all keys.
+
+    Raises:
+        TypeError: a key is not a string.
 
     Example:
         >>> key_templates(["layers.12.w1", "layers.7.w3"])
         ['layers.00.w0', 'layers.0.w0']
     """
-    out = "\n".join(keys).translate(_ZERO).split("\n")
+    out = key_template("\n".join(keys)).split("\n")
     if len(out) != len(keys):  # a key contains a newline: template one by one
-        out = [k.translate(_ZERO) for k in keys]
+        out = [key_template(k) for k in keys]
     return out
 
 
@@ -262,13 +278,13 @@ class KeyClass:
     holds the spans still to split on below). A *class* holds the shared decision once ``built``:
     ``first``, ``targets`` and ``stars`` are formats (literal text and ``(start, stop)`` slices of
     the key); ``tslices`` are the slices the targets copy and ``ia:ib`` the slice holding the
-    wildcard index. ``hot`` is set when a key can be filed from those slices alone (at most one
-    index, read from one slice).
+    wildcard index (``getix`` reads it). ``hot`` is set when a key can be filed from those slices
+    alone (at most one index, read from one slice).
 
     A template's root also carries the caller's cache for the whole tree: ``sel(key)`` selects
     the text of every split span and of every slice a hot class's targets copy (``sel_slices``),
     which pins both the class and the target group; ``cache`` maps that selection to whatever
-    the caller wants to remember (:func:`~surgery.routing.route_keys` keeps the group slot).
+    the caller wants to remember (:func:`~surgery.routing.route_keys` keeps how to file the key).
     :meth:`refresh` recomputes ``sel`` and empties ``cache``.
     """
 
@@ -285,6 +301,7 @@ class KeyClass:
         "fired",
         "first",
         "free",
+        "getix",
         "hot",
         "ia",
         "ib",
@@ -318,6 +335,7 @@ class KeyClass:
         self.cstars: tuple[Format, ...] = ()
         self.tslices: frozenset[tuple[int, int]] = frozenset()
         self.ia = self.ib = 0
+        self.getix: Callable[[str], str] = _NOTHING
         self.sel: Callable[[str], Any] = _NOTHING
         self.sel_slices: frozenset[tuple[int, int]] = frozenset()
         self.cache: dict[Any, Any] = {}
@@ -356,7 +374,10 @@ class KeyClass:
             elif node.hot:
                 slices |= node.tslices
         self.sel_slices = frozenset(slices)
-        self.sel = itemgetter(*[slice(a, b) for a, b in sorted(slices)]) if slices else _NOTHING
+        # One character per position: single characters are shared objects, so a selection
+        # costs one tuple (or nothing, for one position) however many digits it reads.
+        positions = sorted({p for a, b in slices for p in range(a, b)})
+        self.sel = itemgetter(*positions) if positions else _NOTHING
         self.cache = {}
 
     def walk(self, key: str) -> KeyClass:
@@ -538,7 +559,7 @@ class TemplateRouter:
         """Route one key."""
         if self.exact_only:
             return self.route_exact(key)
-        return self.decision(self.promote(self.table[key.translate(_ZERO)], key), key)
+        return self.decision(self.promote(self.table[key_template(key)], key), key)
 
     def decision(self, leaf: KeyClass, key: str) -> Decision:
         """``key``'s decision from its class ``leaf`` (the exact path when not built)."""
@@ -662,5 +683,6 @@ class TemplateRouter:
             node.hot = True  # ia == ib == 0: the index text is "", the index ()
         elif len(node.stars) == 1 and len(node.stars[0]) == 1 and isinstance(node.stars[0][0], tuple):
             node.ia, node.ib = node.stars[0][0]
+            node.getix = itemgetter(slice(node.ia, node.ib))
             node.hot = True
         return True

@@ -10,19 +10,41 @@ Routing is exact and cheap: keys that share a shape (the same text up to their n
 share one routing decision wherever the patterns provably cannot tell indices apart (see
 :mod:`surgery.fastroute`); per key only slices of the key are read. :class:`KeyRoute` objects are
 made on access from those shared decisions (:class:`RouteTable`).
+
+How the per-key work stays in C: keys go through in chunks (what a chunk allocates stays in
+the CPU caches). Per chunk, one translate gives every key's template, and a chain of ``map``
+calls looks up each key's cached *verdict* (a callable that files it) and applies it, so the
+interpreter runs no bytecode for a key whose verdict is cached; the first key of a selection
+makes the verdict in Python (:meth:`_Filer.miss`). Verdicts append to per-verdict lists, and
+:meth:`_Filer.merge` turns each list into its group slot with three more C-level passes. That
+deferral is optimistic: a collision (a conflict or a duplicate key) restarts the call with
+keys filed one at a time, which reports conflicts exactly as the per-key path does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+import operator
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import compress, repeat
+from operator import attrgetter
 from typing import Any
 
 from .errors import ConfigurationError
-from .fastroute import Decision, KeyClass, TemplateRouter, key_templates
+from .fastroute import Decision, KeyClass, TemplateRouter, key_template, key_templates
 from .gcpause import gc_paused
 from .transforms import WeightConverter, WeightTransform, split_transforms
+
+
+def _call(fn: Callable[..., Any], /, *args: Any) -> Any:
+    return fn(*args)
+
+
+call: Callable[..., Any] = getattr(operator, "call", _call)  # C-level from Python 3.11
+
 
 __all__ = ["KeyRoute", "RouteConflict", "RouteTable", "Routing", "TargetGroup", "route_key", "route_keys"]
 
@@ -52,7 +74,7 @@ class KeyRoute:
     base_prefix: str = ""
 
 
-@dataclass
+@dataclass(slots=True)
 class TargetGroup:
     """The checkpoint keys that together produce one set of runtime keys.
 
@@ -60,7 +82,8 @@ class TargetGroup:
         key: the group's identity: its first target key.
         converter: index of the converter, or ``None`` for a plain (renamed or untouched) tensor.
         target_keys: the runtime keys produced (``*`` is filled when the op chain returns a list).
-        sources: per converter source pattern, ``{wildcard index: checkpoint key}``.
+        sources: per converter source pattern, ``{wildcard index: checkpoint key}`` (a mapping:
+            its order is not promised; :attr:`source_keys` is ordered).
     """
 
     key: str
@@ -90,22 +113,50 @@ class RouteTable(Mapping[str, KeyRoute]):
     """Checkpoint key → :class:`KeyRoute`, read-only; routes are made on access.
 
     Keys of one shape share one decision; storing that decision instead of one object per key is
-    what keeps routing a large checkpoint cheap. A route is made on first access and kept.
+    what keeps routing a large checkpoint cheap. The table itself is built on first use (many
+    callers only need :attr:`Routing.groups`), and a route is made on first access and kept.
     Iteration follows the order the keys were given in.
     """
 
-    __slots__ = ("_entries",)
+    __slots__ = ("_made", "_parts")
 
-    def __init__(self, entries: dict[str, KeyRoute | KeyClass]) -> None:
-        self._entries = entries
+    def __init__(
+        self,
+        keys: list[str],
+        classes: list[KeyClass] | None = None,
+        routed: dict[str, KeyRoute] | None = None,
+    ) -> None:
+        # ``classes[i]`` is the template root of ``keys[i]``; ``routed`` holds the keys that were
+        # routed on their own (their KeyRoute replaces the root). Without ``classes`` every key
+        # is in ``routed``.
+        self._parts: tuple[list[str], list[KeyClass] | None, dict[str, KeyRoute]] | None = (
+            keys,
+            classes,
+            routed if routed is not None else {},
+        )
+        self._made: dict[str, KeyRoute | KeyClass] | None = None
+
+    @property
+    def _entries(self) -> dict[str, KeyRoute | KeyClass]:
+        made = self._made
+        if made is None:
+            keys, classes, routed = self._parts  # type: ignore[misc]
+            if classes is None:
+                made = dict(routed)
+            else:
+                made = dict(zip(keys, classes))
+                made.update(routed)
+            self._made, self._parts = made, None
+        return made
 
     def __getitem__(self, key: str) -> KeyRoute:
-        entry = self._entries[key]
+        entries = self._made if self._made is not None else self._entries
+        entry = entries[key]
         if entry.__class__ is KeyRoute:
             return entry  # type: ignore[return-value]
         c = entry.walk(key)  # type: ignore[union-attr]
         route = KeyRoute(key, c.first_of(key), c.fired, c.conv, c.pat, c.index(key))
-        self._entries[key] = route  # made once; the loader reads each route more than once
+        entries[key] = route  # made once; the loader reads each route more than once
         return route
 
     def __iter__(self) -> Iterator[str]:
@@ -169,6 +220,7 @@ class _Router:
         index = {id(t): i for i, t in enumerate(self.transforms)}
         self.renamings = [(index[id(t)], t) for t in renamings]
         self.converters = [(index[id(t)], t) for t in converters]
+        self._gathers = {i: t.gathers for i, t in self.converters}
 
     def route(self, key: str) -> Decision:
         """Exact routing of one key: (first target, renamings, converter, pattern, stars, all targets)."""
@@ -195,7 +247,7 @@ class _Router:
             return current, tuple(fired), None, None, (), (current,)
         i, c = claimed
         targets = c.target_keys(match)
-        stars = match.stars if c.gathers else ()
+        stars = match.stars if self._gathers[i] else ()
         return targets[0], tuple(fired), i, match.pattern_index, stars, targets
 
 
@@ -236,33 +288,28 @@ def route_keys(
         'a.weight'
     """
     keys = keys if isinstance(keys, list) else list(keys)
-    _check_str(keys)
-    with gc_paused():
-        return _route_keys_fast(keys, transforms, runtime_keys, base_model_prefix)
-
-
-def _route_keys_fast(
-    keys: list[str],
-    transforms: Sequence[WeightTransform],
-    runtime_keys: Collection[str] | None,
-    base_model_prefix: str | None,
-) -> Routing:
     router = TemplateRouter(_Router(transforms))
-    filer = _Filer(router, runtime_keys, base_model_prefix)
-    if router.exact_only:
-        file = filer.file
-        route = router.route_exact
-        for key in keys:
-            file(key, route(key))
-        entries: dict[str, KeyRoute | KeyClass] = filer.entries
-    else:
-        roots = list(map(router.table.__getitem__, key_templates(keys)))
-        # Every key maps to its template's root (the route is read from it on access), except
-        # the keys that took the exact path, which keep their KeyRoute (added below).
-        entries = dict(zip(keys, roots))
-        _route_shared(keys, roots, filer, unique=len(entries) == len(keys))
-        entries.update(filer.entries)
-    return Routing(router.router.transforms, RouteTable(entries), filer.groups, filer.conflicts)
+    with gc_paused():
+        if router.exact_only:
+            _check_str(keys)
+            filer = _Filer(router, runtime_keys, base_model_prefix, deferred=False)
+            file, route = filer.file, router.route_exact
+            for key in keys:
+                file(key, route(key))
+            routes = RouteTable(keys, None, filer.entries)
+            return Routing(router.router.transforms, routes, filer.groups, filer.conflicts)
+        filer = _Filer(router, runtime_keys, base_model_prefix, deferred=True)
+        try:
+            roots = _route_in_chunks(keys, filer)
+        except TypeError:
+            _check_str(keys)  # names a key that is not a string
+            raise
+        except _Redo:  # a collision (rare): file again, each key at once, in order
+            router = TemplateRouter(_Router(transforms))
+            filer = _Filer(router, runtime_keys, base_model_prefix, deferred=False)
+            roots = _route_in_chunks(keys, filer)
+    routes = RouteTable(keys, roots, filer.entries)
+    return Routing(router.router.transforms, routes, filer.groups, filer.conflicts)
 
 
 def _route_keys_exact(
@@ -313,90 +360,100 @@ def _check_str(keys: list[Any]) -> None:
         ) from None
 
 
-def _route_shared(keys: list[str], roots: list[KeyClass], filer: _Filer, *, unique: bool) -> None:
-    """The hot loop: one selection per key finds its group slot; the index is one more slice.
+_CACHE = attrgetter("cache")
+_SELECTOR = attrgetter("sel")
 
-    A template root caches, per selection (see :class:`~surgery.fastroute.KeyClass`), a verdict
-    ``(slot, ia, ib)``: the group slot the key files into and where its index is. Anything
-    unusual (a class not built yet, a refused key, a prefix retry, a collision) is a *detour*
-    (:class:`_Detour` claims to hold every index, so it lands in the collision branch) handled by
-    :class:`_Filer` with the exact path's semantics.
+
+_CHUNK = 4096  # keys per pass: what one pass allocates stays in the CPU caches
+
+
+def _route_in_chunks(keys: list[str], filer: _Filer) -> list[KeyClass]:
+    """File every key (:func:`_file_all`) a chunk at a time; return each key's template root."""
+    root_of = filer.table.__getitem__
+    roots: list[KeyClass] = []
+    for start in range(0, len(keys), _CHUNK):
+        chunk = keys[start : start + _CHUNK]
+        chunk_roots = list(map(root_of, key_templates(chunk)))
+        roots += chunk_roots
+        _file_all(chunk, chunk_roots, filer)
+        filer.merge()
+    filer.done()
+    return roots
+
+
+def _file_all(keys: list[str], roots: list[KeyClass], filer: _Filer) -> None:
+    """The hot loop, run by the interpreter's C iterators: one verdict per key, applied to it.
+
+    Each key's template root caches, per selection (see :class:`~surgery.fastroute.KeyClass`),
+    a *verdict*: a callable that files the key. A selection seen for the first time gets
+    :meth:`_Filer.miss`, which makes the verdict (and the target group), caches it and applies
+    it. Everything is lazy, so key ``i`` sees every verdict made for keys ``0 … i-1``: keys are
+    filed strictly in order, as on the exact path.
     """
-    miss = filer.miss
-    detour = filer.detour
-    index_of = _IndexCache()
-    if unique:
-        # ``setdefault`` returns ``k`` itself unless the index is taken (or the slot is a detour).
-        for k, c in zip(keys, roots):
-            v = c.cache.get(s := c.sel(k))
-            if v is None:
-                v = miss(k, c, s)
-            slot, ia, ib = v
-            ix = index_of[k[ia:ib]]
-            if slot.setdefault(ix, k) is not k:
-                detour(k, c, slot, ix)
-        return
-    for k, c in zip(keys, roots):  # a key occurs twice: compare the slot's content, not identity
-        v = c.cache.get(s := c.sel(k))
-        if v is None:
-            v = miss(k, c, s)
-        slot, ia, ib = v
-        ix = index_of[k[ia:ib]]
-        if ix in slot:
-            detour(k, c, slot, ix)
-        else:
-            slot[ix] = k
+    verdicts = map(dict.get, map(_CACHE, roots), map(call, map(_SELECTOR, roots), keys), repeat(filer.miss))
+    deque(map(call, verdicts, keys), maxlen=0)
+
+
+# Index tuples of small indices, made once: after the cycle collector has looked at them once it
+# stops tracking them, and a dict whose keys are untracked tuples and whose values are strings
+# is not tracked either, so a routing result's group slots cost the collector nothing.
+_SMALL_INDICES = tuple((i,) for i in range(4096))
 
 
 class _IndexCache(dict):  # type: ignore[type-arg]
     """Index text → index tuple (``""`` → ``()``), made once per distinct text."""
 
     def __missing__(self, text: str) -> tuple[int, ...]:
-        value = self[text] = (int(text),) if text else ()
+        value: tuple[int, ...]
+        if text:
+            i = int(text)
+            value = self[text] = _SMALL_INDICES[i] if i < 4096 else (i,)
+        else:
+            value = self[text] = ()
         return value
 
 
-class _Detour(dict):  # type: ignore[type-arg]
-    """A cached verdict that is not a group slot; it claims to hold every index.
-
-    ``kind`` is ``"walk"`` (route the key on its own: class not built or not shareable),
-    ``"retry"`` (targets are not runtime keys: try the base-model prefix) or ``"refused"``
-    (``group`` exists under another converter: the key conflicts).
-    """
-
-    __slots__ = ("group", "kind")
-
-    def __init__(self, kind: str, group: TargetGroup | None = None) -> None:
-        super().__init__()
-        self.kind = kind
-        self.group = group
-
-    def __contains__(self, ix: object) -> bool:
-        return True
-
-    def setdefault(self, ix: object, default: object = None) -> _Detour:  # type: ignore[override]
-        return self
-
-
-_WALK: tuple[dict[tuple[int, ...], str], int, int] = (_Detour("walk"), 0, 0)
+class _Redo(Exception):
+    """Deferred filing met a collision; the call starts over in strict order."""
 
 
 class _Filer:
-    """Files routed keys into groups with the exact path's semantics (state of one call)."""
+    """Files routed keys into groups with the exact path's semantics (state of one call).
+
+    *Deferred* (the first try): a hot class's keys are appended to a list per verdict and put
+    in their group slots by :meth:`merge`, a few C-level passes per list. Any collision (a
+    conflict, a duplicate key) raises :class:`_Redo`, and the call is repeated *strict*: every
+    key is put in its slot at once, and conflicts are reported in key order.
+    """
 
     def __init__(
-        self, router: TemplateRouter, runtime_keys: Collection[str] | None, base_model_prefix: str | None
+        self,
+        router: TemplateRouter,
+        runtime_keys: Collection[str] | None,
+        base_model_prefix: str | None,
+        *,
+        deferred: bool,
     ) -> None:
         self.router = router
-        self.entries: dict[str, KeyRoute | KeyClass] = {}
+        self.table = router.table
+        self.deferred = deferred
+        self.entries: dict[str, KeyRoute] = {}
         self.groups: dict[str, TargetGroup] = {}
         self.conflicts: list[RouteConflict] = []
+        self.pending: list[tuple[Callable[[str], str], TargetGroup, int, list[str]]] = []
+        self.lists: list[list[str]] = []  # the last element of each pending entry
+        self.index_of = _IndexCache()
         self.use_prefix = bool(base_model_prefix) and runtime_keys is not None
         known: Collection[str] = runtime_keys if runtime_keys is not None else ()
         if self.use_prefix and not isinstance(known, (AbstractSet, Mapping)):
             known = set(known)
         self.known = known
         self.pre = f"{base_model_prefix}." if base_model_prefix else ""
+
+    def conflict(self, conflict: RouteConflict | Callable[[], RouteConflict]) -> None:
+        if self.deferred:
+            raise _Redo
+        self.conflicts.append(conflict if isinstance(conflict, RouteConflict) else conflict())
 
     def file(self, key: str, decision: Decision) -> None:
         """Route ``key`` given its decision (base-model prefix retry included) and file it."""
@@ -412,62 +469,90 @@ class _Filer:
         if group is None:
             group = self.groups[first] = TargetGroup(first, conv, targets)
         elif group.converter != conv:
-            self.conflicts.append(RouteConflict(first, group.source_keys[0], key))
+            self.conflict(lambda: RouteConflict(first, group.source_keys[0], key))
             return
         slot = group.sources.setdefault(pat if pat is not None else 0, {})
         if index in slot:
-            self.conflicts.append(RouteConflict(first, slot[index], key))
+            self.conflict(RouteConflict(first, slot[index], key))
             return
         slot[index] = key
 
-    def miss(self, key: str, root: KeyClass, selection: Any) -> tuple[dict[tuple[int, ...], str], int, int]:
-        """No verdict cached for ``key``'s ``selection``: make one (without counting the key)."""
+    def miss(self, key: str) -> None:
+        """No verdict is cached for ``key``'s selection: make one (when the class allows) and apply it."""
+        root = self.table[key_template(key)]
         node = root.walk(key)
-        verdict: tuple[dict[tuple[int, ...], str], int, int]
-        if not node.hot:
-            verdict = _WALK  # valid for any key: the detour walks with the key itself
-        else:
-            if not node.covered:  # the selection must pin this class and its target group
-                spans = set(node.tslices)
-                n = root
-                while n.sb:
-                    spans.add((n.sa, n.sb))
-                    n = n.children[key[n.sa : n.sb]]
-                if not spans <= root.sel_slices:
-                    root.refresh()  # selectors only grow, so a covered class stays covered
-                    selection = root.sel(key)
-                node.covered = True
-            verdict = (self._slot(key, node), node.ia, node.ib)
-        root.cache[selection] = verdict
-        return verdict
+        if not node.hot:  # route on its own; counts the key, and may build its class
+            leaf = self.router.promote(root, key)
+            self.file(key, self.router.decision(leaf, key))
+            return
+        if not node.covered:  # the selection must pin this class and its target group
+            spans = set(node.tslices)
+            n = root
+            while n.sb:
+                spans.add((n.sa, n.sb))
+                n = n.children[key[n.sa : n.sb]]
+            if not spans <= root.sel_slices:
+                root.refresh()  # selectors only grow, so a covered class stays covered
+            node.covered = True
+        verdict = root.cache[root.sel(key)] = self._verdict(root, node, key)
+        verdict(key)
 
-    def _slot(self, key: str, c: KeyClass) -> dict[tuple[int, ...], str]:
-        targets = c.targets_of(key)
-        if self.use_prefix and not _names_real(targets, self.known):
-            return _Detour("retry")
-        first = targets[0]  # the exact path's first target is always its first target key
+    def _verdict(self, root: KeyClass, c: KeyClass, key: str) -> Callable[[str], None]:
+        """How to file every key of ``c`` that selects what ``key`` selects."""
+        if self.use_prefix and not _names_real(c.targets_of(key), self.known):
+            return partial(self._retry, root)
+        first = c.first_of(key)  # the exact path's first target is always its first target key
         group = self.groups.get(first)
         if group is None:
-            group = self.groups[first] = TargetGroup(first, c.conv, targets)
-        if group.converter != c.conv:
-            return _Detour("refused", group)
-        return group.sources.setdefault(c.pat if c.pat is not None else 0, {})
+            group = self.groups[first] = TargetGroup(first, c.conv, c.targets_of(key))
+        elif group.converter != c.conv:
+            return partial(self._refuse, group)
+        pat = c.pat if c.pat is not None else 0
+        slot = group.sources.setdefault(pat, {})
+        if self.deferred:
+            keys: list[str] = []
+            self.pending.append((c.getix, group, pat, keys))
+            self.lists.append(keys)
+            return keys.append
+        return partial(self._file_now, c, slot)
 
-    def detour(self, key: str, root: KeyClass, slot: dict[tuple[int, ...], str], ix: tuple[int, ...]) -> None:
-        """``key`` found its index taken in its group slot, or its verdict is a detour."""
-        if slot.__class__ is not _Detour:
-            self.conflicts.append(RouteConflict(root.walk(key).first_of(key), slot[ix], key))
-            return
-        d: _Detour = slot  # type: ignore[assignment]
-        if d.kind == "walk":
-            leaf = self.router.promote(root, key)  # counts the key; may build its class
-            if leaf.hot:
-                root.cache.pop(root.sel(key), None)  # stale: the next key of this class goes fast
-            self.file(key, self.router.decision(leaf, key))
-        elif d.group is None:  # "retry"
-            self.file(key, root.walk(key).decision(key))
-        else:  # "refused"
-            self.conflicts.append(RouteConflict(d.group.key, d.group.source_keys[0], key))
+    def _file_now(self, c: KeyClass, slot: dict[tuple[int, ...], str], key: str) -> None:
+        ix = self.index_of[c.getix(key)]
+        if ix in slot:
+            self.conflict(RouteConflict(c.first_of(key), slot[ix], key))
+        else:
+            slot[ix] = key
+
+    def _retry(self, root: KeyClass, key: str) -> None:
+        """The class's targets name no runtime key: route with the base-model prefix."""
+        self.file(key, root.walk(key).decision(key))
+
+    def _refuse(self, group: TargetGroup, key: str) -> None:
+        """The target group exists under another converter: ``key`` conflicts."""
+        self.conflict(lambda: RouteConflict(group.key, group.source_keys[0], key))
+
+    def merge(self) -> None:
+        """Put the deferred keys in their group slots; :class:`_Redo` on any collision."""
+        index_of = self.index_of
+        for getix, group, pat, keys in compress(self.pending, self.lists):
+            slot = dict(zip(map(index_of.__getitem__, map(getix, keys)), keys))
+            if len(slot) != len(keys):
+                raise _Redo
+            keys.clear()  # the verdict keeps appending to it
+            sources = group.sources
+            filed = sources[pat]
+            if not filed:
+                sources[pat] = slot
+            elif filed.keys().isdisjoint(slot):
+                filed.update(slot)
+            else:
+                raise _Redo
+
+    def done(self) -> None:
+        """Drop the verdicts (and the lists they hold) once every key is filed."""
+        self.pending, self.lists = [], []
+        for root in self.table.values():
+            root.cache = {}
 
 
 def _retry_with_prefix(
