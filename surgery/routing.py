@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from itertools import compress, repeat
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import ConfigurationError
 from .fastroute import Decision, KeyClass, TemplateRouter, key_template, key_templates
@@ -49,9 +49,8 @@ call: Callable[..., Any] = getattr(operator, "call", _call)  # C-level from Pyth
 __all__ = ["KeyRoute", "RouteConflict", "RouteTable", "Routing", "TargetGroup", "route_key", "route_keys"]
 
 
-@dataclass(frozen=True, slots=True)
-class KeyRoute:
-    """How one checkpoint key travels.
+class KeyRoute(NamedTuple):
+    """How one checkpoint key travels (an immutable record; a loader reads one per key).
 
     Attributes:
         source_key: the key as stored in the checkpoint.
@@ -70,7 +69,7 @@ class KeyRoute:
     renamings: tuple[int, ...] = ()
     converter: int | None = None
     pattern_index: int | None = None
-    index: tuple[int, ...] = ()
+    index: tuple[int, ...] = ()  # type: ignore[assignment]  # a field, shadowing tuple.index
     base_prefix: str = ""
 
 
@@ -107,6 +106,14 @@ class RouteConflict:
 
     def __str__(self) -> str:
         return f"{self.first!r} and {self.second!r} both land on {self.target_key!r}"
+
+
+_new_route = tuple.__new__  # KeyRoute without its keyword handling: every field given, in order
+
+
+def _index_of(text: str) -> tuple[int, ...]:
+    i = int(text)
+    return _SMALL_INDICES[i] if i < len(_SMALL_INDICES) else (i,)
 
 
 class RouteTable(Mapping[str, KeyRoute]):
@@ -154,8 +161,16 @@ class RouteTable(Mapping[str, KeyRoute]):
         entry = entries[key]
         if entry.__class__ is KeyRoute:
             return entry  # type: ignore[return-value]
-        c = entry.walk(key)  # type: ignore[union-attr]
-        route = KeyRoute(key, c.first_of(key), c.fired, c.conv, c.pat, c.index(key))
+        c: KeyClass = entry  # type: ignore[assignment]
+        while c.sb:  # KeyClass.walk, first_of and index, inlined: a loader reads every route
+            c = c.children[key[c.sa : c.sb]]
+        fmt, get = c.cfirst
+        first = fmt if get is None else fmt % get(key)
+        if c.hot:
+            index = _index_of(key[c.ia : c.ib]) if c.ib else ()
+        else:
+            index = c.index(key)
+        route = _new_route(KeyRoute, (key, first, c.fired, c.conv, c.pat, index, ""))
         entries[key] = route  # made once; the loader reads each route more than once
         return route
 
