@@ -68,6 +68,7 @@ __all__ = [
     "UNSAFE",
     "Decision",
     "KeyClass",
+    "Selections",
     "TemplateRouter",
     "key_template",
     "key_templates",
@@ -271,6 +272,21 @@ class _Children(dict):  # type: ignore[type-arg]
         return child
 
 
+class Selections(dict):  # type: ignore[type-arg]
+    """A template root's cache: selection → whatever the caller keeps (see :class:`KeyClass`).
+
+    It carries the root's selector ``sel`` and the ``root`` itself, so that a caller holding the
+    cache needs no other lookup per key.
+    """
+
+    __slots__ = ("root", "sel")
+
+    def __init__(self, root: KeyClass) -> None:
+        super().__init__()
+        self.root = root
+        self.sel: Callable[[str], Any] = _NOTHING
+
+
 class KeyClass:
     """A node of the class tree: a split on some key positions, or a class of keys.
 
@@ -338,7 +354,7 @@ class KeyClass:
         self.getix: Callable[[str], str] = _NOTHING
         self.sel: Callable[[str], Any] = _NOTHING
         self.sel_slices: frozenset[tuple[int, int]] = frozenset()
-        self.cache: dict[Any, Any] = {}
+        self.cache = Selections(self)
         if fixed:
             self.split(fixed)
             self.refresh()
@@ -377,8 +393,8 @@ class KeyClass:
         # One character per position: single characters are shared objects, so a selection
         # costs one tuple (or nothing, for one position) however many digits it reads.
         positions = sorted({p for a, b in slices for p in range(a, b)})
-        self.sel = itemgetter(*positions) if positions else _NOTHING
-        self.cache = {}
+        self.sel = self.cache.sel = itemgetter(*positions) if positions else _NOTHING
+        self.cache.clear()
 
     def walk(self, key: str) -> KeyClass:
         """The class of ``key`` below this node (no counting, no building)."""
@@ -526,6 +542,20 @@ class _Table(dict):  # type: ignore[type-arg]
         return node
 
 
+class _Caches(dict):  # type: ignore[type-arg]
+    """Template → its root's :class:`Selections` (the root is made on first sight)."""
+
+    __slots__ = ("table",)
+
+    def __init__(self, table: dict[str, KeyClass]) -> None:
+        super().__init__()
+        self.table = table
+
+    def __missing__(self, template: str) -> Selections:
+        cache = self[template] = self.table[template].cache
+        return cache
+
+
 class TemplateRouter:
     """Route keys through a compiled :class:`~surgery.routing._Router`, sharing decisions.
 
@@ -533,6 +563,7 @@ class TemplateRouter:
         router: the exact router.
         exact_only: the list has a pattern that may tell indices apart; every key goes exact.
         table: template → class tree (missing templates are added on lookup).
+        caches: template → that tree's :class:`Selections` (likewise).
     """
 
     def __init__(self, router: _Router) -> None:
@@ -544,6 +575,7 @@ class TemplateRouter:
         # After renaming i fires, do later transforms rely on guards (free digits kept isolated)?
         self._guarded_after = [GUARDED in safety[i + 1 :] for i in range(len(router.renamings))]
         self.table: dict[str, KeyClass] = _Table()
+        self.caches: dict[str, Selections] = _Caches(self.table)
 
     def route_one(self, key: str) -> Decision:
         """Route one key (shared decision where available, else exact)."""

@@ -34,7 +34,7 @@ from operator import attrgetter
 from typing import Any, NamedTuple
 
 from .errors import ConfigurationError
-from .fastroute import Decision, KeyClass, TemplateRouter, key_template, key_templates
+from .fastroute import Decision, KeyClass, Selections, TemplateRouter, key_template, key_templates
 from .gcpause import gc_paused
 from .transforms import WeightConverter, WeightTransform, split_transforms
 
@@ -108,6 +108,7 @@ class RouteConflict:
         return f"{self.first!r} and {self.second!r} both land on {self.target_key!r}"
 
 
+_ROOT = attrgetter("root")
 _new_route = tuple.__new__  # KeyRoute without its keyword handling: every field given, in order
 
 
@@ -130,15 +131,15 @@ class RouteTable(Mapping[str, KeyRoute]):
     def __init__(
         self,
         keys: list[str],
-        classes: list[KeyClass] | None = None,
+        caches: list[Selections] | None = None,
         routed: dict[str, KeyRoute] | None = None,
     ) -> None:
-        # ``classes[i]`` is the template root of ``keys[i]``; ``routed`` holds the keys that were
-        # routed on their own (their KeyRoute replaces the root). Without ``classes`` every key
-        # is in ``routed``.
-        self._parts: tuple[list[str], list[KeyClass] | None, dict[str, KeyRoute]] | None = (
+        # ``caches[i]`` belongs to the template root of ``keys[i]``; ``routed`` holds the keys
+        # that were routed on their own (their KeyRoute replaces the root). Without ``caches``
+        # every key is in ``routed``.
+        self._parts: tuple[list[str], list[Selections] | None, dict[str, KeyRoute]] | None = (
             keys,
-            classes,
+            caches,
             routed if routed is not None else {},
         )
         self._made: dict[str, KeyRoute | KeyClass] | None = None
@@ -147,11 +148,11 @@ class RouteTable(Mapping[str, KeyRoute]):
     def _entries(self) -> dict[str, KeyRoute | KeyClass]:
         made = self._made
         if made is None:
-            keys, classes, routed = self._parts  # type: ignore[misc]
-            if classes is None:
+            keys, caches, routed = self._parts  # type: ignore[misc]
+            if caches is None:
                 made = dict(routed)
             else:
-                made = dict(zip(keys, classes))
+                made = dict(zip(keys, map(_ROOT, caches)))
                 made.update(routed)
             self._made, self._parts = made, None
         return made
@@ -315,15 +316,15 @@ def route_keys(
             return Routing(router.router.transforms, routes, filer.groups, filer.conflicts)
         filer = _Filer(router, runtime_keys, base_model_prefix, deferred=True)
         try:
-            roots = _route_in_chunks(keys, filer)
+            caches = _route_in_chunks(keys, filer)
         except TypeError:
             _check_str(keys)  # names a key that is not a string
             raise
         except _Redo:  # a collision (rare): file again, each key at once, in order
             router = TemplateRouter(_Router(transforms))
             filer = _Filer(router, runtime_keys, base_model_prefix, deferred=False)
-            roots = _route_in_chunks(keys, filer)
-    routes = RouteTable(keys, roots, filer.entries)
+            caches = _route_in_chunks(keys, filer)
+    routes = RouteTable(keys, caches, filer.entries)
     return Routing(router.router.transforms, routes, filer.groups, filer.conflicts)
 
 
@@ -375,33 +376,32 @@ def _check_str(keys: list[Any]) -> None:
         ) from None
 
 
-_CACHE = attrgetter("cache")
 _SELECTOR = attrgetter("sel")
 
 
 _CHUNK = 4096  # keys per pass: what one pass allocates stays in the CPU caches
 
 
-def _route_in_chunks(keys: list[str], filer: _Filer) -> list[KeyClass]:
-    """File every key (:func:`_file_all`) a chunk at a time; return each key's template root."""
-    root_of = filer.table.__getitem__
-    roots: list[KeyClass] = []
+def _route_in_chunks(keys: list[str], filer: _Filer) -> list[Selections]:
+    """File every key (:func:`_file_all`) a chunk at a time; return each key's root cache."""
+    cache_of = filer.router.caches.__getitem__
+    caches: list[Selections] = []
     for start in range(0, len(keys), _CHUNK):
         chunk = keys[start : start + _CHUNK]
-        chunk_roots = list(map(root_of, key_templates(chunk)))
-        roots += chunk_roots
+        chunk_caches = list(map(cache_of, key_templates(chunk)))
+        caches += chunk_caches
         fresh = len(filer.pending)
-        _file_all(chunk, chunk_roots, filer)
+        _file_all(chunk, chunk_caches, filer)
         # The lists made in this chunk, while their keys are still in the CPU caches; in a
         # checkpoint's usual order they hold most of their keys already. The rest wait for
         # the end, so that keys in random order do not merge each list once per chunk.
         filer.merge(fresh)
     filer.merge(0)
     filer.done()
-    return roots
+    return caches
 
 
-def _file_all(keys: list[str], roots: list[KeyClass], filer: _Filer) -> None:
+def _file_all(keys: list[str], caches: list[Selections], filer: _Filer) -> None:
     """The hot loop, run by the interpreter's C iterators: one verdict per key, applied to it.
 
     Each key's template root caches, per selection (see :class:`~surgery.fastroute.KeyClass`),
@@ -410,7 +410,7 @@ def _file_all(keys: list[str], roots: list[KeyClass], filer: _Filer) -> None:
     it. Everything is lazy, so key ``i`` sees every verdict made for keys ``0 … i-1``: keys are
     filed strictly in order, as on the exact path.
     """
-    verdicts = map(dict.get, map(_CACHE, roots), map(call, map(_SELECTOR, roots), keys), repeat(filer.miss))
+    verdicts = map(dict.get, caches, map(call, map(_SELECTOR, caches), keys), repeat(filer.miss))
     deque(map(call, verdicts, keys), maxlen=0)
 
 
@@ -427,7 +427,7 @@ class _IndexCache(dict):  # type: ignore[type-arg]
         value: tuple[int, ...]
         if text:
             i = int(text)
-            value = self[text] = _SMALL_INDICES[i] if i < 4096 else (i,)
+            value = self[text] = _SMALL_INDICES[i] if i < len(_SMALL_INDICES) else (i,)
         else:
             value = self[text] = ()
         return value
@@ -565,18 +565,20 @@ class _Filer:
             keys.clear()  # the verdict keeps appending to it
             sources = group.sources
             filed = sources[pat]
-            if not filed:
-                sources[pat] = slot
-            elif filed.keys().isdisjoint(slot):
+            if filed:  # copy the smaller into the larger (a slot's order is not promised)
+                if len(filed) < len(slot):
+                    filed, slot = slot, filed
+                if not filed.keys().isdisjoint(slot.keys()):
+                    raise _Redo
                 filed.update(slot)
-            else:
-                raise _Redo
+                slot = filed
+            sources[pat] = slot
 
     def done(self) -> None:
         """Drop the verdicts (and the lists they hold) once every key is filed."""
         self.pending, self.lists = [], []
         for root in self.table.values():
-            root.cache = {}
+            root.cache.clear()
 
 
 def _retry_with_prefix(
