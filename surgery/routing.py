@@ -499,8 +499,9 @@ class _Filer:
 
     def miss(self, key: str) -> None:
         """No verdict is cached for ``key``'s selection: make one (when the class allows) and apply it."""
-        root = self.table[key_template(key)]
-        node = root.walk(key)
+        root = node = self.table[key_template(key)]
+        while node.sb:  # KeyClass.walk, inlined
+            node = node.children[key[node.sa : node.sb]]
         if not node.hot:  # route on its own; counts the key, and may build its class
             leaf = self.router.promote(root, key)
             self.file(key, self.router.decision(leaf, key))
