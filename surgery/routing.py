@@ -15,8 +15,8 @@ How the per-key work stays in C: keys go through in chunks (what a chunk allocat
 the CPU caches). Per chunk, one translate gives every key's template, and a chain of ``map``
 calls looks up each key's cached *verdict* (a callable that files it) and applies it, so the
 interpreter runs no bytecode for a key whose verdict is cached; the first key of a selection
-makes the verdict in Python (:meth:`_Filer.miss`). Verdicts append to per-verdict lists, and
-:meth:`_Filer.merge` turns each list into its group slot with three more C-level passes. That
+makes the verdict in Python (:meth:`_Filer.miss`). Verdicts append to a list per group slot,
+and :meth:`_Filer.merge` turns each list into its slot with three more C-level passes. That
 deferral is optimistic: a collision (a conflict or a duplicate key) restarts the call with
 keys filed one at a time, which reports conflicts exactly as the per-key path does.
 """
@@ -30,7 +30,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import compress, repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
 from .errors import ConfigurationError
@@ -440,8 +440,8 @@ class _Redo(Exception):
 class _Filer:
     """Files routed keys into groups with the exact path's semantics (state of one call).
 
-    *Deferred* (the first try): a hot class's keys are appended to a list per verdict and put
-    in their group slots by :meth:`merge`, a few C-level passes per list. Any collision (a
+    *Deferred* (the first try): a hot class's keys are appended to a list per group slot (and
+    index position) and put in their slots by :meth:`merge`, a few C-level passes per list. Any collision (a
     conflict, a duplicate key) raises :class:`_Redo`, and the call is repeated *strict*: every
     key is put in its slot at once, and conflicts are reported in key order.
     """
@@ -462,6 +462,7 @@ class _Filer:
         self.conflicts: list[RouteConflict] = []
         self.pending: list[tuple[Callable[[str], str], TargetGroup, int, list[str]]] = []
         self.lists: list[list[str]] = []  # the last element of each pending entry
+        self.shared: dict[tuple[int, int | None, int, int], Callable[[str], None]] = {}
         self.index_of = _IndexCache()
         self.use_prefix = bool(base_model_prefix) and runtime_keys is not None
         known: Collection[str] = runtime_keys if runtime_keys is not None else ()
@@ -531,10 +532,18 @@ class _Filer:
         pat = c.pat if c.pat is not None else 0
         slot = group.sources.setdefault(pat, {})
         if self.deferred:
-            keys: list[str] = []
-            self.pending.append((c.getix, group, pat, keys))
-            self.lists.append(keys)
-            return keys.append
+            # One list per group slot and index position, the end of the index counted from the
+            # end of the key: keys that differ only in how many digits their index has (experts
+            # 0-9, 10-99, 100-127: three templates) share a list, read by one getter.
+            stop = c.ib - len(key) if c.ib and c.ib < len(key) else None
+            spec = (c.ia, stop, id(group), pat) if c.ib else (0, 0, id(group), pat)
+            verdict = self.shared.get(spec)
+            if verdict is None:
+                keys: list[str] = []
+                self.pending.append((itemgetter(slice(c.ia, stop)) if c.ib else c.getix, group, pat, keys))
+                self.lists.append(keys)
+                verdict = self.shared[spec] = keys.append
+            return verdict
         return partial(self._file_now, c, slot)
 
     def _file_now(self, c: KeyClass, slot: dict[tuple[int, ...], str], key: str) -> None:
@@ -577,7 +586,7 @@ class _Filer:
 
     def done(self) -> None:
         """Drop the verdicts (and the lists they hold) once every key is filed."""
-        self.pending, self.lists = [], []
+        self.pending, self.lists, self.shared = [], [], {}
         for root in self.table.values():
             root.cache.clear()
 
