@@ -24,8 +24,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,9 +43,11 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class TransformMatch:
-    """Where a transform matched a key: the text around the match, groups and wildcard indices."""
+class TransformMatch(NamedTuple):
+    """Where a transform matched a key: the text around the match, groups and wildcard indices.
+
+    (An immutable record made once per key on the exact path, hence a ``NamedTuple``.)
+    """
 
     pattern_index: int
     prefix: str
