@@ -275,15 +275,14 @@ class _Children(dict):  # type: ignore[type-arg]
 class Selections(dict):  # type: ignore[type-arg]
     """A template root's cache: selection → whatever the caller keeps (see :class:`KeyClass`).
 
-    It carries the root's selector ``sel`` and the ``root`` itself, so that a caller holding the
-    cache needs no other lookup per key.
+    It carries the root's selector ``sel``, so that a caller holding the cache needs no other
+    lookup per key.
     """
 
-    __slots__ = ("root", "sel")
+    __slots__ = ("sel",)
 
-    def __init__(self, root: KeyClass) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.root = root
         self.sel: Callable[[str], Any] = _NOTHING
 
 
@@ -354,7 +353,7 @@ class KeyClass:
         self.getix: Callable[[str], str] = _NOTHING
         self.sel: Callable[[str], Any] = _NOTHING
         self.sel_slices: frozenset[tuple[int, int]] = frozenset()
-        self.cache = Selections(self)
+        self.cache = Selections()
         if fixed:
             self.split(fixed)
             self.refresh()

@@ -108,7 +108,6 @@ class RouteConflict:
         return f"{self.first!r} and {self.second!r} both land on {self.target_key!r}"
 
 
-_ROOT = attrgetter("root")
 _new_route = tuple.__new__  # KeyRoute without its keyword handling: every field given, in order
 
 
@@ -133,14 +132,16 @@ class RouteTable(Mapping[str, KeyRoute]):
         keys: list[str],
         caches: list[Selections] | None = None,
         routed: dict[str, KeyRoute] | None = None,
+        roots: Iterable[KeyClass] = (),
     ) -> None:
-        # ``caches[i]`` belongs to the template root of ``keys[i]``; ``routed`` holds the keys
-        # that were routed on their own (their KeyRoute replaces the root). Without ``caches``
-        # every key is in ``routed``.
-        self._parts: tuple[list[str], list[Selections] | None, dict[str, KeyRoute]] | None = (
+        # ``caches[i]`` is the cache of ``keys[i]``'s template root, one of ``roots``; ``routed``
+        # holds the keys that were routed on their own (their KeyRoute replaces the root).
+        # Without ``caches`` every key is in ``routed``.
+        self._parts: tuple[list[str], list[Selections] | None, dict[str, KeyRoute], Any] | None = (
             keys,
             caches,
             routed if routed is not None else {},
+            {id(r.cache): r for r in roots},
         )
         self._made: dict[str, KeyRoute | KeyClass] | None = None
 
@@ -148,11 +149,11 @@ class RouteTable(Mapping[str, KeyRoute]):
     def _entries(self) -> dict[str, KeyRoute | KeyClass]:
         made = self._made
         if made is None:
-            keys, caches, routed = self._parts  # type: ignore[misc]
+            keys, caches, routed, root_of = self._parts  # type: ignore[misc]
             if caches is None:
                 made = dict(routed)
             else:
-                made = dict(zip(keys, map(_ROOT, caches)))
+                made = dict(zip(keys, map(root_of.__getitem__, map(id, caches))))
                 made.update(routed)
             self._made, self._parts = made, None
         return made
@@ -324,7 +325,7 @@ def route_keys(
             router = TemplateRouter(_Router(transforms))
             filer = _Filer(router, runtime_keys, base_model_prefix, deferred=False)
             caches = _route_in_chunks(keys, filer)
-    routes = RouteTable(keys, caches, filer.entries)
+    routes = RouteTable(keys, caches, filer.entries, router.table.values())
     return Routing(router.router.transforms, routes, filer.groups, filer.conflicts)
 
 
