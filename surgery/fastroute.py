@@ -293,7 +293,7 @@ class KeyClass:
     holds the spans still to split on below). A *class* holds the shared decision once ``built``:
     ``first``, ``targets`` and ``stars`` are formats (literal text and ``(start, stop)`` slices of
     the key); ``tslices`` are the slices the targets copy and ``ia:ib`` the slice holding the
-    wildcard index (``getix`` reads it). ``hot`` is set when a key can be filed from those slices
+    wildcard index (``getix`` reads it; one getter object per slice, shared by classes). ``hot`` is set when a key can be filed from those slices
     alone (at most one index, read from one slice).
 
     A template's root also carries the caller's cache for the whole tree: ``sel(key)`` selects
@@ -575,6 +575,14 @@ class TemplateRouter:
         self._guarded_after = [GUARDED in safety[i + 1 :] for i in range(len(router.renamings))]
         self.table: dict[str, KeyClass] = _Table()
         self.caches: dict[str, Selections] = _Caches(self.table)
+        self._getters: dict[tuple[int, int | None], Callable[[str], str]] = {}
+
+    def _getter(self, start: int, stop: int | None) -> Callable[[str], str]:
+        """``itemgetter(slice(start, stop))``, one object per slice."""
+        getter = self._getters.get((start, stop))
+        if getter is None:
+            getter = self._getters[start, stop] = itemgetter(slice(start, stop))
+        return getter
 
     def route_one(self, key: str) -> Decision:
         """Route one key (shared decision where available, else exact)."""
@@ -718,6 +726,9 @@ class TemplateRouter:
             node.hot = True  # ia == ib == 0: the index text is "", the index ()
         elif len(node.stars) == 1 and len(node.stars[0]) == 1 and isinstance(node.stars[0][0], tuple):
             node.ia, node.ib = node.stars[0][0]
-            node.getix = itemgetter(slice(node.ia, node.ib))
+            # The index's end counted from the key's end (every key of a class has one length):
+            # classes whose keys differ only in the index's width share one getter.
+            size = len(probes[0])
+            node.getix = self._getter(node.ia, node.ib - size if node.ib < size else None)
             node.hot = True
         return True

@@ -30,7 +30,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import compress, repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 from .errors import ConfigurationError
@@ -463,7 +463,7 @@ class _Filer:
         self.conflicts: list[RouteConflict] = []
         self.pending: list[tuple[Callable[[str], str], TargetGroup, int, list[str]]] = []
         self.lists: list[list[str]] = []  # the last element of each pending entry
-        self.shared: dict[tuple[int, int | None, int, int], Callable[[str], None]] = {}
+        self.shared: dict[tuple[Callable[[str], str], int, int], Callable[[str], None]] = {}
         self.index_of = _IndexCache()
         self.use_prefix = bool(base_model_prefix) and runtime_keys is not None
         known: Collection[str] = runtime_keys if runtime_keys is not None else ()
@@ -533,15 +533,13 @@ class _Filer:
         pat = c.pat if c.pat is not None else 0
         slot = group.sources.setdefault(pat, {})
         if self.deferred:
-            # One list per group slot and index position, the end of the index counted from the
-            # end of the key: keys that differ only in how many digits their index has (experts
-            # 0-9, 10-99, 100-127: three templates) share a list, read by one getter.
-            stop = c.ib - len(key) if c.ib and c.ib < len(key) else None
-            spec = (c.ia, stop, id(group), pat) if c.ib else (0, 0, id(group), pat)
+            # One list per group slot and index getter: keys that differ only in how many
+            # digits their index has (experts 0-9, 10-99, 100-127: three templates) share one.
+            spec = (c.getix, id(group), pat)
             verdict = self.shared.get(spec)
             if verdict is None:
                 keys: list[str] = []
-                self.pending.append((itemgetter(slice(c.ia, stop)) if c.ib else c.getix, group, pat, keys))
+                self.pending.append((c.getix, group, pat, keys))
                 self.lists.append(keys)
                 verdict = self.shared[spec] = keys.append
             return verdict
