@@ -531,7 +531,9 @@ class _Filer:
         elif group.converter != c.conv:
             return partial(self._refuse, group)
         pat = c.pat if c.pat is not None else 0
-        slot = group.sources.setdefault(pat, {})
+        slot = group.sources.get(pat)
+        if slot is None:
+            slot = group.sources[pat] = {}
         if self.deferred:
             # One list per group slot and index getter: keys that differ only in how many
             # digits their index has (experts 0-9, 10-99, 100-127: three templates) share one.
