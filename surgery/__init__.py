@@ -3,7 +3,7 @@
 Map of the package (one concept per module):
 
 * ``patterns``, ``ops``, ``transforms``: the reversible weight-transform engine.
-* ``routing`` (+ ``fastroute``): every checkpoint key through a transform list, once.
+* ``routing`` (+ ``fastroute``, ``digitsafety``): every checkpoint key through a transform list, once.
 * ``graph``, ``registry``, ``resolution``: which conversion mapping applies where.
 * ``safetensors_format``, ``checkpoint``, ``checkpoint_writer``: the file format; lazy,
   validated reads; atomic, streaming writes of single-file and sharded checkpoints.

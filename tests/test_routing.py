@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from surgery import ConfigurationError, PrefixChange, WeightConverter, WeightRenaming, ops, routing
 from surgery.benchmarks.route import mixtral_mapping
-from surgery.fastroute import GUARDED, UNIFORM, UNSAFE, TemplateRouter, key_templates, pattern_safety
+from surgery.digitsafety import GUARDED, UNIFORM, UNSAFE, pattern_safety
+from surgery.fastroute import TemplateRouter, key_templates
 from surgery.routing import (
     KeyRoute,
     RouteConflict,
