@@ -164,14 +164,14 @@ class KeyClass:
     holds the spans still to split on below). A *class* holds the shared decision once ``built``:
     ``first``, ``targets`` and ``stars`` are formats (literal text and ``(start, stop)`` slices of
     the key); ``tslices`` are the slices the targets copy and ``ia:ib`` the slice holding the
-    wildcard index (``getix`` reads it; one getter object per slice, shared by classes). ``hot`` is set when a key can be filed from those slices
-    alone (at most one index, read from one slice).
+    wildcard index (``getix`` reads it; one getter object per slice, shared by classes). ``hot``
+    is set when a key can be filed from those slices alone (at most one index, one slice).
 
-    A template's root also carries the caller's cache for the whole tree: ``sel(key)`` selects
-    the text of every split span and of every slice a hot class's targets copy (``sel_slices``),
-    which pins both the class and the target group; ``cache`` maps that selection to whatever
-    the caller wants to remember (:func:`~surgery.routing.route_keys` keeps how to file the key).
-    :meth:`refresh` recomputes ``sel`` and empties ``cache``.
+    A template's root also carries the caller's cache for the whole tree: ``cache.sel(key)``
+    selects the text of every split span and of every slice a hot class's targets copy
+    (``sel_slices``), which pins both the class and the target group; ``cache`` maps that
+    selection to whatever the caller wants to remember (:func:`~surgery.routing.route_keys`
+    keeps how to file the key). :meth:`refresh` recomputes the selector and empties ``cache``.
     """
 
     __slots__ = (
@@ -196,7 +196,6 @@ class KeyClass:
         "sa",
         "sb",
         "seen",
-        "sel",
         "sel_slices",
         "stars",
         "targets",
@@ -222,7 +221,6 @@ class KeyClass:
         self.tslices: frozenset[tuple[int, int]] = frozenset()
         self.ia = self.ib = 0
         self.getix: Callable[[str], str] = _NOTHING
-        self.sel: Callable[[str], Any] = _NOTHING
         self.sel_slices: frozenset[tuple[int, int]] = frozenset()
         self.cache = Selections()
         if fixed:
@@ -263,7 +261,7 @@ class KeyClass:
         # One character per position: single characters are shared objects, so a selection
         # costs one tuple (or nothing, for one position) however many digits it reads.
         positions = sorted({p for a, b in slices for p in range(a, b)})
-        self.sel = self.cache.sel = itemgetter(*positions) if positions else _NOTHING
+        self.cache.sel = itemgetter(*positions) if positions else _NOTHING
         self.cache.clear()
 
     def walk(self, key: str) -> KeyClass:

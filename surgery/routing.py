@@ -30,7 +30,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import compress, repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
 from .errors import ConfigurationError
@@ -112,6 +112,7 @@ _new_route = tuple.__new__  # KeyRoute without its keyword handling: every field
 
 
 def _index_of(text: str) -> tuple[int, ...]:
+    """The index tuple of a non-empty index text (shared for small indices)."""
     i = int(text)
     return _SMALL_INDICES[i] if i < len(_SMALL_INDICES) else (i,)
 
@@ -378,6 +379,7 @@ def _check_str(keys: list[Any]) -> None:
 
 
 _SELECTOR = attrgetter("sel")
+_KEYS = itemgetter(3)  # the key list of a pending entry
 
 
 _CHUNK = 4096  # keys per pass: what one pass allocates stays in the CPU caches
@@ -425,12 +427,7 @@ class _IndexCache(dict):  # type: ignore[type-arg]
     """Index text → index tuple (``""`` → ``()``), made once per distinct text."""
 
     def __missing__(self, text: str) -> tuple[int, ...]:
-        value: tuple[int, ...]
-        if text:
-            i = int(text)
-            value = self[text] = _SMALL_INDICES[i] if i < len(_SMALL_INDICES) else (i,)
-        else:
-            value = self[text] = ()
+        value = self[text] = _index_of(text) if text else ()
         return value
 
 
@@ -442,9 +439,9 @@ class _Filer:
     """Files routed keys into groups with the exact path's semantics (state of one call).
 
     *Deferred* (the first try): a hot class's keys are appended to a list per group slot (and
-    index position) and put in their slots by :meth:`merge`, a few C-level passes per list. Any collision (a
-    conflict, a duplicate key) raises :class:`_Redo`, and the call is repeated *strict*: every
-    key is put in its slot at once, and conflicts are reported in key order.
+    index getter) and put in their slots by :meth:`merge`, a few C-level passes per list. Any
+    collision (a conflict, a duplicate key) raises :class:`_Redo`, and the call is repeated
+    *strict*: every key is put in its slot at once, and conflicts are reported in key order.
     """
 
     def __init__(
@@ -462,7 +459,6 @@ class _Filer:
         self.groups: dict[str, TargetGroup] = {}
         self.conflicts: list[RouteConflict] = []
         self.pending: list[tuple[Callable[[str], str], TargetGroup, int, list[str]]] = []
-        self.lists: list[list[str]] = []  # the last element of each pending entry
         self.shared: dict[tuple[Callable[[str], str], int, int], Callable[[str], None]] = {}
         self.index_of = _IndexCache()
         self.use_prefix = bool(base_model_prefix) and runtime_keys is not None
@@ -517,7 +513,7 @@ class _Filer:
             if not spans <= root.sel_slices:
                 root.refresh()  # selectors only grow, so a covered class stays covered
             node.covered = True
-        verdict = root.cache[root.sel(key)] = self._verdict(root, node, key)
+        verdict = root.cache[root.cache.sel(key)] = self._verdict(root, node, key)
         verdict(key)
 
     def _verdict(self, root: KeyClass, c: KeyClass, key: str) -> Callable[[str], None]:
@@ -542,7 +538,6 @@ class _Filer:
             if verdict is None:
                 keys: list[str] = []
                 self.pending.append((c.getix, group, pat, keys))
-                self.lists.append(keys)
                 verdict = self.shared[spec] = keys.append
             return verdict
         return partial(self._file_now, c, slot)
@@ -569,7 +564,8 @@ class _Filer:
             _Redo: a collision.
         """
         index_of = self.index_of
-        for getix, group, pat, keys in compress(self.pending[first:], self.lists[first:]):
+        entries = self.pending[first:]
+        for getix, group, pat, keys in compress(entries, map(_KEYS, entries)):  # lists with keys
             slot = dict(zip(map(index_of.__getitem__, map(getix, keys)), keys))
             if len(slot) != len(keys):
                 raise _Redo
@@ -587,7 +583,7 @@ class _Filer:
 
     def done(self) -> None:
         """Drop the verdicts (and the lists they hold) once every key is filed."""
-        self.pending, self.lists, self.shared = [], [], {}
+        self.pending, self.shared = [], {}
         for root in self.table.values():
             root.cache.clear()
 
