@@ -168,8 +168,9 @@ class KeyClass:
     is set when a key can be filed from those slices alone (at most one index, one slice).
 
     A template's root also carries the caller's cache for the whole tree: ``cache.sel(key)``
-    selects the text of every split span and of every slice a hot class's targets copy
-    (``sel_slices``), which pins both the class and the target group; ``cache`` maps that
+    selects the text of every split span and of every slice a gathering hot class's targets
+    copy (``sel_slices``), which pins the class and, for a gathering class, the target group (a
+    class that gathers nothing has one group per key: pinning it would cache nothing); ``cache`` maps that
     selection to whatever the caller wants to remember (:func:`~surgery.routing.route_keys`
     keeps how to file the key). :meth:`refresh` recomputes the selector and empties ``cache``.
     """
@@ -255,7 +256,7 @@ class KeyClass:
             if node.sb:
                 slices.add((node.sa, node.sb))
                 stack.extend(node.children.values())
-            elif node.hot:
+            elif node.hot and node.ib:  # a gathering class: the selection pins its group
                 slices |= node.tslices
         self.sel_slices = frozenset(slices)
         # One character per position: single characters are shared objects, so a selection

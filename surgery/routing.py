@@ -504,8 +504,8 @@ class _Filer:
             leaf = self.router.promote(root, key)
             self.file(key, self.router.decision(leaf, key))
             return
-        if not node.covered:  # the selection must pin this class and its target group
-            spans = set(node.tslices)
+        if not node.covered:  # the selection must pin this class (and a gathering class's group)
+            spans = set(node.tslices) if node.ib else set()
             n = root
             while n.sb:
                 spans.add((n.sa, n.sb))
@@ -518,6 +518,8 @@ class _Filer:
 
     def _verdict(self, root: KeyClass, c: KeyClass, key: str) -> Callable[[str], None]:
         """How to file every key of ``c`` that selects what ``key`` selects."""
+        if not c.ib:  # gathers nothing: the selection pins only the class
+            return partial(self._file_plain, c)
         if self.use_prefix and not _names_real(c.targets_of(key), self.known):
             return partial(self._retry, root)
         first = c.first_of(key)  # the exact path's first target is always its first target key
@@ -548,6 +550,28 @@ class _Filer:
             self.conflict(RouteConflict(c.first_of(key), slot[ix], key))
         else:
             slot[ix] = key
+
+    def _file_plain(self, c: KeyClass, key: str) -> None:
+        """File a key of a class that gathers nothing: a group of its own, or one pattern's slot."""
+        fmt, get = c.cfirst
+        first = fmt if get is None else fmt % get(key)
+        if self.use_prefix and not _names_real(c.targets_of(key), self.known):
+            self.file(key, c.decision(key))
+            return
+        pat = c.pat if c.pat is not None else 0
+        group = self.groups.get(first)
+        if group is None:
+            self.groups[first] = TargetGroup(first, c.conv, c.targets_of(key), {pat: {(): key}})
+        elif group.converter != c.conv:
+            self.conflict(lambda: RouteConflict(first, group.source_keys[0], key))
+        else:
+            slot = group.sources.get(pat)
+            if slot is None:
+                group.sources[pat] = {(): key}
+            elif () in slot:
+                self.conflict(RouteConflict(first, slot[()], key))
+            else:
+                slot[()] = key
 
     def _retry(self, root: KeyClass, key: str) -> None:
         """The class's targets name no runtime key: route with the base-model prefix."""

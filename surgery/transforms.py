@@ -56,6 +56,9 @@ class TransformMatch(NamedTuple):
     stars: tuple[str, ...]
 
 
+_new_match = tuple.__new__  # TransformMatch from its fields in order, without keyword handling
+
+
 def _as_tuple(patterns: str | Sequence[str], what: str) -> tuple[str, ...]:
     if isinstance(patterns, str):
         return (patterns,)
@@ -150,22 +153,20 @@ class WeightTransform:
             if not key.startswith(scope):
                 return None
             head, key = scope, key[len(scope) :]
-        best: tuple[int, int, re.Match[str]] | None = None
-        for i, sp in enumerate(self._sources):
-            m = sp.regex.search(key)
-            if m is not None and (best is None or m.start() < best[0]):
-                best = (m.start(), i, m)
-        if best is None:
+        sources = self._sources
+        i = 0
+        m = sources[0].regex.search(key)
+        for j in range(1, len(sources)):
+            other = sources[j].regex.search(key)
+            if other is not None and (m is None or other.start() < m.start()):
+                i, m = j, other
+        if m is None:
             return None
-        _, i, m = best
-        sp = self._sources[i]
-        return TransformMatch(
-            pattern_index=i,
-            prefix=head + key[: m.start()],
-            suffix=key[m.end() :],
-            groups=tuple(m.group(g) or "" for g in sp.user_groups),
-            stars=tuple(m.group(g) for g in sp.star_groups),
-        )
+        sp = sources[i]
+        groups = tuple([m.group(g) or "" for g in sp.user_groups]) if sp.user_groups else ()
+        stars = tuple([m.group(g) for g in sp.star_groups]) if sp.star_groups else ()
+        start, end = m.span()
+        return _new_match(TransformMatch, (i, head + key[:start], key[end:], groups, stars))
 
     def target_index(self, pattern_index: int) -> int:
         """Which target a match of source ``pattern_index`` is renamed to (pairwise, else the first)."""
