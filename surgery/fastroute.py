@@ -324,21 +324,47 @@ def _compile(pieces: Pieces) -> Format:
     return "".join(parts), itemgetter(*slices)
 
 
-def _provenance(strings: Sequence[str], n_free: int) -> list[str | int] | None:
+class _Provenance(list):  # type: ignore[type-arg]
     """Per output position: the literal character, or which free digit it was copied from.
 
-    ``strings`` are one output under every probe (probe 0 first); ``None`` when they disagree
-    in a way no copy explains.
+    ``copied`` lists the positions holding a copy, in order.
+    """
+
+    __slots__ = ("copied",)
+
+    def __init__(self, text: str, copies: dict[int, int]) -> None:
+        super().__init__(text)
+        for p, i in copies.items():
+            self[p] = i
+        self.copied = sorted(copies)
+
+
+def _provenance(strings: Sequence[str], n_free: int) -> _Provenance | None:
+    """Where each character of one output comes from, given that output under every probe.
+
+    ``strings`` are probe 0's output first; ``None`` when they disagree in a way no copy explains.
     """
     base = strings[0]
     size = len(base)
     if any(len(s) != size for s in strings):
         return None
-    out: list[str | int] = list(base)
-    varying = {p for s in strings[1:] if s != base for p in range(size) if s[p] != base[p]}
+    zeros = []  # a copied free digit is 0 under probe 0
+    p = base.find("0")
+    while p >= 0:
+        zeros.append(p)
+        p = base.find("0", p + 1)
+    varying: set[int] = set()
+    for s in strings[1:]:
+        if s != base:
+            diff = [p for p in zeros if s[p] != "0"]
+            rest = s
+            for p in diff:
+                rest = f"{rest[:p]}0{rest[p + 1 :]}"
+            if rest != base:  # a difference where probe 0 has no 0: no copy explains it
+                return None
+            varying.update(diff)
+    copies: dict[int, int] = {}
     for p in varying:
-        if base[p] != "0":
-            return None
         i = 0
         for d, s in enumerate(strings[1:]):
             c = s[p]
@@ -347,42 +373,42 @@ def _provenance(strings: Sequence[str], n_free: int) -> list[str | int] | None:
             i += (ord(c) - 49) * 9**d
         if i >= n_free:
             return None
-        out[p] = i
-    return out
+        copies[p] = i
+    return _Provenance(base, copies)
 
 
-def _pieces(prov: list[str | int], free: tuple[int, ...]) -> Pieces:
+def _pieces(prov: _Provenance, free: tuple[int, ...]) -> Pieces:
     """Compress a provenance into literal strings and ``(start, stop)`` slices of the key."""
     out: list[str | tuple[int, int]] = []
-    for x in prov:
-        last = out[-1] if out else None
-        if isinstance(x, str):
-            if isinstance(last, str):
-                out[-1] = last + x
-            else:
-                out.append(x)
-        else:
-            pos = free[x]
-            if isinstance(last, tuple) and last[1] == pos:
-                out[-1] = (last[0], pos + 1)
-            else:
-                out.append((pos, pos + 1))
+    done = 0  # prov[:done] is in out
+    for p in prov.copied:
+        pos = free[prov[p]]
+        if p > done:
+            out.append("".join(prov[done:p]))
+        elif out and out[-1][1] == pos:  # right after the previous copy, and contiguous in the key
+            out[-1] = (out[-1][0], pos + 1)  # type: ignore[index,assignment]
+            done = p + 1
+            continue
+        out.append((pos, pos + 1))
+        done = p + 1
+    if done < len(prov):
+        out.append("".join(prov[done:]))
     return tuple(out)
 
 
-def _isolated(prov: list[str | int]) -> bool:
+def _isolated(prov: _Provenance) -> bool:
     """Whether every copied free digit still sits between digits, dots and the string ends."""
-    for p, x in enumerate(prov):
-        if isinstance(x, int):
-            for q in (p - 1, p + 1):
-                if 0 <= q < len(prov):
-                    nb = prov[q]
-                    if isinstance(nb, str) and nb not in _PROBE:
-                        return False
+    last = len(prov) - 1
+    for p in prov.copied:
+        for q in (p - 1, p + 1):
+            if 0 <= q <= last:
+                nb = prov[q]
+                if nb.__class__ is str and nb not in _PROBE:
+                    return False
     return True
 
 
-def _scope_dependence(prov: list[str | int], scope: str, free: tuple[int, ...]) -> set[int]:
+def _scope_dependence(prov: _Provenance, scope: str, free: tuple[int, ...]) -> set[int]:
     """Key positions whose free digit decides whether ``key.startswith(scope + ".")``."""
     head = scope + "."
     if len(prov) < len(head):

@@ -519,13 +519,16 @@ class _Filer:
     def _verdict(self, root: KeyClass, c: KeyClass, key: str) -> Callable[[str], None]:
         """How to file every key of ``c`` that selects what ``key`` selects."""
         if not c.ib:  # gathers nothing: the selection pins only the class
-            return partial(self._file_plain, c)
+            one_target = c.ctargets == (c.cfirst,)  # targets == (first target,)
+            return partial(self._file_plain, c, c.pat if c.pat is not None else 0, one_target)
         if self.use_prefix and not _names_real(c.targets_of(key), self.known):
             return partial(self._retry, root)
-        first = c.first_of(key)  # the exact path's first target is always its first target key
-        group = self.groups.get(first)
+        fmt, get = c.cfirst  # KeyClass.first_of, inlined (the exact path's first target key)
+        first = fmt if get is None else fmt % get(key)
+        groups = self.groups
+        group = groups.get(first)
         if group is None:
-            group = self.groups[first] = TargetGroup(first, c.conv, c.targets_of(key))
+            group = groups[first] = TargetGroup(first, c.conv, c.targets_of(key))
         elif group.converter != c.conv:
             return partial(self._refuse, group)
         pat = c.pat if c.pat is not None else 0
@@ -551,17 +554,17 @@ class _Filer:
         else:
             slot[ix] = key
 
-    def _file_plain(self, c: KeyClass, key: str) -> None:
+    def _file_plain(self, c: KeyClass, pat: int, one_target: bool, key: str) -> None:
         """File a key of a class that gathers nothing: a group of its own, or one pattern's slot."""
         fmt, get = c.cfirst
         first = fmt if get is None else fmt % get(key)
         if self.use_prefix and not _names_real(c.targets_of(key), self.known):
             self.file(key, c.decision(key))
             return
-        pat = c.pat if c.pat is not None else 0
         group = self.groups.get(first)
         if group is None:
-            self.groups[first] = TargetGroup(first, c.conv, c.targets_of(key), {pat: {(): key}})
+            targets = (first,) if one_target else c.targets_of(key)
+            self.groups[first] = TargetGroup(first, c.conv, targets, {pat: {(): key}})
         elif group.converter != c.conv:
             self.conflict(lambda: RouteConflict(first, group.source_keys[0], key))
         else:
