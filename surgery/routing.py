@@ -126,7 +126,7 @@ class RouteTable(Mapping[str, KeyRoute]):
     Iteration follows the order the keys were given in.
     """
 
-    __slots__ = ("_made", "_parts")
+    __slots__ = ("_index_of", "_made", "_parts")
 
     def __init__(
         self,
@@ -145,6 +145,7 @@ class RouteTable(Mapping[str, KeyRoute]):
             {id(r.cache): r for r in roots},
         )
         self._made: dict[str, KeyRoute | KeyClass] | None = None
+        self._index_of = _IndexCache()
 
     @property
     def _entries(self) -> dict[str, KeyRoute | KeyClass]:
@@ -170,7 +171,7 @@ class RouteTable(Mapping[str, KeyRoute]):
         fmt, get = c.cfirst
         first = fmt if get is None else fmt % get(key)
         if c.hot:
-            index = _index_of(key[c.ia : c.ib]) if c.ib else ()
+            index = self._index_of[key[c.ia : c.ib]]
         else:
             index = c.index(key)
         route = _new_route(KeyRoute, (key, first, c.fired, c.conv, c.pat, index, ""))

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..gcpause import gc_paused
 from ..routing import _route_keys_exact, route_keys
 from ..transforms import WeightTransform, legacy_renamings
 
@@ -99,7 +100,8 @@ def run(n_keys: int = 100_000, *, repeat: int = 5, exact_sample: int = 2_000) ->
 
     Returns:
         ``keys`` and ``groups``; for each measured thing (``route_keys``, ``with_routes`` =
-        ``route_keys`` then reading every :class:`~surgery.routing.KeyRoute`, ``floor`` = a bare
+        ``route_keys`` then reading every :class:`~surgery.routing.KeyRoute` with the cycle collector
+        paused, as the loader does, ``floor`` = a bare
         loop inserting each key in a dict, ``alternation`` = one regex search per key, ``exact``
         = the exact per-key path on ``exact_sample`` keys) the entries ``<name>_s``,
         ``<name>_cpu_s``, ``<name>_per_s`` and ``<name>_cpu_per_s``; and ``ratio_to_floor`` /
@@ -112,9 +114,10 @@ def run(n_keys: int = 100_000, *, repeat: int = 5, exact_sample: int = 2_000) ->
         raise RuntimeError(f"benchmark keys conflict: {routing.conflicts[:3]}")
 
     def with_routes() -> None:
-        routes = route_keys(keys, transforms).routes
-        for k in keys:
-            routes[k]
+        with gc_paused():  # as in the loader, which reads every route with the collector paused
+            routes = route_keys(keys, transforms).routes
+            for k in keys:
+                routes[k]
 
     sample = keys[:exact_sample]
     best = _best_interleaved(
