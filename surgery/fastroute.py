@@ -89,7 +89,10 @@ def key_template(key: str) -> str:
     """
     # A byte table beats ``str.translate``'s per-call setup; UTF-8 never puts an ASCII digit
     # byte inside a multi-byte character, so only the digits change.
-    return key.encode("utf-8", "surrogatepass").translate(_ZERO_BYTES).decode("utf-8", "surrogatepass")
+    try:
+        return key.encode().translate(_ZERO_BYTES).decode()
+    except UnicodeEncodeError:  # a lone surrogate: encode it too (naming an error handler costs)
+        return key.encode("utf-8", "surrogatepass").translate(_ZERO_BYTES).decode("utf-8", "surrogatepass")
 
 
 def key_templates(keys: Sequence[str]) -> list[str]:

@@ -275,6 +275,13 @@ def test_a_key_with_a_newline_routes_like_the_exact_path() -> None:
     assert_same_routing(route_keys(keys, transforms), _route_keys_exact(keys, transforms))
 
 
+def test_keys_with_lone_surrogates_and_non_ascii_text_route_like_the_exact_path() -> None:
+    keys = ["m.\ud800.1.w", "m.\ud800.2.w", "m.é.3.w", "m.é.4.w", "m.\ud800.12.w"]
+    transforms = [WeightConverter(r"\.*\.w$", ".stacked", [ops.MergeModulelist(dim=0)])]
+    assert_same_routing(route_keys(keys, transforms), _route_keys_exact(keys, transforms))
+    assert key_templates(keys) == ["m.\ud800.0.w", "m.\ud800.0.w", "m.é.0.w", "m.é.0.w", "m.\ud800.00.w"]
+
+
 @pytest.mark.parametrize(
     ("pattern", "expected"),
     [
