@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from surgery import ConfigurationError, PrefixChange, WeightConverter, WeightRenaming, ops, routing
+from surgery import ConfigurationError, PrefixChange, WeightConverter, WeightRenaming, filing, ops
 from surgery.benchmarks.route import mixtral_mapping
 from surgery.digitsafety import GUARDED, UNIFORM, UNSAFE, pattern_safety
 from surgery.fastroute import TemplateRouter, key_templates
@@ -443,7 +443,7 @@ def test_fast_routing_equals_exact_routing_across_chunk_boundaries(
 ) -> None:
     # Keys are filed a chunk at a time; tiny chunks put every boundary case (a class built in one
     # chunk and used in the next, a conflict or duplicate split across chunks) in a small test.
-    with patch.object(routing, "_CHUNK", chunk):
+    with patch.object(filing, "_CHUNK", chunk):
         fast = outcome(route_keys, keys, transforms)
     exact = outcome(_route_keys_exact, keys, transforms)
     if isinstance(exact, tuple):
@@ -458,7 +458,7 @@ def test_a_conflict_far_from_the_first_key_is_reported_in_key_order(chunk: int) 
     keys.insert(600, "model.layers.2.block_sparse_moe.experts.03.w2.weight")  # index 3 again
     keys.append("model.layers.0.block_sparse_moe.experts.0.w1.weight")  # a duplicate
     transforms = mixtral_mapping()
-    with patch.object(routing, "_CHUNK", chunk):
+    with patch.object(filing, "_CHUNK", chunk):
         fast = route_keys(keys, transforms)
     assert [(c.first, c.second) for c in fast.conflicts] == [
         ("model.layers.2.block_sparse_moe.experts.3.w2.weight", keys[600]),
