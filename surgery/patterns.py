@@ -255,6 +255,38 @@ class TargetPattern:
             return "".join(p for p in self.pieces if isinstance(p, str))
         return None
 
+    def locate(self, key: str) -> tuple[str, tuple[str, ...], tuple[str, ...] | None, str] | None:
+        """Find this template inside ``key`` (its last occurrence): ``(prefix, groups, stars, suffix)``.
+
+        ``stars`` is ``None`` when the key still holds a ``*``. ``None`` when the key does not
+        contain the template at all.
+        """
+        parts: list[str] = []
+        refs: list[tuple[str, int]] = []
+        for piece in self.pieces:
+            if isinstance(piece, str):
+                parts.append(re.escape(piece))
+            elif piece[0] == "ref":
+                parts.append(f"(?P<r{len(refs)}>.*?)")
+                refs.append(piece)
+            else:
+                parts.append(rf"(?P<r{len(refs)}>\d+|\*)")
+                refs.append(piece)
+        found = list(re.finditer("".join(parts), key))
+        if not found:
+            return None
+        m = found[-1]  # the last occurrence: targets are leaf names
+        groups: dict[int, str] = {}
+        stars: list[str] = []
+        for i, (kind, n) in enumerate(refs):
+            if kind == "ref":
+                groups[n] = m.group(f"r{i}")
+            else:
+                stars.append(m.group(f"r{i}"))
+        group_tuple = tuple(groups.get(i + 1, "") for i in range(max(groups, default=0)))
+        star_vals = tuple(stars) if stars and all(s != "*" for s in stars) else None
+        return key[: m.start()], group_tuple, star_vals, key[m.end() :]
+
     def expand(self, groups: tuple[str, ...] = (), stars: tuple[str, ...] | None = None) -> str:
         """Fill references with ``groups`` (``\\1`` is ``groups[0]``) and wildcards with ``stars``.
 

@@ -31,13 +31,14 @@ from torch import nn
 
 from . import ops
 from .checkpoint import CheckpointReader
+from .collection import expand_outputs
 from .errors import ConfigurationError, LoadError, SurgeryError
 from .ops import OpContext
 from .placement import all_contiguous, placement_views, source_slot_shapes
 from .plan import FUSION_METADATA_KEY, FUSION_TAG, LoadPlan, PlanEntry
 from .report import ConversionFailure, Mismatch
 from .routing import Routing, route_keys
-from .transforms import WeightConverter, WeightTransform, expand_outputs
+from .transforms import WeightConverter, WeightTransform
 
 __all__: list[str] = []  # internal: used by loading and saving
 

@@ -19,8 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import itertools
-import math
 import re
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -28,8 +26,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .collection import expand_outputs, gather_slots
 from .errors import ConfigurationError, ConversionError, PatternError
-from .ops import ConversionOp, OpContext, Slot, reverse_chain, run_chain
+from .ops import ConversionOp, OpContext, reverse_chain, run_chain
 from .patterns import SourcePattern, TargetPattern, compile_source, parse_target, reverse_pair
 
 __all__ = [
@@ -510,140 +509,13 @@ class WeightConverter(WeightTransform):
         if len(self._targets) == 1:
             return (first_target_key,)
         # The first target's text sits somewhere inside the key; rebuild the others around it.
-        m = _locate(first_target_key, self._targets[0])
+        m = self._targets[0].locate(first_target_key)
         if m is None:
             raise ConversionError(
                 f"{self!r}: cannot locate {self.target_patterns[0]!r} in {first_target_key!r}."
             )
         prefix, groups, stars, suffix = m
         return tuple(prefix + t.expand(groups, stars) + suffix for t in self._targets)
-
-
-def _locate(
-    key: str, target: TargetPattern
-) -> tuple[str, tuple[str, ...], tuple[str, ...] | None, str] | None:
-    """Find a target template inside a key: (prefix, groups, stars, suffix)."""
-    parts: list[str] = []
-    refs: list[tuple[str, int]] = []
-    for p in target.pieces:
-        if isinstance(p, str):
-            parts.append(re.escape(p))
-        elif p[0] == "ref":
-            parts.append(f"(?P<r{len(refs)}>.*?)")
-            refs.append(p)
-        else:
-            parts.append(rf"(?P<r{len(refs)}>\d+|\*)")
-            refs.append(p)
-    found = list(re.finditer("".join(parts), key))
-    if not found:
-        return None
-    m = found[-1]  # the last occurrence: targets are leaf names
-    groups: dict[int, str] = {}
-    stars: list[str] = []
-    for i, (kind, n) in enumerate(refs):
-        if kind == "ref":
-            groups[n] = m.group(f"r{i}")
-        else:
-            stars.append(m.group(f"r{i}"))
-    n_groups = max(groups, default=0)
-    group_tuple = tuple(groups.get(i + 1, "") for i in range(n_groups))
-    star_vals = tuple(stars) if stars and all(s != "*" for s in stars) else None
-    return key[: m.start()], group_tuple, star_vals, key[m.end() :]
-
-
-def gather_slots(
-    transform: WeightTransform,
-    collected: dict[int, dict[tuple[int, ...], Any]],
-    names: dict[int, dict[tuple[int, ...], str]],
-    target_key: str,
-) -> list[Slot]:
-    """Order collected tensors into slots: one per source pattern, lists ordered by wildcard index.
-
-    Raises:
-        ConversionError: a source pattern has no tensor, or the indices have a gap.
-    """
-    slots: list[Slot] = []
-    for i, sp in enumerate(transform._sources):
-        got = collected.get(i)
-        if not got:
-            raise ConversionError(
-                f"{transform!r}: no checkpoint key matched source pattern {sp.text!r} for target "
-                f"{target_key!r}; the checkpoint is incomplete or the pattern is wrong."
-            )
-        if isinstance(transform, WeightConverter) and transform.gathers_from(i):
-            indices = sorted(got)
-            _check_complete(transform, sp.text, indices, names.get(i, {}), target_key)
-            slots.append([_resolve(got[ix]) for ix in indices])
-        else:
-            if len(got) != 1:
-                raise ConversionError(
-                    f"{transform!r}: {len(got)} keys matched {sp.text!r} for {target_key!r}, expected one."
-                )
-            (value,) = got.values()
-            slots.append(_resolve(value))
-    return slots
-
-
-def _check_complete(
-    transform: WeightTransform,
-    pattern: str,
-    indices: list[tuple[int, ...]],
-    names: dict[tuple[int, ...], str],
-    target_key: str,
-) -> None:
-    """Gathered indices must run from 0 without a gap (and form a full grid for several wildcards)."""
-    dims = len(indices[0])
-    for d in range(dims):
-        values = sorted({ix[d] for ix in indices})
-        missing = sorted(set(range(values[-1] + 1)) - set(values))
-        if missing:
-            shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
-            example = names.get(indices[0], "")
-            raise ConversionError(
-                f"{transform!r}: index {shown} of {pattern!r} is missing for {target_key!r} "
-                f"(found {len(values)} indices up to {values[-1]}, e.g. {example!r}). "
-                "Every index from 0 must be present; the checkpoint is incomplete."
-            )
-    expected_count = math.prod(len({ix[d] for ix in indices}) for d in range(dims))
-    if len(indices) != expected_count:
-        present = set(indices)
-        grid = itertools.product(*(sorted({ix[d] for ix in indices}) for d in range(dims)))
-        absent = next(ix for ix in grid if ix not in present)
-        raise ConversionError(
-            f"{transform!r}: index {absent} of {pattern!r} is missing for {target_key!r}; the gathered "
-            "indices must form a full grid. The checkpoint is incomplete."
-        )
-
-
-def _resolve(value: Any) -> Any:
-    if isinstance(value, Future):
-        return value.result()
-    if callable(value) and not isinstance(value, torch.Tensor):
-        return value()
-    return value
-
-
-def expand_outputs(
-    targets: tuple[str, ...], out: list[Slot], transform: WeightTransform
-) -> dict[str, torch.Tensor]:
-    """Name the chain's output slots: a list output fills the target's ``*`` with its position."""
-    result: dict[str, torch.Tensor] = {}
-    for key, slot in zip(targets, out):
-        if isinstance(slot, list):
-            if "*" not in key:
-                raise ConversionError(
-                    f"{transform!r} produced {len(slot)} tensors for {key!r}, which has no '*' to number them; "
-                    "add MergeModulelist or a '*' in the target."
-                )
-            for i, t in enumerate(slot):
-                result[key.replace("*", str(i), 1)] = t
-        else:
-            if "*" in key:
-                raise ConversionError(
-                    f"{transform!r} produced one tensor for {key!r}, whose '*' needs a list; add SplitModulelist."
-                )
-            result[key] = slot
-    return result
 
 
 def legacy_renamings() -> list[WeightTransform]:
