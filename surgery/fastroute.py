@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from .digitsafety import GUARDED, UNIFORM, UNSAFE, pattern_safety, transform_safety
 from .errors import ConfigurationError
+from .families import Family, join
 
 if TYPE_CHECKING:
     from .routing import _Router
@@ -109,6 +110,19 @@ def key_templates(keys: Sequence[str]) -> list[str]:
     if len(out) != len(keys):  # a key contains a newline: template one by one
         out = [key_template(k) for k in keys]
     return out
+
+
+def _last_run(free: tuple[int, ...]) -> tuple[int, int]:
+    """The span of the last run of adjacent free positions (the last numeric component); ``(0, 0)`` if none."""
+    if not free:
+        return 0, 0
+    b = free[-1] + 1
+    a = b - 1
+    i = len(free) - 2
+    while i >= 0 and free[i] == a - 1:
+        a -= 1
+        i -= 1
+    return a, b
 
 
 def _digit_layout(template: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -176,6 +190,12 @@ class KeyClass:
     class that gathers nothing has one group per key: pinning it would cache nothing); ``cache`` maps that
     selection to whatever the caller wants to remember (:func:`~surgery.routing.route_keys`
     keeps how to file the key). :meth:`refresh` recomputes the selector and empties ``cache``.
+
+    A root also knows its ``template``, its ``size`` and the span ``run_a:run_b`` of its last
+    numeric component (``run_b == 0``: none). Its selector reads positions after that span
+    counted from the key's end, so roots whose templates differ only in that component's width
+    (:mod:`surgery.families`) select the same tuple from corresponding keys and can share one
+    cache; ``own`` is the root's own cache and ``family`` its width family.
     """
 
     __slots__ = (
@@ -187,6 +207,7 @@ class KeyClass:
         "covered",
         "cstars",
         "ctargets",
+        "family",
         "final",
         "fired",
         "first",
@@ -195,18 +216,27 @@ class KeyClass:
         "hot",
         "ia",
         "ib",
+        "own",
         "pat",
         "rest",
+        "run_a",
+        "run_b",
         "sa",
         "sb",
         "seen",
         "sel_slices",
+        "size",
         "stars",
         "targets",
+        "template",
         "tslices",
     )
 
-    def __init__(self, free: tuple[int, ...], fixed: Iterable[int] = ()) -> None:
+    def __init__(self, free: tuple[int, ...], fixed: Iterable[int] = (), template: str = "") -> None:
+        self.template = template
+        self.size = len(template)
+        self.run_a, self.run_b = _last_run(free)
+        self.family: Any = None
         self.free = free
         self.sa = self.sb = 0
         self.rest: tuple[tuple[int, int], ...] = ()
@@ -226,7 +256,7 @@ class KeyClass:
         self.ia = self.ib = 0
         self.getix: Callable[[str], str] = _NOTHING
         self.sel_slices: frozenset[tuple[int, int]] = frozenset()
-        self.cache = Selections()
+        self.cache = self.own = Selections()
         if fixed:
             self.split(fixed)
             self.refresh()
@@ -263,8 +293,12 @@ class KeyClass:
                 slices |= node.tslices
         self.sel_slices = frozenset(slices)
         # One character per position: single characters are shared objects, so a selection
-        # costs one tuple (or nothing, for one position) however many digits it reads.
+        # costs one tuple (or nothing, for one position) however many digits it reads. Positions
+        # after the last numeric component count from the end (see the class docstring).
+        run_b, size = self.run_b, self.size
         positions = sorted({p for a, b in slices for p in range(a, b)})
+        if run_b:
+            positions = [p - size if p >= run_b else p for p in positions]
         self.cache.sel = itemgetter(*positions) if positions else _NOTHING
         self.cache.clear()
 
@@ -433,10 +467,21 @@ def _scope_dependence(prov: _Provenance, scope: str, free: tuple[int, ...]) -> s
 
 
 class _Table(dict):  # type: ignore[type-arg]
-    """Template → root node; a new template gets a new root."""
+    """Template → root node; a new template gets a new root (and joins its width family)."""
+
+    __slots__ = ("cache_roots", "families")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.families: dict[tuple[str, str], Family] = {}
+        self.cache_roots: dict[tuple[int, int], KeyClass] = {}
 
     def __missing__(self, template: str) -> KeyClass:
-        node = self[template] = KeyClass(*_digit_layout(template))
+        free, fixed = _digit_layout(template)
+        node = self[template] = KeyClass(free, fixed, template)
+        self.cache_roots[id(node.own), node.size] = node
+        if node.run_b:
+            join(self.families, node)
         return node
 
 
@@ -472,7 +517,7 @@ class TemplateRouter:
         self.exact_only = UNSAFE in safety
         # After renaming i fires, do later transforms rely on guards (free digits kept isolated)?
         self._guarded_after = [GUARDED in safety[i + 1 :] for i in range(len(router.renamings))]
-        self.table: dict[str, KeyClass] = _Table()
+        self.table = _Table()
         self.caches: dict[str, Selections] = _Caches(self.table)
         self._getters: dict[tuple[int, int | None], Callable[[str], str]] = {}
 

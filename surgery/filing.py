@@ -22,6 +22,7 @@ from itertools import compress, repeat
 from operator import attrgetter, itemgetter
 from typing import Any
 
+from .families import try_share, unshare, valid_everywhere
 from .fastroute import Decision, KeyClass, Selections, TemplateRouter, key_template, key_templates
 from .routes import IndexCache, KeyRoute, RouteConflict, TargetGroup
 
@@ -56,6 +57,8 @@ def file_in_chunks(keys: list[str], filer: Filer) -> list[Selections]:
         # checkpoint's usual order they hold most of their keys already. The rest wait for
         # the end, so that keys in random order do not merge each list once per chunk.
         filer.merge(fresh)
+        if filer.deferred:
+            filer.share()
     filer.merge(0)
     filer.done()
     return caches
@@ -143,7 +146,10 @@ class Filer:
         root = node = self.table[key_template(key)]
         while node.sb:  # KeyClass.walk, inlined
             node = node.children[key[node.sa : node.sb]]
+        family = root.family
         if not node.hot:  # route on its own; counts the key, and may build its class
+            if family is not None:
+                family.dirty = True
             leaf = self.router.promote(root, key)
             self.file(key, self.router.decision(leaf, key))
             return
@@ -154,15 +160,31 @@ class Filer:
                 spans.add((n.sa, n.sb))
                 n = n.children[key[n.sa : n.sb]]
             if not spans <= root.sel_slices:
+                if root.cache is not root.own:  # the family's selector would change: stop sharing
+                    unshare(family, self.router.caches)
                 root.refresh()  # selectors only grow, so a covered class stays covered
             node.covered = True
-        verdict = root.cache[root.cache.sel(key)] = self._verdict(root, node, key)
+            if family is not None:
+                family.dirty = True
+        cache = root.cache
+        verdict = self._verdict(root, node, key)
+        if cache is not root.own and not valid_everywhere(family, root, node, key, verdict):
+            unshare(family, self.router.caches)
+            cache = root.cache
+        cache[cache.sel(key)] = verdict
         verdict(key)
+
+    def share(self) -> None:
+        """Between chunks: let each width family that changed share one cache if it can."""
+        caches, cache_roots = self.router.caches, self.table.cache_roots
+        for family in self.table.families.values():
+            if family.dirty and len(family.members) > 1:
+                try_share(family, caches, cache_roots)
 
     def _verdict(self, root: KeyClass, c: KeyClass, key: str) -> Callable[[str], None]:
         """How to file every key of ``c`` that selects what ``key`` selects."""
         if not c.ib:  # gathers nothing: the selection pins only the class
-            one_target = c.ctargets == (c.cfirst,)  # targets == (first target,)
+            one_target = c.targets == (c.first,)  # the only target is the first
             return partial(self._file_plain, c, c.pat if c.pat is not None else 0, one_target)
         if self.use_prefix and not names_real(c.targets_of(key), self.known):
             return partial(self._retry, root)
@@ -256,6 +278,7 @@ class Filer:
         self.pending, self.shared = [], {}
         for root in self.table.values():
             root.cache.clear()
+            root.own.clear()
 
 
 def retry_with_prefix(

@@ -102,16 +102,17 @@ class RouteTable(Mapping[str, KeyRoute]):
         keys: list[str],
         caches: list[Selections] | None = None,
         routed: dict[str, KeyRoute] | None = None,
-        roots: Iterable[KeyClass] = (),
+        cache_roots: Mapping[tuple[int, int], KeyClass] | None = None,
     ) -> None:
-        # ``caches[i]`` is the cache of ``keys[i]``'s template root, one of ``roots``; ``routed``
-        # holds the keys that were routed on their own (their KeyRoute replaces the root).
-        # Without ``caches`` every key is in ``routed``.
+        # ``caches[i]`` is the cache ``keys[i]`` was filed through, and ``cache_roots`` maps
+        # ``(id(cache), len(key))`` to the key's template root (roots of one width family share
+        # a cache; their keys differ in length). ``routed`` holds the keys that were routed on
+        # their own (their KeyRoute replaces the root). Without ``caches`` every key is in ``routed``.
         self._parts: tuple[list[str], list[Selections] | None, dict[str, KeyRoute], Any] | None = (
             keys,
             caches,
             routed if routed is not None else {},
-            {id(r.cache): r for r in roots},
+            cache_roots if cache_roots is not None else {},
         )
         self._made: dict[str, KeyRoute | KeyClass] | None = None
         self._index_of = IndexCache()
@@ -124,7 +125,7 @@ class RouteTable(Mapping[str, KeyRoute]):
             if caches is None:
                 made = dict(routed)
             else:
-                made = dict(zip(keys, map(root_of.__getitem__, map(id, caches))))
+                made = dict(zip(keys, map(root_of.__getitem__, zip(map(id, caches), map(len, keys)))))
                 made.update(routed)
             self._made, self._parts = made, None
         return made

@@ -127,7 +127,7 @@ def route_keys(
             router = TemplateRouter(_Router(transforms))
             filer = Filer(router, runtime_keys, base_model_prefix, deferred=False)
             caches = file_in_chunks(keys, filer)
-    routes = RouteTable(keys, caches, filer.entries, router.table.values())
+    routes = RouteTable(keys, caches, filer.entries, router.table.cache_roots)
     return Routing(router.router.transforms, routes, filer.groups, filer.conflicts)
 
 

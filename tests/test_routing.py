@@ -7,6 +7,8 @@ the spec tests pin down what :func:`route_keys` means.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from unittest.mock import patch
 
 import pytest
@@ -446,6 +448,131 @@ def test_fast_routing_equals_exact_routing_across_chunk_boundaries(
     with patch.object(filing, "_CHUNK", chunk):
         fast = outcome(route_keys, keys, transforms)
     exact = outcome(_route_keys_exact, keys, transforms)
+    if isinstance(exact, tuple):
+        assert fast == exact
+    else:
+        assert_same_routing(fast, exact)
+
+
+# --------------------------------------------------------------------------- width families
+
+
+@contextmanager
+def sharing_events() -> Iterator[list[str]]:
+    """Record when width families start (``"share"``) and stop (``"unshare"``) sharing a cache."""
+    events: list[str] = []
+    try_share, unshare = filing.try_share, filing.unshare
+
+    def counted_try_share(family, caches, cache_roots):  # type: ignore[no-untyped-def]
+        before = sum(m.cache is not m.own for m in family.members)
+        try_share(family, caches, cache_roots)
+        if sum(m.cache is not m.own for m in family.members) > before:
+            events.append("share")
+
+    def counted_unshare(family, caches):  # type: ignore[no-untyped-def]
+        if family.shared is not None:
+            events.append("unshare")
+        unshare(family, caches)
+
+    with (
+        patch.object(filing, "try_share", counted_try_share),
+        patch.object(filing, "unshare", counted_unshare),
+    ):
+        yield events
+
+
+def test_expert_indices_of_every_width_share_one_cache_and_route_exactly() -> None:
+    keys, transforms = mixtral_keys(6, 128), mixtral_mapping()  # experts 0-9, 10-99, 100-127
+    with sharing_events() as events, patch.object(filing, "_CHUNK", 64):
+        fast = route_keys(keys, transforms)
+    assert events == ["share", "share"]  # the widths seen in the first chunk, then the third
+    assert_same_routing(fast, _route_keys_exact(keys, transforms))
+
+
+def test_a_family_stops_sharing_when_one_width_meets_a_class_the_others_lack() -> None:
+    transforms = mixtral_mapping()
+    keys = mixtral_keys(6, 24)
+    keys += [f"model.layers.{i}.block_sparse_moe.experts.{e}.w4.weight" for i in range(6) for e in range(24)]
+    with sharing_events() as events, patch.object(filing, "_CHUNK", 8):
+        fast = route_keys(keys, transforms)
+    assert events == ["share", "unshare"]  # w4 gathers nothing: its verdict is not a shared list
+    assert_same_routing(fast, _route_keys_exact(keys, transforms))
+
+
+def test_widths_that_route_differently_never_share() -> None:
+    transforms = [WeightRenaming(r"experts\.(\d)(\d)\.", r"experts.\2\1."), *mixtral_mapping()]
+    keys = mixtral_keys(4, 30)
+    with sharing_events() as events, patch.object(filing, "_CHUNK", 16):
+        fast = route_keys(keys, transforms)
+    assert events == []
+    assert_same_routing(fast, _route_keys_exact(keys, transforms))
+
+
+_MOE_MODULES = [
+    "mlp.experts.{E}.w{w}.weight",
+    "block_sparse_moe.experts.{E}.w{w}.weight",
+    "blocks.{E}.fc2.weight",
+    "experts.{E}.w2.weight",
+    "self_attn.q_proj.weight",
+]
+
+
+@st.composite
+def moe_transform_lists(draw: st.DrawFn) -> list[WeightTransform]:
+    """Both expert converters and the blocks converter (so families can share), plus a random rest."""
+    makers = [*_CONVERTERS[:2], _CONVERTERS[4], *draw(st.lists(st.sampled_from(_RENAMINGS), max_size=3))]
+    makers += draw(st.lists(st.sampled_from(_CONVERTERS[2:4]), max_size=1))
+    scopes = draw(st.sampled_from([[None], _SCOPES]))
+    return draw(st.permutations([make(draw(st.sampled_from(scopes))) for make in makers]))
+
+
+@st.composite
+def moe_key_lists(draw: st.DrawFn) -> list[str]:
+    """Expert keys whose indices come in several widths, sometimes with a fourth projection last."""
+    heads = draw(st.lists(st.sampled_from(["", "model.", "x."]), min_size=1, max_size=2, unique=True))
+    modules = draw(st.lists(st.sampled_from(_MOE_MODULES), min_size=1, max_size=3, unique=True))
+    layers = draw(
+        st.lists(
+            st.sampled_from(["0", "1", "7", "10", "12", "100", "05"]), min_size=1, max_size=3, unique=True
+        )
+    )
+    experts = draw(st.lists(st.sampled_from(_INDICES), min_size=2, max_size=8, unique=True))
+    projections = (1, 2, 3, 4) if draw(st.booleans()) else (1, 2, 3)
+    keys = [
+        f"{h}layers.{layer}." + m.format(E=e, w=w)
+        for w in projections
+        for h in heads
+        for m in modules
+        for layer in layers
+        for e in experts
+    ]
+    keys = list(dict.fromkeys(keys))
+    if draw(st.booleans()):
+        keys = draw(st.permutations(keys))
+    return keys + draw(st.lists(st.sampled_from(keys), max_size=1))
+
+
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+@given(
+    transforms=moe_transform_lists(),
+    keys=moe_key_lists(),
+    chunk=st.sampled_from([1, 3, 8, 32]),
+    with_prefix=st.booleans(),
+    data=st.data(),
+)
+def test_fast_routing_equals_exact_routing_when_widths_share(
+    transforms: list[WeightTransform], keys: list[str], chunk: int, with_prefix: bool, data: st.DataObject
+) -> None:
+    kwargs: dict[str, object] = {}
+    if with_prefix:
+        runtime = set(data.draw(st.lists(st.sampled_from(keys), max_size=len(keys) // 2)))
+        runtime |= {"model." + k for k in data.draw(st.lists(st.sampled_from(keys), max_size=5))}
+        kwargs = {"runtime_keys": runtime, "base_model_prefix": "model"}
+    with patch.object(filing, "_CHUNK", chunk):
+        fast = outcome(route_keys, keys, transforms, **kwargs)
+    exact = outcome(_route_keys_exact, keys, transforms, **kwargs)
     if isinstance(exact, tuple):
         assert fast == exact
     else:
