@@ -27,7 +27,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .fastroute import KeyClass, Pieces, Selections
+    from .fastroute import KeyClass, Selections
+    from .provenance import Pieces
 
 __all__ = ["Family", "equivalent", "join", "try_share", "unshare", "valid_everywhere"]
 

@@ -32,8 +32,10 @@ is then split on those positions (each value gets its own class), which keeps it
 **Formats.** For a class with ``n`` free digits the representative is routed once per *probe*:
 probe 0 sets every free digit to ``0``; probe ``d`` sets free digit ``i`` to ``1 +`` the ``d``-th
 base-9 digit of ``i``. A character of the output that is equal in all probes is literal; any
-other character spells out which free digit it was copied from. Each class is also checked against
-the exact route of a real key; any disagreement falls back to the exact path for that class.
+other character spells out which free digit it was copied from (:mod:`surgery.provenance`).
+Each class is also checked against the exact route of a real key; any disagreement falls back to
+the exact path for that class. Roots whose templates differ only in the width of their last
+index can share one cache of verdicts (:mod:`surgery.families`).
 
 A class is built on its second key: a key seen once is routed exactly (building costs a few exact
 routes, which a one-off key such as ``lm_head.weight`` would never repay).
@@ -52,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from .digitsafety import GUARDED, UNIFORM, UNSAFE, pattern_safety, transform_safety
 from .errors import ConfigurationError
 from .families import Family, join
+from .provenance import Format, Pieces, compile_format, isolated, provenance, scope_dependence, to_pieces
 
 if TYPE_CHECKING:
     from .routing import _Router
@@ -73,8 +76,6 @@ __all__ = [
 #: ``(first target, renamings fired, converter, pattern index, wildcard texts, all targets)``.
 Decision = tuple[str, tuple[int, ...], "int | None", "int | None", tuple[str, ...], tuple[str, ...]]
 
-_DIGITS = frozenset("0123456789")
-_PROBE = _DIGITS | {"."}
 _ZERO_BYTES = bytes.maketrans(b"123456789", b"000000000")
 _NOTHING = itemgetter(slice(0, 0))  # selects "" from any key
 
@@ -142,8 +143,6 @@ def _digit_layout(template: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 # --------------------------------------------------------------------------- key classes
-
-Pieces = tuple["str | tuple[int, int]", ...]
 
 
 class _Children(dict):  # type: ignore[type-arg]
@@ -339,130 +338,6 @@ class KeyClass:
         return self.first_of(key), self.fired, self.conv, self.pat, self.stars_of(key), self.targets_of(key)
 
 
-Format = tuple[str, "Callable[[str], str | tuple[str, ...]] | None"]
-
-
-def _compile(pieces: Pieces) -> Format:
-    """A format as ``(%-template, getter of its slices)``; no getter when it is literal.
-
-    ``template % getter(key)`` is the output: the getter returns the one slice's text, or a
-    tuple of them (``%`` is about a third cheaper than ``str.format`` here).
-    """
-    parts: list[str] = []
-    slices: list[slice] = []
-    for p in pieces:
-        if isinstance(p, str):
-            parts.append(p.replace("%", "%%"))
-        else:
-            parts.append("%s")
-            slices.append(slice(*p))
-    if not slices:
-        return "".join(p for p in pieces if isinstance(p, str)), None
-    return "".join(parts), itemgetter(*slices)
-
-
-class _Provenance(list):  # type: ignore[type-arg]
-    """Per output position: the literal character, or which free digit it was copied from.
-
-    ``copied`` lists the positions holding a copy, in order.
-    """
-
-    __slots__ = ("copied",)
-
-    def __init__(self, text: str, copies: dict[int, int]) -> None:
-        super().__init__(text)
-        for p, i in copies.items():
-            self[p] = i
-        self.copied = sorted(copies)
-
-
-def _provenance(strings: Sequence[str], n_free: int) -> _Provenance | None:
-    """Where each character of one output comes from, given that output under every probe.
-
-    ``strings`` are probe 0's output first; ``None`` when they disagree in a way no copy explains.
-    """
-    base = strings[0]
-    size = len(base)
-    if any(len(s) != size for s in strings):
-        return None
-    zeros = []  # a copied free digit is 0 under probe 0
-    p = base.find("0")
-    while p >= 0:
-        zeros.append(p)
-        p = base.find("0", p + 1)
-    varying: set[int] = set()
-    for s in strings[1:]:
-        if s != base:
-            diff = [p for p in zeros if s[p] != "0"]
-            rest = s
-            for p in diff:
-                rest = f"{rest[:p]}0{rest[p + 1 :]}"
-            if rest != base:  # a difference where probe 0 has no 0: no copy explains it
-                return None
-            varying.update(diff)
-    copies: dict[int, int] = {}
-    for p in varying:
-        i = 0
-        for d, s in enumerate(strings[1:]):
-            c = s[p]
-            if not "1" <= c <= "9":
-                return None
-            i += (ord(c) - 49) * 9**d
-        if i >= n_free:
-            return None
-        copies[p] = i
-    return _Provenance(base, copies)
-
-
-def _pieces(prov: _Provenance, free: tuple[int, ...]) -> Pieces:
-    """Compress a provenance into literal strings and ``(start, stop)`` slices of the key."""
-    out: list[str | tuple[int, int]] = []
-    done = 0  # prov[:done] is in out
-    for p in prov.copied:
-        pos = free[prov[p]]
-        if p > done:
-            out.append("".join(prov[done:p]))
-        elif out and out[-1][1] == pos:  # right after the previous copy, and contiguous in the key
-            out[-1] = (out[-1][0], pos + 1)  # type: ignore[index,assignment]
-            done = p + 1
-            continue
-        out.append((pos, pos + 1))
-        done = p + 1
-    if done < len(prov):
-        out.append("".join(prov[done:]))
-    return tuple(out)
-
-
-def _isolated(prov: _Provenance) -> bool:
-    """Whether every copied free digit still sits between digits, dots and the string ends."""
-    last = len(prov) - 1
-    for p in prov.copied:
-        for q in (p - 1, p + 1):
-            if 0 <= q <= last:
-                nb = prov[q]
-                if nb.__class__ is str and nb not in _PROBE:
-                    return False
-    return True
-
-
-def _scope_dependence(prov: _Provenance, scope: str, free: tuple[int, ...]) -> set[int]:
-    """Key positions whose free digit decides whether ``key.startswith(scope + ".")``."""
-    head = scope + "."
-    if len(prov) < len(head):
-        return set()
-    dep: set[int] = set()
-    for q, ch in enumerate(head):
-        x = prov[q]
-        if isinstance(x, str):
-            if x != ch:
-                return set()  # a fixed character already decides: never in scope
-        elif ch in _DIGITS:
-            dep.add(free[x])
-        else:
-            return set()  # a digit never equals a non-digit
-    return dep
-
-
 # --------------------------------------------------------------------------- router
 
 
@@ -605,10 +480,10 @@ class TemplateRouter:
         n = len(free)
         for pos, (_, t) in enumerate(self.router.renamings):
             if t.scope_prefix:
-                prov = _provenance(current, n)
+                prov = provenance(current, n)
                 if prov is None:
                     return False
-                dep = _scope_dependence(prov, t.scope_prefix, free)
+                dep = scope_dependence(prov, t.scope_prefix, free)
                 if dep:
                     return dep
             outs = [t.rename_source_key(c) for c in current]
@@ -617,16 +492,16 @@ class TemplateRouter:
             if outs[0][1] is not None:
                 current = [o for o, _ in outs]
                 if self._guarded_after[pos]:
-                    prov = _provenance(current, n)
-                    if prov is None or not _isolated(prov):
+                    prov = provenance(current, n)
+                    if prov is None or not isolated(prov):
                         return False
         scoped = [c.scope_prefix for _, c in self.router.converters if c.scope_prefix]
         if scoped:
-            prov = _provenance(current, n)
+            prov = provenance(current, n)
             if prov is None:
                 return False
             for scope in scoped:
-                dep = _scope_dependence(prov, scope, free)
+                dep = scope_dependence(prov, scope, free)
                 if dep:
                     return dep
         return True
@@ -649,8 +524,8 @@ class TemplateRouter:
         n = len(free)
 
         def fmt(texts: list[str]) -> Pieces | None:
-            prov = _provenance(texts, n)
-            return None if prov is None else _pieces(prov, free)
+            prov = provenance(texts, n)
+            return None if prov is None else to_pieces(prov, free)
 
         first = fmt([d[0] for d in decisions])
         target_fmts = [fmt([d[5][j] for d in decisions]) for j in range(len(targets))]
@@ -661,9 +536,9 @@ class TemplateRouter:
         node.first = first
         node.targets = tuple(f for f in target_fmts if f is not None)
         node.stars = tuple(f for f in star_fmts if f is not None)
-        node.cfirst = _compile(first)
-        node.ctargets = tuple(_compile(f) for f in node.targets)
-        node.cstars = tuple(_compile(f) for f in node.stars)
+        node.cfirst = compile_format(first)
+        node.ctargets = tuple(compile_format(f) for f in node.targets)
+        node.cstars = tuple(compile_format(f) for f in node.stars)
         node.tslices = frozenset(p for f in (first, *node.targets) for p in f if isinstance(p, tuple))
         node.built = True
         if not node.stars:
