@@ -43,16 +43,17 @@ class Family:
             :func:`try_share`.
     """
 
-    __slots__ = ("checked", "dirty", "members", "shared")
+    __slots__ = ("counterparts", "dirty", "equal", "members", "shared")
 
     def __init__(self) -> None:
         self.members: list[KeyClass] = []
         self.shared: Selections | None = None
         self.dirty = True
-        # Pairs found equivalent: (class, class), and (class, member) once the class's
-        # counterpart in that member is known to be equivalent (ids; classes never change
-        # once built, and live as long as the router).
-        self.checked: set[tuple[int, int]] = set()
+        # What was proven, by ids (a built class never changes, and lives as long as the
+        # router): pairs of equivalent classes, and (class, member) once the class's
+        # counterpart in that member is known to be equivalent to it.
+        self.equal: set[tuple[int, int]] = set()
+        self.counterparts: set[tuple[int, int]] = set()
 
     def __repr__(self) -> str:
         state = "shared" if self.shared is not None else "separate"
@@ -107,7 +108,7 @@ def equivalent(family: Family, r1: KeyClass, c1: KeyClass, r2: KeyClass, c2: Key
     them): a key and its counterpart then land in the same group, slot and list.
     """
     pair = (id(c1), id(c2))
-    if pair in family.checked:
+    if pair in family.equal:
         return True
     if not (_gathers_by_run(r1, c1) and _gathers_by_run(r2, c2)):
         return False
@@ -119,7 +120,7 @@ def equivalent(family: Family, r1: KeyClass, c1: KeyClass, r2: KeyClass, c2: Key
             return False
     if len(c1.targets) != len(c2.targets):
         return False
-    family.checked.add(pair)
+    family.equal.add(pair)
     return True
 
 
@@ -189,14 +190,14 @@ def valid_everywhere(family: Family, root: KeyClass, c: KeyClass, key: str, verd
     if not _is_deferred_list(verdict):
         return False
     a, b = root.run_a, root.run_b
-    checked = family.checked
+    proven = family.counterparts
     for m in family.members:
-        if m is root or m.cache is not family.shared or (id(c), id(m)) in checked:
+        if m is root or m.cache is not family.shared or (id(c), id(m)) in proven:
             continue
         counterpart = f"{key[:a]}{'0' * (m.run_b - a)}{key[b:]}"
         if not equivalent(family, root, c, m, m.walk(counterpart)):
             return False
-        checked.add((id(c), id(m)))  # every key of c has its counterpart in that class of m
+        proven.add((id(c), id(m)))  # every key of c has its counterpart in that class of m
     return True
 
 
