@@ -186,9 +186,9 @@ class KeyClass:
     A template's root also carries the caller's cache for the whole tree: ``cache.sel(key)``
     selects the text of every split span and of every slice a gathering hot class's targets
     copy (``sel_slices``), which pins the class and, for a gathering class, the target group (a
-    class that gathers nothing has one group per key: pinning it would cache nothing); ``cache`` maps that
-    selection to whatever the caller wants to remember (:func:`~surgery.routing.route_keys`
-    keeps how to file the key). :meth:`refresh` recomputes the selector and empties ``cache``.
+    class that gathers nothing has one group per key: pinning it would cache nothing);
+    ``cache`` maps that selection to whatever the caller wants to remember
+    (:func:`~surgery.routing.route_keys` keeps how to file the key). :meth:`refresh` recomputes the selector and empties ``cache``.
 
     A root also knows its ``template``, its ``size`` and the span ``run_a:run_b`` of its last
     numeric component (``run_b == 0``: none). Its selector reads positions after that span
@@ -232,10 +232,10 @@ class KeyClass:
     )
 
     def __init__(self, free: tuple[int, ...], fixed: Iterable[int] = (), template: str = "") -> None:
-        self.template = template
+        self.template = template  # "" below a root
         self.size = len(template)
-        self.run_a, self.run_b = _last_run(free)
-        self.family: Any = None
+        self.run_a, self.run_b = _last_run(free) if template else (0, 0)
+        self.family: Family | None = None
         self.free = free
         self.sa = self.sb = 0
         self.rest: tuple[tuple[int, int], ...] = ()
