@@ -105,7 +105,7 @@ class Filer:
         self.groups: dict[str, TargetGroup] = {}
         self.conflicts: list[RouteConflict] = []
         self.pending: list[tuple[Callable[[str], str], TargetGroup, int, list[str]]] = []
-        self.shared: dict[tuple[Callable[[str], str], int, int], Callable[[str], None]] = {}
+        self.appends: dict[tuple[Callable[[str], str], int, int], Callable[[str], None]] = {}  # by list spec
         self.index_of = IndexCache()
         self.use_prefix = bool(base_model_prefix) and runtime_keys is not None
         known: Collection[str] = runtime_keys if runtime_keys is not None else ()
@@ -204,11 +204,11 @@ class Filer:
             # One list per group slot and index getter: keys that differ only in how many
             # digits their index has (experts 0-9, 10-99, 100-127: three templates) share one.
             spec = (c.getix, id(group), pat)
-            verdict = self.shared.get(spec)
+            verdict = self.appends.get(spec)
             if verdict is None:
                 keys: list[str] = []
                 self.pending.append((c.getix, group, pat, keys))
-                verdict = self.shared[spec] = keys.append
+                verdict = self.appends[spec] = keys.append
             return verdict
         return partial(self._file_now, c, slot)
 
@@ -275,7 +275,7 @@ class Filer:
 
     def done(self) -> None:
         """Drop the verdicts (and the lists they hold) once every key is filed."""
-        self.pending, self.shared = [], {}
+        self.pending, self.appends = [], {}
         for root in self.table.values():
             root.cache.clear()
             root.own.clear()
