@@ -129,17 +129,31 @@ class Filer:
             )
         index = tuple(int(s) for s in stars)
         self.entries[key] = KeyRoute(key, first, fired, conv, pat, index, base)
+        self._place(key, first, conv, targets, pat if pat is not None else 0, index)
+
+    def _place(
+        self,
+        key: str,
+        first: str,
+        conv: int | None,
+        targets: tuple[str, ...],
+        pat: int,
+        index: tuple[int, ...],
+    ) -> None:
+        """Put ``key`` in its group's slot at once (a collision is a conflict)."""
         group = self.groups.get(first)
         if group is None:
-            group = self.groups[first] = TargetGroup(first, conv, targets)
+            self.groups[first] = TargetGroup(first, conv, targets, {pat: {index: key}})
         elif group.converter != conv:
             self.conflict(lambda: RouteConflict(first, group.source_keys[0], key))
-            return
-        slot = group.sources.setdefault(pat if pat is not None else 0, {})
-        if index in slot:
-            self.conflict(RouteConflict(first, slot[index], key))
-            return
-        slot[index] = key
+        else:
+            slot = group.sources.get(pat)
+            if slot is None:
+                group.sources[pat] = {index: key}
+            elif index in slot:
+                self.conflict(RouteConflict(first, slot[index], key))
+            else:
+                slot[index] = key
 
     def miss(self, key: str) -> None:
         """No verdict is cached for ``key``'s selection: make one (when the class allows) and apply it."""
@@ -226,20 +240,7 @@ class Filer:
         if self.use_prefix and not names_real(c.targets_of(key), self.known):
             self.file(key, c.decision(key))
             return
-        group = self.groups.get(first)
-        if group is None:
-            targets = (first,) if one_target else c.targets_of(key)
-            self.groups[first] = TargetGroup(first, c.conv, targets, {pat: {(): key}})
-        elif group.converter != c.conv:
-            self.conflict(lambda: RouteConflict(first, group.source_keys[0], key))
-        else:
-            slot = group.sources.get(pat)
-            if slot is None:
-                group.sources[pat] = {(): key}
-            elif () in slot:
-                self.conflict(RouteConflict(first, slot[()], key))
-            else:
-                slot[()] = key
+        self._place(key, first, c.conv, (first,) if one_target else c.targets_of(key), pat, ())
 
     def _retry(self, root: KeyClass, key: str) -> None:
         """The class's targets name no runtime key: route with the base-model prefix."""
