@@ -1,21 +1,22 @@
 """surgery: PyTorch-native model surgery.
 
-Map of the package (one concept per module):
+Map of the package (one concept per module; ``docs/concepts.md`` has the path of a load):
 
-* ``patterns``, ``ops``, ``transforms``: the reversible weight-transform engine.
-* ``routing`` (+ ``fastroute``, ``digitsafety``): every checkpoint key through a transform list, once.
-* ``graph``, ``registry``, ``resolution``: which conversion mapping applies where.
-* ``safetensors_format``, ``checkpoint``, ``checkpoint_writer``: the file format; lazy,
-  validated reads; atomic, streaming writes of single-file and sharded checkpoints.
-* ``plan``, ``planning``, ``placement``, ``loading``, ``report``, ``saving``: plan a load from headers, read
-  straight into place, load into rewritten models, report, export back.
-* ``fusion``: torch.fx rewrites of module instances, with preview.
-* ``examples``, ``demo``, ``cli``, ``benchmarks``: example models, the demo, the command line.
 * ``errors``: the :class:`SurgeryError` hierarchy.
+* ``patterns``, ``ops``, ``transforms``, ``converter``, ``routing``: the reversible
+  weight-transform engine (the pattern language, tensor ops with exact inverses, renamings,
+  converters, and sending every checkpoint key through a transform list once).
+* ``registry``, ``graph``, ``resolution``: which conversion mapping applies where.
+* ``checkpoint``: the safetensors format, validated lazy reads, atomic streaming writes.
+* ``load``: plan a load from headers, read straight into place, report.
+* ``save``: export back to the original (or the runtime) layout.
+* ``fusion``: torch.fx rewrites of module instances, with preview.
+* ``cli``, ``demo``, ``examples``, ``bench``: the command line, the demo, example models, benchmarks.
 """
 
 from . import ops
 from .checkpoint import CheckpointReader, open_checkpoint, write_checkpoint
+from .converter import WeightConverter
 from .errors import (
     CheckpointError,
     ConfigurationError,
@@ -28,39 +29,36 @@ from .errors import (
 )
 from .fusion import FusionPlan, FusionSpec, apply_fusions, preview_fusions, register_fusion
 from .graph import ModuleGraph
-from .loading import load_checkpoint, plan_load
-from .plan import LoadPlan
+from .load import ConversionFailure, LoadPlan, LoadReport, Mismatch, PlanEntry, load_checkpoint, plan_load
 from .registry import (
     get_checkpoint_conversion_mapping,
     register_catalog_modules,
     register_checkpoint_conversion_mapping,
     registry_snapshot,
 )
-from .report import LoadReport
 from .resolution import explain_model_conversion_mapping, get_model_conversion_mapping
-from .routing import KeyRoute, Routing, TargetGroup, route_keys
-from .saving import revert_state_dict, save_checkpoint
-from .transforms import PrefixChange, WeightConverter, WeightRenaming, WeightTransform
+from .save import revert_state_dict, save_checkpoint
+from .transforms import PrefixChange, WeightRenaming, WeightTransform
 
 __all__ = [
     "CheckpointError",
     "CheckpointReader",
     "ConfigurationError",
     "ConversionError",
+    "ConversionFailure",
     "FusionError",
     "FusionPlan",
     "FusionSpec",
-    "KeyRoute",
     "LoadError",
     "LoadPlan",
     "LoadReport",
+    "Mismatch",
     "ModuleGraph",
     "PatternError",
+    "PlanEntry",
     "PrefixChange",
     "RegistryError",
-    "Routing",
     "SurgeryError",
-    "TargetGroup",
     "WeightConverter",
     "WeightRenaming",
     "WeightTransform",
@@ -78,7 +76,6 @@ __all__ = [
     "register_fusion",
     "registry_snapshot",
     "revert_state_dict",
-    "route_keys",
     "save_checkpoint",
     "write_checkpoint",
 ]

@@ -20,7 +20,12 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
+from .checkpoint import open_checkpoint
 from .errors import SurgeryError
+from .fusion import preview_fusions
+from .load.loader import load_checkpoint, plan_load
+from .load.plan import fold_indices
+from .save import save_checkpoint
 
 __all__ = ["build_model", "main"]
 
@@ -82,7 +87,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_preview(args: argparse.Namespace) -> int:
-    from .fusion import preview_fusions
 
     model = build_model(args.model)
     plan = preview_fusions(model, _fusion_arg(args.fusion) or {"patch_embeddings": True})
@@ -96,12 +100,7 @@ def _cmd_preview(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from .checkpoint import open_checkpoint
-    from .plan import fold_indices
-
     if args.model:
-        from .loading import plan_load
-
         plan = plan_load(build_model(args.model), args.path, fusion_config=_fusion_arg(args.fusion))
         print(plan.to_json(indent=2) if args.json else plan.render())
         return 0
@@ -123,9 +122,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from .loading import load_checkpoint
-    from .saving import save_checkpoint
-
     model = build_model(args.model)
     report = load_checkpoint(model, args.src, fusion_config=_fusion_arg(args.fusion), strict=not args.lenient)
     print(report)
@@ -137,7 +133,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    module = importlib.import_module(f"surgery.benchmarks.{args.which}")
+    module = importlib.import_module(f"surgery.bench.{args.which}")
     return int(module.main(args.rest) or 0)
 
 

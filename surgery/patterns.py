@@ -30,6 +30,7 @@ __all__ = [
     "SourcePattern",
     "TargetPattern",
     "compile_source",
+    "is_digit_blind",
     "parse_target",
     "reverse_pair",
 ]
@@ -160,6 +161,9 @@ class SourcePattern:
         star_groups: regex group numbers of the index wildcards, in order.
         user_groups: regex group numbers of the user's own capture groups (``\\1`` is the first).
         anchored: whether the pattern starts with ``^``.
+        digit_blind: whether the pattern provably treats every digit of a numeric key component
+            (``layers.12.``) alike, so that keys differing only there match the same way (see
+            :func:`is_digit_blind`).
     """
 
     text: str
@@ -167,6 +171,7 @@ class SourcePattern:
     star_groups: tuple[int, ...] = field(repr=False)
     user_groups: tuple[int, ...] = field(repr=False)
     anchored: bool = field(repr=False)
+    digit_blind: bool = field(repr=False, default=False)
 
     @property
     def has_star(self) -> bool:
@@ -221,7 +226,66 @@ def compile_source(pattern: str) -> SourcePattern:
             f"Source pattern {pattern!r} is not a valid regex: {exc}. Fix the pattern."
         ) from exc
     anchored = bool(toks) and toks[0].kind == "anchor" and toks[0].text == "^"
-    return SourcePattern(pattern, regex, tuple(star_groups), tuple(user_groups), anchored)
+    return SourcePattern(pattern, regex, tuple(star_groups), tuple(user_groups), anchored, _digit_blind(toks))
+
+
+def is_digit_blind(pattern: str) -> bool:
+    """Whether a source pattern cannot tell one digit of a numeric key component from another.
+
+    A *numeric component* is a dotted component made of digits only (the ``12`` of
+    ``layers.12.mlp``). The pattern is digit-blind when every piece of it that could meet such a
+    digit accepts all ten digits alike: ``\\d``, ``.``, ``\\w``, the ``*`` wildcard and the name
+    boundary do; a literal digit does only when a literal letter (or ``_``) stands right beside
+    it, which keeps it out of numeric components (the ``1`` of ``w1``). Character classes that
+    mention a digit, ``\\N{...}`` escapes and any other literal digit make the answer ``False``
+    (conservative: some of those are blind too). Quantifier counts (``{2}``) do not matter.
+
+    Keys that differ only in the digits of their numeric components, with the same widths, are
+    then matched at the same positions, by the same alternatives; :mod:`surgery.routing` relies on
+    this to reuse one key's routing for its siblings.
+
+    Example:
+        >>> is_digit_blind("experts.*.w1.weight"), is_digit_blind("layers.0.weight")
+        (True, False)
+    """
+    return compile_source(pattern).digit_blind
+
+
+def _digit_blind(toks: list[_Tok]) -> bool:
+    def is_digit(k: int) -> bool:
+        return 0 <= k < len(toks) and toks[k].kind == "literal" and toks[k].value in _ASCII_DIGITS
+
+    def glued_letter(k: int) -> bool:  # an unquantified literal letter or "_" at k
+        if not (0 <= k < len(toks) and toks[k].kind == "literal" and _is_word_char(toks[k].value)):
+            return False
+        return not (k + 1 < len(toks) and toks[k + 1].kind == "quant")
+
+    i = 0
+    while i < len(toks):
+        tok = toks[i]
+        if is_digit(i):
+            # A run of literal digits is safe when a literal letter is glued to it: the key
+            # component it matches then holds a letter, so it is not numeric (the 1 of "w1").
+            j = i
+            while is_digit(j + 1):
+                j += 1
+            if not (glued_letter(i - 1) or glued_letter(j + 1)):
+                return False
+            i = j + 1
+            continue
+        if tok.kind == "class" and (any(c in _ASCII_DIGITS for c in tok.text) or "\\N" in tok.text):
+            return False
+        if tok.kind == "escape" and tok.text == "\\N":
+            return False
+        i += 1
+    return True
+
+
+_ASCII_DIGITS = frozenset("0123456789")
+
+
+def _is_word_char(c: str) -> bool:
+    return c == "_" or (c.isascii() and c.isalpha())
 
 
 # --------------------------------------------------------------------------- targets

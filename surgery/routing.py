@@ -1,57 +1,173 @@
-"""Routing: send every checkpoint key through a transform list, once.
+r"""Routing: send every checkpoint key through a transform list, once.
 
 :func:`route_keys` is the seam between the transform engine and the loader. For each checkpoint
-key it applies every matching renaming (in order, chained), then lets at most one converter claim
-the result, and files the key under the *target group* it feeds. A target group is what the
-loader materializes as one unit: a plain tensor, or every key a converter gathers for one runtime
-parameter (all experts of one layer, say).
+key it applies every matching renaming (in list order, chained), lets at most one converter claim
+the result, and files the key under the *target group* it feeds: what the loader materializes as
+one unit, a plain tensor or every key a converter gathers for one runtime parameter (all experts
+of one layer, say). The result is a :class:`Routing`: one :class:`KeyRoute` per key, the
+:class:`TargetGroup` objects and the :class:`RouteConflict` list.
 
-Routing is exact and cheap: keys that share a shape (the same text up to their numeric indices)
-share one routing decision wherever the patterns provably cannot tell indices apart (see
-:mod:`surgery.fastroute`); per key only slices of the key are read. :class:`KeyRoute` objects are
-made on access from those shared decisions (:class:`RouteTable`).
+Routing one key means a regex search per transform, which adds up over 100,000 keys. A template
+cache (:class:`_TemplateCache`) lets keys that differ only in the digits of their *numeric
+components* (``layers.3.`` and ``layers.17.``, the same widths) reuse the first key's decision:
 
-How the per-key work stays in C is :mod:`surgery.filing`; the records a routing returns are
-:mod:`surgery.routes` (re-exported here).
+1. It is used only when every transform is *digit-blind*
+   (:attr:`~surgery.transforms.WeightTransform.digit_blind`): no source pattern can tell one
+   digit of a numeric component from another, and no scope holds a digit. Regex matching then
+   takes the same path on every key of a template, so the same transforms fire, at the same
+   positions, and every character of every output is either fixed or a copy of one fixed
+   position of the key.
+2. Which positions are copied where is learned by routing a few probe keys exactly (per numeric
+   component two probes whose digits differ at every position). A template whose outputs copy
+   only part of a component, or reorder its digits, is not cached.
+3. Everything else (the base-model-prefix check, grouping, conflicts) runs per key on the real
+   strings.
+
+``route_keys(..., cache=False)`` routes every key exactly; the property tests check that both
+give the same :class:`Routing`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from .converter import WeightConverter, split_transforms
 from .errors import ConfigurationError
-from .fastroute import Decision, TemplateRouter
-from .filing import Filer, Redo, file_in_chunks, names_real, retry_with_prefix
-from .gcpause import gc_paused
-from .routes import KeyRoute, RouteConflict, RouteTable, Routing, TargetGroup
-from .transforms import WeightConverter, WeightTransform, split_transforms
+from .transforms import WeightTransform
 
-__all__ = ["KeyRoute", "RouteConflict", "RouteTable", "Routing", "TargetGroup", "route_key", "route_keys"]
+__all__ = ["KeyRoute", "RouteConflict", "Routing", "TargetGroup", "route_key", "route_keys"]
 
 
-class _Router:
-    """A transform list compiled for routing; reusable across keys."""
+# --------------------------------------------------------------------------- records
+
+
+class KeyRoute(NamedTuple):
+    """How one checkpoint key travels.
+
+    Attributes:
+        source_key: the key as stored in the checkpoint.
+        target_key: the runtime key it becomes (for a converter: the group's first target key).
+        renamings: indices (into the transform list) of the renamings that fired, in order.
+        converter: index of the converter that claimed the key, or ``None``.
+        pattern_index: which source pattern of that converter matched.
+        index: the wildcard indices, when the converter gathers (merges) keys.
+        base_prefix: how ``base_model_prefix`` was used: ``"+after"`` / ``"-after"`` when it was
+            added to / stripped from the routed targets, ``"+"`` / ``"-"`` when it was added to /
+            stripped from the checkpoint key before routing, ``""`` when it was not needed.
+    """
+
+    source_key: str
+    target_key: str
+    renamings: tuple[int, ...] = ()
+    converter: int | None = None
+    pattern_index: int | None = None
+    index: tuple[int, ...] = ()  # type: ignore[assignment]  # a field, shadowing tuple.index
+    base_prefix: str = ""
+
+
+@dataclass(slots=True)
+class TargetGroup:
+    """The checkpoint keys that together produce one set of runtime keys.
+
+    Attributes:
+        key: the group's identity: its first target key.
+        converter: index of the converter, or ``None`` for a plain (renamed or untouched) tensor.
+        target_keys: the runtime keys produced (``*`` is filled when the op chain returns a list).
+        sources: per converter source pattern, ``{wildcard index: checkpoint key}`` (a mapping:
+            its order is not promised; :attr:`source_keys` is ordered).
+    """
+
+    key: str
+    converter: int | None
+    target_keys: tuple[str, ...]
+    sources: dict[int, dict[tuple[int, ...], str]] = field(default_factory=dict)
+
+    @property
+    def source_keys(self) -> list[str]:
+        """Checkpoint keys in pattern order, then wildcard-index order."""
+        return [k for i in sorted(self.sources) for _, k in sorted(self.sources[i].items())]
+
+
+@dataclass(frozen=True)
+class RouteConflict:
+    """Two checkpoint keys that land on the same place."""
+
+    target_key: str
+    first: str
+    second: str
+
+    def __str__(self) -> str:
+        return f"{self.first!r} and {self.second!r} both land on {self.target_key!r}"
+
+
+@dataclass
+class Routing:
+    """The result of :func:`route_keys`.
+
+    Attributes:
+        transforms: the transform list the keys went through.
+        routes: every routed key's :class:`KeyRoute`, in the order the keys were given.
+        groups: target groups by first target key, in the order their first key was routed.
+        conflicts: keys refused because another key already landed there, in routing order.
+    """
+
+    transforms: tuple[WeightTransform, ...]
+    routes: dict[str, KeyRoute]
+    groups: dict[str, TargetGroup]
+    conflicts: list[RouteConflict]
+
+    def fired(self, source_keys: Iterable[str] | None = None) -> list[int]:
+        """Indices of the transforms that fired on ``source_keys`` (all routed keys by default)."""
+        keys = self.routes if source_keys is None else source_keys
+        seen: set[int] = set()
+        for key in keys:
+            route = self.routes[key]
+            seen.update(route.renamings)
+            if route.converter is not None:
+                seen.add(route.converter)
+        return sorted(seen)
+
+
+# --------------------------------------------------------------------------- exact routing
+
+
+class _Decision(NamedTuple):
+    """What the transforms make of one key (before the base-model-prefix check)."""
+
+    targets: tuple[str, ...]  # every runtime key; targets[0] is the group key
+    renamings: tuple[int, ...]
+    converter: int | None
+    pattern_index: int | None
+    stars: tuple[str, ...]  # wildcard texts of a gathering converter, else ()
+
+
+class _ExactRouter:
+    """A transform list split for routing; :meth:`decide` routes one key by the contract."""
 
     def __init__(self, transforms: Sequence[WeightTransform]) -> None:
         self.transforms = tuple(transforms)
         renamings, converters = split_transforms(self.transforms)
         index = {id(t): i for i, t in enumerate(self.transforms)}
-        self.renamings = [(index[id(t)], t) for t in renamings]
-        self.converters = [(index[id(t)], t) for t in converters]
-        self._gathers = {i: t.gathers for i, t in self.converters}
+        self._renamings = [(index[id(t)], t) for t in renamings]
+        self._converters: list[tuple[int, WeightConverter]] = [(index[id(t)], t) for t in converters]
+        self.digit_blind = all(t.digit_blind for t in self.transforms)
 
-    def route(self, key: str) -> Decision:
-        """Exact routing of one key: (first target, renamings, converter, pattern, stars, all targets)."""
+    def decide(self, key: str, trace: list[str] | None = None) -> _Decision:
+        """Route ``key``; ``trace`` (if given) receives the key after each renaming that fired."""
         fired: list[int] = []
         current = key
-        for i, t in self.renamings:
+        for i, t in self._renamings:
             renamed, pattern = t.rename_source_key(current)
             if pattern is not None:
                 fired.append(i)
                 current = renamed
-        claimed: tuple[int, WeightConverter] | None = None
-        for i, c in self.converters:
+                if trace is not None:
+                    trace.append(current)
+        claimed = None
+        for i, c in self._converters:
             m = c.match(current)
             if m is None:
                 continue
@@ -60,20 +176,191 @@ class _Router:
                     f"Two converters claim checkpoint key {key!r} (renamed to {current!r}): "
                     f"{claimed[1]!r} and {c!r}. Make their source patterns disjoint."
                 )
-            claimed = (i, c)
-            match = m
+            claimed = (i, c, m)
         if claimed is None:
-            return current, tuple(fired), None, None, (), (current,)
-        i, c = claimed
-        targets = c.target_keys(match)
-        stars = match.stars if self._gathers[i] else ()
-        return targets[0], tuple(fired), i, match.pattern_index, stars, targets
+            return _Decision((current,), tuple(fired), None, None, ())
+        i, c, m = claimed
+        stars = m.stars if c.gathers else ()
+        return _Decision(c.target_keys(m), tuple(fired), i, m.pattern_index, stars)
+
+
+# --------------------------------------------------------------------------- the template cache
+
+# A numeric component after a dot; ``split`` yields [text, digits, text, digits, ..., text].
+_NUMERIC = re.compile(r"\.([0-9]+)(?=\.|$)")
+_MISSING = object()
+
+
+class _Replay:
+    """One template's decision, with the key's numeric components as ``str.format`` fields.
+
+    ``targets`` are formats (``"{0}"`` is the key's first numeric component); ``stars`` holds,
+    per wildcard, the number of the component it copies or its fixed text.
+    """
+
+    __slots__ = ("_formats", "_rest", "_star_fields")
+
+    def __init__(self, decision: _Decision, targets: list[str], stars: list[int | str]) -> None:
+        self._formats = tuple(t.format for t in targets)
+        self._rest = (decision.renamings, decision.converter, decision.pattern_index)
+        self._star_fields = tuple(stars)
+
+    def decide(self, values: list[str]) -> _Decision:
+        targets = tuple([f(*values) for f in self._formats])
+        stars = tuple([values[s] if isinstance(s, int) else s for s in self._star_fields])
+        return _Decision(targets, *self._rest, stars)
+
+
+class _TemplateCache:
+    """Exact decisions, shared by keys that differ only in the digits of numeric components.
+
+    Only sound for a digit-blind transform list (see the module docstring).
+    """
+
+    def __init__(self, exact: _ExactRouter) -> None:
+        self._exact = exact
+        self._replays: dict[tuple[object, ...], _Replay | None] = {}
+
+    def decide(self, key: str) -> _Decision:
+        parts = _NUMERIC.split(key)
+        if len(parts) == 1:
+            return self._exact.decide(key)
+        values = parts[1::2]
+        template = (*parts[0::2], *map(len, values))
+        replay = self._replays.get(template, _MISSING)
+        if replay is _MISSING:
+            trace: list[str] = []
+            decision = self._exact.decide(key, trace)
+            self._replays[template] = _learn(self._exact, parts, decision, trace)
+            return decision
+        if replay is None:
+            return self._exact.decide(key)
+        return replay.decide(values)  # type: ignore[attr-defined]  # a _Replay here
+
+
+def _learn(exact: _ExactRouter, parts: list[str], decision: _Decision, trace: list[str]) -> _Replay | None:
+    """Turn one key's decision into a :class:`_Replay` by routing probe keys, or ``None``.
+
+    For numeric component ``i`` of width ``w``, probe A puts ``0123...`` there and probe B the
+    same digits plus 5 (mod 10), so the two differ at every position. A character of an output
+    (or of the key after a renaming, in ``trace``) that differs between A and B is a copy of
+    component ``i``, at the position its A digit names.
+
+    A literal digit glued to a letter (``w1``) cannot meet a numeric component of the key, but
+    it could meet one that a renaming glued to a letter (``layers.3.`` → ``layer3_``): the key
+    after every renaming must therefore still hold each copied component whole, between dots.
+    """
+    values = parts[1::2]
+    if any(len(v) > 10 for v in values):
+        return None  # probe digits would repeat within the component
+    texts = [*trace, *decision.targets]
+    owners: list[list[tuple[int, int] | None]] = [[None] * len(t) for t in texts]
+    star_fields: list[int | str] = list(decision.stars)
+    for i, value in enumerate(values):
+        probes = []
+        for shift in (0, 5):
+            probe_parts = list(parts)
+            probe_parts[2 * i + 1] = _probe(len(value), shift)
+            probe_trace: list[str] = []
+            probe = exact.decide(_join(probe_parts), probe_trace)
+            probes.append((probe, [*probe_trace, *probe.targets]))
+        (a, texts_a), (b, texts_b) = probes
+        if not (_same_shape(a, decision) and _same_shape(b, decision)):
+            return None
+        if [len(t) for t in texts_a] != [len(t) for t in texts] or [len(t) for t in texts_b] != [
+            len(t) for t in texts
+        ]:
+            return None
+        for owner, t, ta, tb in zip(owners, texts, texts_a, texts_b):
+            for j, (c0, ca, cb) in enumerate(zip(t, ta, tb)):
+                if ca == cb:
+                    if ca != c0:
+                        return None
+                    continue
+                k = int(ca)
+                if owner[j] is not None or cb != str((k + 5) % 10) or c0 != value[k]:
+                    return None
+                owner[j] = (i, k)
+        for n, (sa, sb) in enumerate(zip(a.stars, b.stars)):
+            if sa != sb:
+                if sa != _probe(len(value), 0) or sb != _probe(len(value), 5):
+                    return None  # the wildcard caught part of a component
+                star_fields[n] = i
+    fields = [_fields(owner, text, values) for owner, text in zip(owners, texts)]
+    if any(f is None for f in fields):
+        return None
+    if not all(_delimited(f) for f in fields[: len(trace)]):  # type: ignore[arg-type]
+        return None
+    formats = [_format(f) for f in fields[len(trace) :]]  # type: ignore[arg-type]
+    return _Replay(decision, formats, star_fields)
+
+
+_Fields = list[str | int]  # literal characters, and numeric component numbers where copied whole
+
+
+def _fields(owner: list[tuple[int, int] | None], text: str, values: list[str]) -> _Fields | None:
+    """``text`` as literals and whole component copies, or ``None`` if a copy is partial."""
+    out: _Fields = []
+    j = 0
+    while j < len(text):
+        o = owner[j]
+        if o is None:
+            out.append(text[j])
+            j += 1
+            continue
+        i, k = o
+        width = len(values[i])
+        if k != 0 or owner[j : j + width] != [(i, p) for p in range(width)]:
+            return None
+        out.append(i)
+        j += width
+    return out
+
+
+def _delimited(fields: _Fields) -> bool:
+    """Whether every copied component stands between dots (or the ends) of the text."""
+    for n, f in enumerate(fields):
+        before_ok = n == 0 or fields[n - 1] == "."
+        after_ok = n + 1 == len(fields) or fields[n + 1] == "."
+        if isinstance(f, int) and not (before_ok and after_ok):
+            return False
+    return True
+
+
+def _format(fields: _Fields) -> str:
+    return "".join(
+        f"{{{f}}}" if isinstance(f, int) else f.replace("{", "{{").replace("}", "}}") for f in fields
+    )
+
+
+def _probe(width: int, shift: int) -> str:
+    return "".join(str((k + shift) % 10) for k in range(width))
+
+
+def _join(parts: list[str]) -> str:
+    """Inverse of ``_NUMERIC.split``."""
+    out = [parts[0]]
+    for digits, text in zip(parts[1::2], parts[2::2]):
+        out += (".", digits, text)
+    return "".join(out)
+
+
+def _same_shape(a: _Decision, b: _Decision) -> bool:
+    return (
+        a.renamings == b.renamings
+        and a.converter == b.converter
+        and a.pattern_index == b.pattern_index
+        and [len(s) for s in a.stars] == [len(s) for s in b.stars]
+    )
+
+
+# --------------------------------------------------------------------------- route_keys
 
 
 def route_key(key: str, transforms: Sequence[WeightTransform]) -> KeyRoute:
-    """Route a single key exactly (the reference for :func:`route_keys`)."""
-    first, fired, conv, pat, stars, _ = _Router(transforms).route(key)
-    return KeyRoute(key, first, fired, conv, pat, tuple(int(s) for s in stars))
+    """Route a single key exactly (no base-model prefix)."""
+    d = _ExactRouter(transforms).decide(key)
+    return KeyRoute(key, d.targets[0], d.renamings, d.converter, d.pattern_index, tuple(map(int, d.stars)))
 
 
 def route_keys(
@@ -82,8 +369,9 @@ def route_keys(
     *,
     runtime_keys: Collection[str] | None = None,
     base_model_prefix: str | None = None,
+    cache: bool = True,
 ) -> Routing:
-    """Route checkpoint keys through ``transforms`` and group them by target.
+    r"""Route checkpoint keys through ``transforms`` and group them by target.
 
     Args:
         keys: checkpoint keys.
@@ -93,6 +381,8 @@ def route_keys(
             whether adding or stripping that prefix names a real parameter.
         base_model_prefix: e.g. ``"model"``: a key whose targets are not runtime keys is routed
             again with the prefix stripped (or added), and takes that route if its targets are.
+        cache: share decisions between keys of one template where that is provably exact (see
+            the module docstring); ``False`` routes every key on its own (the reference).
 
     Returns:
         A :class:`Routing` with one :class:`KeyRoute` per key and the target groups.
@@ -102,66 +392,34 @@ def route_keys(
 
     Example:
         >>> from surgery import WeightRenaming
-        >>> r = route_keys(["a.gamma"], [WeightRenaming(r"\\.gamma$", ".weight")])
+        >>> r = route_keys(["a.gamma"], [WeightRenaming(r"\.gamma$", ".weight")])
         >>> r.routes["a.gamma"].target_key
         'a.weight'
     """
-    keys = keys if isinstance(keys, list) else list(keys)
-    router = TemplateRouter(_Router(transforms))
-    with gc_paused():
-        if router.exact_only:
-            _check_str(keys)
-            filer = Filer(router, runtime_keys, base_model_prefix, deferred=False)
-            file, route = filer.file, router.route_exact
-            for key in keys:
-                file(key, route(key))
-            routes = RouteTable(keys, None, filer.entries)
-            return Routing(router.router.transforms, routes, filer.groups, filer.conflicts)
-        filer = Filer(router, runtime_keys, base_model_prefix, deferred=True)
-        try:
-            caches = file_in_chunks(keys, filer)
-        except TypeError:
-            _check_str(keys)  # names a key that is not a string
-            raise
-        except Redo:  # a collision (rare): file again, each key at once, in order
-            router = TemplateRouter(_Router(transforms))
-            filer = Filer(router, runtime_keys, base_model_prefix, deferred=False)
-            caches = file_in_chunks(keys, filer)
-    routes = RouteTable(keys, caches, filer.entries, router.table.cache_roots)
-    return Routing(router.router.transforms, routes, filer.groups, filer.conflicts)
-
-
-def _route_keys_exact(
-    keys: Iterable[str],
-    transforms: Sequence[WeightTransform],
-    *,
-    runtime_keys: Collection[str] | None = None,
-    base_model_prefix: str | None = None,
-) -> Routing:
-    """:func:`route_keys` computed key by key on the exact path (the reference; slow)."""
-    router = _Router(transforms)
-    use_prefix = bool(base_model_prefix) and runtime_keys is not None
-    known = runtime_keys if runtime_keys is not None else ()
-    pre = f"{base_model_prefix}." if base_model_prefix else ""
+    router = _ExactRouter(transforms)
+    decide = _TemplateCache(router).decide if cache and router.digit_blind else router.decide
+    known: Collection[str] = runtime_keys if runtime_keys is not None else ()
+    prefix = f"{base_model_prefix}." if base_model_prefix and runtime_keys is not None else ""
     routes: dict[str, KeyRoute] = {}
     groups: dict[str, TargetGroup] = {}
     conflicts: list[RouteConflict] = []
     for key in keys:
-        first, fired, conv, pat, stars, targets = router.route(key)
-        base = ""
-        if use_prefix and not names_real(targets, known):
-            first, fired, conv, pat, stars, targets, base = retry_with_prefix(
-                key, (first, fired, conv, pat, stars, targets), pre, known, router.route
-            )
-        index = tuple(int(s) for s in stars)
-        routes[key] = KeyRoute(key, first, fired, conv, pat, index, base)
+        if not isinstance(key, str):
+            raise ConfigurationError(f"Checkpoint keys must be strings, got {key!r}; pass the tensor names.")
+        d = decide(key)
+        how = ""
+        if prefix and not _names_runtime_keys(d.targets, known):
+            d, how = _with_base_prefix(key, d, prefix, known, decide)
+        first = d.targets[0]
+        index = tuple(map(int, d.stars)) if d.stars else ()
+        routes[key] = KeyRoute(key, first, d.renamings, d.converter, d.pattern_index, index, how)
         group = groups.get(first)
         if group is None:
-            group = groups[first] = TargetGroup(first, conv, targets)
-        elif group.converter != conv:
+            group = groups[first] = TargetGroup(first, d.converter, d.targets)
+        elif group.converter != d.converter:
             conflicts.append(RouteConflict(first, group.source_keys[0], key))
             continue
-        slot = group.sources.setdefault(pat if pat is not None else 0, {})
+        slot = group.sources.setdefault(d.pattern_index or 0, {})
         if index in slot:
             conflicts.append(RouteConflict(first, slot[index], key))
             continue
@@ -169,11 +427,28 @@ def _route_keys_exact(
     return Routing(router.transforms, routes, groups, conflicts)
 
 
-def _check_str(keys: list[Any]) -> None:
-    try:
-        "".join(keys)
-    except TypeError:
-        bad = next(k for k in keys if not isinstance(k, str))
-        raise ConfigurationError(
-            f"Checkpoint keys must be strings, got {bad!r}; pass the tensor names."
-        ) from None
+def _names_runtime_keys(targets: tuple[str, ...], known: Collection[str]) -> bool:
+    # A target whose ``*`` the op chain fills is checked by its first member.
+    return all((t.replace("*", "0") if "*" in t else t) in known for t in targets)
+
+
+def _with_base_prefix(
+    key: str, d: _Decision, prefix: str, known: Collection[str], decide: object
+) -> tuple[_Decision, str]:
+    """The base-model-prefix form of a key whose targets name no runtime key (else ``d``).
+
+    First the routed targets with ``prefix`` stripped or added (a checkpoint of the model with a
+    head, renamed, then loaded into the bare base model), then the checkpoint key with ``prefix``
+    stripped or added and routed again (so that transforms scoped under the prefix see it).
+    """
+    if all(t.startswith(prefix) for t in d.targets):
+        moved, how = tuple(t[len(prefix) :] for t in d.targets), "-after"
+    else:
+        moved, how = tuple(prefix + t for t in d.targets), "+after"
+    if _names_runtime_keys(moved, known):
+        return d._replace(targets=moved), how
+    stripped = key.startswith(prefix)
+    alt: _Decision = decide(key[len(prefix) :] if stripped else prefix + key)  # type: ignore[operator]
+    if _names_runtime_keys(alt.targets, known):
+        return alt, "-" if stripped else "+"
+    return d, ""

@@ -3,8 +3,8 @@ r"""Weight transforms: how checkpoint keys become runtime keys, and back.
 * :class:`WeightRenaming` renames keys. Every renaming that matches a key fires, in list order,
   each on the output of the previous one; a renaming never claims a key.
 * :class:`PrefixChange` is a renaming that adds or removes one whole dotted prefix.
-* :class:`WeightConverter` claims a key (at most one converter may match any key) and runs a
-  chain of :mod:`~surgery.ops` over every tensor collected under its source patterns.
+* :class:`~surgery.converter.WeightConverter` (in :mod:`surgery.converter`) claims a key and
+  runs a chain of :mod:`~surgery.ops` over the tensors collected under its source patterns.
 
 A transform whose ``scope_prefix`` is set fires only on keys under ``f"{scope_prefix}."``; the
 prefix is stripped before matching (so ``^`` anchors at the scoped key) and put back afterwards.
@@ -20,26 +20,13 @@ Example:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import torch
-
-from .collection import expand_outputs, gather_slots
-from .errors import ConfigurationError, ConversionError, PatternError
-from .ops import ConversionOp, OpContext, reverse_chain, run_chain
+from .errors import ConfigurationError, PatternError
 from .patterns import SourcePattern, TargetPattern, compile_source, parse_target, reverse_pair
 
-__all__ = [
-    "PrefixChange",
-    "TransformMatch",
-    "WeightConverter",
-    "WeightRenaming",
-    "WeightTransform",
-    "legacy_renamings",
-    "split_transforms",
-]
+__all__ = ["PrefixChange", "TransformMatch", "WeightRenaming", "WeightTransform", "legacy_renamings"]
 
 
 class TransformMatch(NamedTuple):
@@ -166,6 +153,22 @@ class WeightTransform:
         stars = tuple([m.group(g) for g in sp.star_groups]) if sp.star_groups else ()
         start, end = m.span()
         return _new_match(TransformMatch, (i, head + key[:start], key[end:], groups, stars))
+
+    @property
+    def compiled_sources(self) -> tuple[SourcePattern, ...]:
+        """The source patterns, compiled (:func:`~surgery.patterns.compile_source`)."""
+        return self._sources
+
+    @property
+    def digit_blind(self) -> bool:
+        """Whether keys differing only in the digits of numeric components match alike.
+
+        True when every source pattern is digit-blind (:func:`~surgery.patterns.is_digit_blind`)
+        and the scope holds no digit (``startswith`` on a scope like ``"blocks.0"`` tells
+        ``blocks.0.x`` from ``blocks.1.x``).
+        """
+        scope = self.scope_prefix or ""
+        return all(sp.digit_blind for sp in self._sources) and not any(c in "0123456789" for c in scope)
 
     def target_index(self, pattern_index: int) -> int:
         """Which target a match of source ``pattern_index`` is renamed to (pairwise, else the first)."""
@@ -308,235 +311,9 @@ class PrefixChange(WeightRenaming):
         )
 
 
-class WeightConverter(WeightTransform):
-    """Claim keys and convert the tensors collected under the source patterns with ``operations``.
-
-    1→1, 1→N (e.g. ``Chunk``) and N→1 (e.g. ``Concatenate``) are always allowed; N→M needs an op
-    with ``supports_many_to_many = True``.
-
-    Collected tensors are kept per *target key*, so one converter instance serves every layer:
-    :meth:`add_tensor` files a tensor (or a future, or a zero-argument callable), :meth:`convert`
-    runs the chain for one target key and forgets its inputs.
-    """
-
-    def __init__(
-        self,
-        source_patterns: str | Sequence[str],
-        target_patterns: str | Sequence[str],
-        operations: Sequence[ConversionOp] = (),
-        *,
-        scope_prefix: str | None = None,
-    ) -> None:
-        super().__init__(source_patterns, target_patterns, scope_prefix=scope_prefix)
-        ops = tuple(operations)
-        bad = [op for op in ops if not isinstance(op, ConversionOp)]
-        if bad:
-            raise ConfigurationError(f"{self!r}: operations must be ConversionOp instances, got {bad!r}.")
-        if (
-            len(self.source_patterns) > 1
-            and len(self.target_patterns) > 1
-            and not any(op.supports_many_to_many for op in ops)
-        ):
-            raise ConfigurationError(
-                f"{self!r} maps {len(self.source_patterns)} sources to {len(self.target_patterns)} targets; "
-                "N→M needs an op with supports_many_to_many=True. Split it into N→1 or 1→N converters."
-            )
-        if not ops and (
-            len(self.source_patterns) != len(self.target_patterns) or any(s.has_star for s in self._sources)
-        ):
-            raise ConfigurationError(f"{self!r} has no operations; only a 1→1 rename can do without one.")
-        self.operations: tuple[ConversionOp, ...] = ops
-        self._reset_state()
-
-    def _reset_state(self) -> None:
-        self._collected: dict[str, dict[int, dict[tuple[int, ...], Any]]] = {}
-        self._sources_of: dict[str, dict[int, dict[tuple[int, ...], str]]] = {}
-
-    def _init_kwargs(self) -> dict[str, Any]:
-        return {"operations": reverse_chain(self.operations)}
-
-    def __repr__(self) -> str:
-        base = super().__repr__()
-        return f"{base[:-1]}, operations={list(getattr(self, 'operations', ()))!r})"
-
-    def target_keys(self, m: TransformMatch) -> tuple[str, ...]:
-        return tuple(m.prefix + t.expand(m.groups, m.stars) + m.suffix for t in self._targets)
-
-    def _pairwise(self) -> bool:
-        return False  # every source feeds every target of a converter
-
-    @property
-    def _target_stars(self) -> int:
-        """How many wildcards the targets keep; a source's wildcards beyond these are gathered."""
-        return max((t.n_stars for t in self._targets), default=0)
-
-    def _gathered(self, pattern_index: int) -> int:
-        """How many trailing wildcards of source ``pattern_index`` are gathered into one target."""
-        return max(0, len(self._sources[pattern_index].star_groups) - self._target_stars)
-
-    def gathers_from(self, pattern_index: int) -> bool:
-        """Whether keys of source ``pattern_index`` are gathered into a list (ordered by index)."""
-        return self._gathered(pattern_index) > 0
-
-    @property
-    def gathers(self) -> bool:
-        """Whether a source has more index wildcards than the targets keep (a merge).
-
-        ``experts.*.w1 -> experts.gate`` gathers every expert; so does
-        ``layers.*.experts.*.w1 -> layers.*.experts.gate`` (one merge per layer: the targets keep
-        the first wildcard, the second is gathered).
-        """
-        return any(self._gathered(i) for i in range(len(self._sources)))
-
-    def gather_index(self, m: TransformMatch) -> tuple[int, ...]:
-        """The gathered wildcard values of a match: its position in the merge (``()`` if none).
-
-        Example:
-            >>> from surgery import ops
-            >>> c = WeightConverter("layers.*.experts.*.w1", "layers.*.experts.gate", [ops.MergeModulelist()])
-            >>> c.gather_index(c.match("model.layers.3.experts.10.w1.weight"))
-            (10,)
-        """
-        n = self._gathered(m.pattern_index)
-        return tuple(int(x) for x in m.stars[len(m.stars) - n :]) if n else ()
-
-    # ------------------------------------------------------------------ collection
-    def add_tensor(
-        self,
-        target_key: str,
-        source_key: str,
-        source_pattern: str | int,
-        tensor: torch.Tensor | Future[torch.Tensor] | Any,
-        *,
-        index: tuple[int, ...] = (),
-    ) -> None:
-        """File ``tensor`` (or a future / zero-argument callable) for ``target_key``.
-
-        Args:
-            target_key: the group's first target key (``route_keys`` gives it).
-            source_key: the checkpoint key, for error messages.
-            source_pattern: the source pattern that matched, as text or as its index.
-            tensor: a tensor, a :class:`~concurrent.futures.Future` of one, or a zero-argument callable.
-            index: the values the wildcards captured (:meth:`gather_index`, or every wildcard of the
-                source: the ones the targets keep are dropped); it decides the position in the merge.
-
-        Raises:
-            ConversionError: when another key already landed at the same position, or
-                ``source_pattern`` is not one of this converter's patterns.
-        """
-        i = self._pattern_number(source_pattern)
-        n = self._gathered(i)
-        index = tuple(int(x) for x in index)
-        if len(index) > n:
-            index = index[len(index) - n :] if n else ()
-        elif len(index) < n:
-            raise ConversionError(
-                f"{self!r}: {source_key!r} matched {self.source_patterns[i]!r}, which gathers {n} index "
-                f"wildcard(s), but add_tensor got index={index!r}; pass index=gather_index(match)."
-            )
-        slot = self._collected.setdefault(target_key, {}).setdefault(i, {})
-        names = self._sources_of.setdefault(target_key, {}).setdefault(i, {})
-        if index in slot:
-            raise ConversionError(
-                f"{self!r}: checkpoint keys {names[index]!r} and {source_key!r} both land on "
-                f"{target_key!r} (pattern {self.source_patterns[i]!r}, index {index}); remove one."
-            )
-        slot[index] = tensor
-        names[index] = source_key
-
-    def _pattern_number(self, source_pattern: str | int) -> int:
-        if isinstance(source_pattern, int) and not isinstance(source_pattern, bool):
-            if 0 <= source_pattern < len(self.source_patterns):
-                return source_pattern
-        elif source_pattern in self.source_patterns:
-            return self.source_patterns.index(source_pattern)
-        raise ConversionError(
-            f"{self!r}: {source_pattern!r} is not one of its source patterns {list(self.source_patterns)}; "
-            "pass the pattern text or its index as returned by rename_source_key() or match()."
-        )
-
-    def pending_targets(self) -> list[str]:
-        return list(self._collected)
-
-    def convert(
-        self,
-        target_key: str,
-        ctx: OpContext | None = None,
-        *,
-        target_keys: Sequence[str] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Run the op chain for ``target_key`` and return ``{runtime_key: tensor}``.
-
-        Args:
-            target_key: the group's first target key, as given to :meth:`add_tensor`.
-            ctx: target shapes and config for the ops (key names are filled in here).
-            target_keys: every target key of the group (``TargetGroup.target_keys``); without it they
-                are rebuilt from ``target_key`` and the target patterns.
-
-        Raises:
-            ConversionError: a source pattern got nothing, an index is missing from a merge, or an
-                op failed; the message names this transform, the keys and the target.
-        """
-        collected = self._collected.pop(target_key, None)
-        names = self._sources_of.pop(target_key, {})
-        if collected is None:
-            raise ConversionError(f"{self!r}: nothing was collected for {target_key!r}.")
-        source_keys = tuple(k for i in sorted(names) for _, k in sorted(names[i].items()))
-        slots = gather_slots(self, collected, names, target_key)
-        if target_keys is not None:
-            targets = tuple(target_keys)
-            if len(targets) != len(self._targets):
-                raise ConversionError(
-                    f"{self!r}: got {len(targets)} target keys {list(targets)} for {len(self._targets)} "
-                    f"target pattern(s); pass the group's target keys in pattern order."
-                )
-        else:
-            targets = self._expand_target_keys(target_key)
-        base = ctx or OpContext()
-        ctx = OpContext(
-            n_targets=len(self._targets),
-            target_shapes=base.target_shapes,
-            config=base.config,
-            source_keys=source_keys,
-            target_keys=targets,
-            transform=repr(self),
-        )
-        out = run_chain(self.operations, slots, ctx)
-        return expand_outputs(targets, out, self)
-
-    def _expand_target_keys(self, first_target_key: str) -> tuple[str, ...]:
-        """All target keys of the group whose first target key is ``first_target_key``."""
-        if len(self._targets) == 1:
-            return (first_target_key,)
-        # The first target's text sits somewhere inside the key; rebuild the others around it.
-        m = self._targets[0].locate(first_target_key)
-        if m is None:
-            raise ConversionError(
-                f"{self!r}: cannot locate {self.target_patterns[0]!r} in {first_target_key!r}."
-            )
-        prefix, groups, stars, suffix = m
-        return tuple(prefix + t.expand(groups, stars) + suffix for t in self._targets)
-
-
 def legacy_renamings() -> list[WeightTransform]:
     """The built-in renames every model gets: ``LayerNorm.gamma/beta`` → ``LayerNorm.weight/bias``."""
     return [
         WeightRenaming(r"LayerNorm\.gamma", "LayerNorm.weight"),
         WeightRenaming(r"LayerNorm\.beta", "LayerNorm.bias"),
     ]
-
-
-def split_transforms(
-    transforms: Iterable[WeightTransform],
-) -> tuple[list[WeightTransform], list[WeightConverter]]:
-    """Renamings (in order) and converters (in order) of a transform list."""
-    renamings: list[WeightTransform] = []
-    converters: list[WeightConverter] = []
-    for t in transforms:
-        if isinstance(t, WeightConverter):
-            converters.append(t)
-        elif isinstance(t, WeightTransform):
-            renamings.append(t)
-        else:
-            raise ConfigurationError(f"{t!r} is not a WeightTransform.")
-    return renamings, converters

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import specs
 from specs import clip, detr, dinov2, ernie4_5_vl_moe, llava, mixtral, qwen2_moe, qwen2_vl, vit
-from surgery import ConversionError, WeightConverter, route_keys
+from surgery import ConversionError, WeightConverter
 from surgery.ops import OpContext, Slot
 from surgery.registry import (
     checkpoint_conversion_entry,
@@ -28,6 +28,7 @@ from surgery.registry import (
     registering_catalog,
     registry_snapshot,
 )
+from surgery.routing import route_keys
 from surgery.transforms import WeightTransform
 
 FAMILIES = (mixtral, qwen2_moe, llava, qwen2_vl, clip, vit, dinov2, detr, ernie4_5_vl_moe)

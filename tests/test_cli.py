@@ -14,7 +14,7 @@ import pytest
 from surgery.checkpoint import write_checkpoint
 from surgery.cli import main
 from surgery.examples.moe import build_moe_model, original_state_dict
-from surgery.plan import LoadPlan
+from surgery.load.plan import LoadPlan
 
 SHARD = 40_000  # bytes: the example checkpoint (~64 KB) takes two shards
 

@@ -17,7 +17,7 @@ from surgery import WeightConverter, ops
 from surgery.checkpoint import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, write_checkpoint
 from surgery.errors import CheckpointError, ConfigurationError, LoadError
 from surgery.examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
-from surgery.loading import SYNC_ENV, load_record
+from surgery.load.loader import SYNC_ENV, load_record
 from surgery.registry import register_checkpoint_conversion_mapping, registry_snapshot
 
 CFG = ExampleMoEConfig()
@@ -524,7 +524,7 @@ def test_report_round_trips_through_json_and_reads_well(tmp_path: Path) -> None:
 def test_sync_switch_reads_the_environment_unless_the_argument_decides(
     monkeypatch, env, sync, sequential
 ) -> None:
-    from surgery.loading import _sync_requested
+    from surgery.load.loader import _sync_requested
 
     if env is None:
         monkeypatch.delenv(SYNC_ENV, raising=False)

@@ -16,9 +16,9 @@ from surgery.checkpoint import SAFE_WEIGHTS_NAME, write_checkpoint
 from surgery.examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
 from surgery.examples.vision import build_vision_tower
 from surgery.fusion import fusion_record
-from surgery.loading import load_record
+from surgery.load.loader import load_record
+from surgery.load.plan import LoadPlan, PlanEntry, fold_indices
 from surgery.ops import OpContext
-from surgery.plan import LoadPlan, PlanEntry, fold_indices
 
 CFG = ExampleMoEConfig()
 FUSE = {"patch_embeddings": True}
@@ -247,7 +247,7 @@ _SLOTS = {
 @pytest.mark.parametrize("slots", list(_SLOTS.values()), ids=list(_SLOTS))
 @pytest.mark.parametrize("chain", list(_CHAINS.values()), ids=list(_CHAINS))
 def test_shape_rules_agree_with_the_meta_run(chain: list, slots: list) -> None:
-    from surgery.placement import _meta_stage_shapes, _rule_stage_shapes
+    from surgery.load.placement import _meta_stage_shapes, _rule_stage_shapes
 
     conv = WeightConverter(["a.*", "b.*"] if len(slots) == 2 else ["a.*"], "ab", chain)
     ctx = OpContext(n_targets=1)
@@ -261,7 +261,7 @@ def test_shape_rules_agree_with_the_meta_run(chain: list, slots: list) -> None:
 
 
 def test_shape_rules_cover_the_fused_experts_chain() -> None:
-    from surgery.placement import _rule_stage_shapes
+    from surgery.load.placement import _rule_stage_shapes
 
     stages = _rule_stage_shapes((ops.MergeModulelist(0), ops.Concatenate(1)), [[(2, 3)] * 4, [(2, 3)] * 4])
     assert stages is not None and stages[-1] == [(4, 4, 3)]

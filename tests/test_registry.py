@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from surgery import ops
+from surgery.converter import WeightConverter
 from surgery.errors import RegistryError
 from surgery.registry import (
     catalog_modules,
@@ -25,7 +26,7 @@ from surgery.registry import (
     registering_catalog,
     registry_snapshot,
 )
-from surgery.transforms import PrefixChange, WeightConverter, WeightRenaming
+from surgery.transforms import PrefixChange, WeightRenaming
 
 
 def _renaming(src: str = r"\.gamma$", tgt: str = ".weight") -> WeightRenaming:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from surgery.errors import ConfigurationError
-from surgery.report import ConversionFailure, LoadReport, Mismatch
+from surgery.load.report import ConversionFailure, LoadReport, Mismatch
 
 SHAPE = Mismatch("a.weight", "shape", "(3,)", "(4,)", ("a.weight",), loaded=False)
 DTYPE = Mismatch("b.weight", "dtype", "bfloat16", "float32", ("b.weight",), loaded=True)

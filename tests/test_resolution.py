@@ -14,6 +14,7 @@ import pytest
 from torch import nn
 
 from surgery import ops
+from surgery.converter import WeightConverter
 from surgery.errors import ConfigurationError, RegistryError
 from surgery.graph import ModuleGraph
 from surgery.registry import (
@@ -23,7 +24,7 @@ from surgery.registry import (
     registry_snapshot,
 )
 from surgery.resolution import explain_model_conversion_mapping, get_model_conversion_mapping
-from surgery.transforms import WeightConverter, WeightRenaming, WeightTransform
+from surgery.transforms import WeightRenaming, WeightTransform
 
 
 def _r(src: str, tgt: str) -> WeightRenaming:

@@ -1,33 +1,19 @@
-r"""Routing checkpoint keys through a transform list (:mod:`surgery.routing`, :mod:`surgery.fastroute`).
+r"""Routing checkpoint keys through a transform list (:mod:`surgery.routing`).
 
-The fast path (keys of one shape share one decision) must be indistinguishable from the exact
-per-key path; the property tests below compare the two on random transform lists and keys, and
-the spec tests pin down what :func:`route_keys` means.
+The spec tests pin down what :func:`route_keys` means. The template cache must be invisible:
+the property tests compare ``route_keys`` with ``route_keys(..., cache=False)`` (every key routed
+on its own) on random transform lists and keys, including patterns the cache must refuse.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
-from unittest.mock import patch
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from surgery import ConfigurationError, PrefixChange, WeightConverter, WeightRenaming, filing, ops
-from surgery.benchmarks.route import mixtral_mapping
-from surgery.digitsafety import GUARDED, UNIFORM, UNSAFE, pattern_safety
-from surgery.fastroute import TemplateRouter, key_templates
-from surgery.routing import (
-    KeyRoute,
-    RouteConflict,
-    Routing,
-    _route_keys_exact,
-    _Router,
-    route_key,
-    route_keys,
-)
+from surgery import ConfigurationError, PrefixChange, WeightConverter, WeightRenaming, ops
+from surgery.bench.route import mixtral_mapping
+from surgery.routing import KeyRoute, RouteConflict, Routing, route_key, route_keys
 from surgery.transforms import WeightTransform, legacy_renamings
 
 # --------------------------------------------------------------------------- fixtures
@@ -71,6 +57,10 @@ def outcome(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
         return fn(*args, **kwargs)
     except ConfigurationError as exc:
         return ("ConfigurationError", str(exc))
+
+
+def uncached(keys: list[str], transforms: list[WeightTransform], **kwargs: object) -> Routing:
+    return route_keys(keys, transforms, cache=False, **kwargs)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- spec: route_keys
@@ -203,14 +193,11 @@ def test_fired_lists_the_transforms_that_fired() -> None:
     assert routing.fired(["model.layers.0.self_attn.q_proj.weight"]) == []
 
 
-def test_routes_are_a_read_only_mapping_in_key_order() -> None:
+def test_routes_hold_one_record_per_key_in_key_order() -> None:
     keys = mixtral_keys(3, 3)
     routes = route_keys(keys, mixtral_mapping()).routes
     assert list(routes) == keys and len(routes) == len(keys)
-    assert keys[5] in routes and "nope" not in routes
-    assert isinstance(routes[keys[5]], KeyRoute)
-    with pytest.raises(KeyError):
-        routes["nope"]
+    assert all(isinstance(routes[k], KeyRoute) and routes[k].source_key == k for k in keys)
 
 
 def test_route_key_matches_route_keys() -> None:
@@ -224,32 +211,35 @@ def test_a_key_that_is_not_a_string_is_a_configuration_error() -> None:
         route_keys(["a.weight", 3], [])  # type: ignore[list-item]
 
 
-# --------------------------------------------------------------------------- fast path == exact path
+# --------------------------------------------------------------------------- the cache is invisible
 
 
-def test_mixtral_routing_equals_the_exact_path() -> None:
+def test_mixtral_routing_equals_uncached_routing() -> None:
     keys, transforms = mixtral_keys(14, 12), mixtral_mapping()
-    assert_same_routing(route_keys(keys, transforms), _route_keys_exact(keys, transforms))
+    assert_same_routing(route_keys(keys, transforms), uncached(keys, transforms))
 
 
-def test_keys_of_one_shape_share_one_class() -> None:
-    router = TemplateRouter(_Router(mixtral_mapping()))
-    keys = mixtral_keys(14, 12)
-    decisions = dict(router.route_many(keys))
-    assert not router.exact_only
-    classes = {id(root.walk(k)) for k, root in zip(keys, map(router.table.__getitem__, key_templates(keys)))}
-    assert len(classes) < 40  # 1 764 keys, a few dozen shapes
-    assert decisions == {k: _Router(mixtral_mapping()).route(k) for k in keys}
+def test_expert_indices_of_every_width_route_like_uncached_routing() -> None:
+    keys, transforms = mixtral_keys(6, 128), mixtral_mapping()  # experts 0-9, 10-99, 100-127
+    assert_same_routing(route_keys(keys, transforms), uncached(keys, transforms))
 
 
-def test_an_unsafe_pattern_routes_the_whole_list_exactly() -> None:
+def test_a_digit_literal_in_a_pattern_fires_only_on_its_index() -> None:
     transforms = [WeightRenaming(r"layers\.0\.", "first."), *mixtral_mapping()]
-    assert TemplateRouter(_Router(transforms)).exact_only
     keys = mixtral_keys(12, 3)
-    assert_same_routing(route_keys(keys, transforms), _route_keys_exact(keys, transforms))
+    routing = route_keys(keys, transforms)
+    assert (
+        routing.routes["model.layers.0.input_layernorm.weight"].target_key
+        == "model.first.input_layernorm.weight"
+    )
+    assert (
+        routing.routes["model.layers.10.input_layernorm.weight"].target_key
+        == "model.layers.10.input_layernorm.weight"
+    )
+    assert_same_routing(routing, uncached(keys, transforms))
 
 
-def test_a_scope_with_digits_splits_its_class_by_index() -> None:
+def test_a_scope_with_digits_fires_only_under_its_index() -> None:
     transforms = [
         WeightRenaming(r"^self_attn\.", "attention.", scope_prefix="model.layers.1"),
         *mixtral_mapping(),
@@ -264,66 +254,80 @@ def test_a_scope_with_digits_splits_its_class_by_index() -> None:
         routing.routes["model.layers.11.self_attn.q_proj.weight"].target_key
         == "model.layers.11.self_attn.q_proj.weight"
     )
-    assert_same_routing(routing, _route_keys_exact(keys, transforms))
+    assert_same_routing(routing, uncached(keys, transforms))
 
 
-def test_a_renaming_that_glues_an_index_to_a_name_still_routes_exactly() -> None:
-    # After ``layer\1_x.`` the index sits next to letters, where ``w1``-style literals could see it.
+@pytest.mark.parametrize("first", [1, 2], ids=["matching-key-first", "other-key-first"])
+def test_a_renaming_that_glues_an_index_to_a_name_still_routes_exactly(first: int) -> None:
+    # After ``layer\1_x.`` the index sits next to letters, where the ``r1_x`` literal sees it.
     transforms = [WeightRenaming(r"layers\.(\d+)\.", r"layer\1_x."), WeightConverter(r"r1_x\.w", "hit", [])]
-    keys = [f"layer{i}.w" for i in (1, 2, 11, 12, 21)] + [f"layers.{i}.w" for i in (1, 2, 11, 12, 21)]
-    assert_same_routing(route_keys(keys, transforms), _route_keys_exact(keys, transforms))
+    keys = [f"layers.{i}.w" for i in (first, 3 - first, 5, 11, 12, 21)] + [f"layer{i}.w" for i in (1, 2, 11)]
+    routing = route_keys(keys, transforms)
+    assert routing.routes["layers.1.w"].target_key == "layehit"  # the match "r1_x.w" is replaced
+    assert routing.routes["layers.2.w"].target_key == "layer2_x.w"
+    assert_same_routing(routing, uncached(keys, transforms))
 
 
-def test_duplicate_keys_route_like_the_exact_path() -> None:
+def test_a_renaming_that_reorders_digits_routes_exactly() -> None:
+    transforms = [WeightRenaming(r"experts\.(\d)(\d)\.", r"experts.\2\1."), *mixtral_mapping()]
+    keys = mixtral_keys(2, 30)
+    routing = route_keys(keys, transforms)
+    assert routing.routes["model.layers.0.block_sparse_moe.experts.12.w1.weight"].index == (21,)
+    assert_same_routing(routing, uncached(keys, transforms))
+
+
+def test_two_wildcards_keep_their_order_in_the_index() -> None:
+    transforms = [
+        WeightConverter("layers.*.blocks.*.fc2.weight", "layers.*.blocks.fc2", [ops.MergeModulelist(0)])
+    ]
+    keys = [f"m.layers.{layer}.blocks.{block}.fc2.weight" for layer in (0, 1, 2, 10) for block in (0, 1, 2)]
+    routing = route_keys(keys, transforms)
+    assert routing.routes["m.layers.1.blocks.2.fc2.weight"].index == (1, 2)
+    assert routing.groups["m.layers.10.blocks.fc2"].source_keys == [
+        f"m.layers.10.blocks.{b}.fc2.weight" for b in range(3)
+    ]
+    assert_same_routing(routing, uncached(keys, transforms))
+
+
+def test_duplicate_keys_route_like_uncached_routing() -> None:
     keys, transforms = mixtral_keys(2, 2), mixtral_mapping()
     keys += keys[3:9]
-    assert_same_routing(route_keys(keys, transforms), _route_keys_exact(keys, transforms))
+    assert_same_routing(route_keys(keys, transforms), uncached(keys, transforms))
 
 
-def test_a_key_with_a_newline_routes_like_the_exact_path() -> None:
-    keys = ["a.\n1.weight", "a.2.weight", "a.3.weight"]
+def test_a_key_with_a_newline_routes_like_uncached_routing() -> None:
+    keys = ["a.\n1.weight", "a.2.weight", "a.3.weight", "a.4\n.weight"]
     transforms = [WeightRenaming(r"^a\.", "b.")]
-    assert_same_routing(route_keys(keys, transforms), _route_keys_exact(keys, transforms))
+    assert_same_routing(route_keys(keys, transforms), uncached(keys, transforms))
 
 
-def test_keys_with_lone_surrogates_and_non_ascii_text_route_like_the_exact_path() -> None:
+def test_keys_with_lone_surrogates_and_non_ascii_text_route_like_uncached_routing() -> None:
     keys = ["m.\ud800.1.w", "m.\ud800.2.w", "m.é.3.w", "m.é.4.w", "m.\ud800.12.w"]
     transforms = [WeightConverter(r"\.*\.w$", ".stacked", [ops.MergeModulelist(dim=0)])]
-    assert_same_routing(route_keys(keys, transforms), _route_keys_exact(keys, transforms))
-    assert key_templates(keys) == ["m.\ud800.0.w", "m.\ud800.0.w", "m.é.0.w", "m.é.0.w", "m.\ud800.00.w"]
+    assert_same_routing(route_keys(keys, transforms), uncached(keys, transforms))
 
 
-@pytest.mark.parametrize(
-    ("pattern", "expected"),
-    [
-        (r"\.block_sparse_moe\.", UNIFORM),
-        (r"layers\.(\d+)\.(?:a|b)", UNIFORM),
-        (r"^(?!model\.)(.+)", UNIFORM),
-        (r"x\d{2}", UNIFORM),
-        (r"experts\.(?P<_star0>\d+)\.w1\.weight(?![A-Za-z0-9_])", GUARDED),
-        (r"fc[12]\.", GUARDED),
-        (r"layers\.0\.", UNSAFE),
-        (r"experts\.[0-3]\.", UNSAFE),
-        (r"(\d)\1", UNSAFE),
-        (r"w(1)", UNSAFE),
-        (r"[^5]", UNSAFE),
-    ],
-    ids=[
-        "literal",
-        "digits",
-        "lookahead",
-        "bounded-repeat",
-        "guarded-w1",
-        "guarded-class",
-        "digit-literal",
-        "digit-subset",
-        "backreference",
-        "unguarded-in-group",
-        "negated-digit",
-    ],
-)
-def test_pattern_safety_classifies_how_a_regex_sees_indices(pattern: str, expected: int) -> None:
-    assert pattern_safety(pattern) == expected
+def test_a_conflict_far_from_the_first_key_is_reported_in_key_order() -> None:
+    keys = mixtral_keys(30, 12)
+    keys.insert(600, "model.layers.2.block_sparse_moe.experts.03.w2.weight")  # index 3 again
+    keys.append("model.layers.0.block_sparse_moe.experts.0.w1.weight")  # a duplicate
+    transforms = mixtral_mapping()
+    routing = route_keys(keys, transforms)
+    assert [(c.first, c.second) for c in routing.conflicts] == [
+        ("model.layers.2.block_sparse_moe.experts.3.w2.weight", keys[600]),
+        ("model.layers.0.block_sparse_moe.experts.0.w1.weight", keys[-1]),
+    ]
+    assert_same_routing(routing, uncached(keys, transforms))
+
+
+def test_the_first_key_two_converters_claim_is_the_one_named() -> None:
+    transforms = [
+        WeightConverter("experts.*.w1.weight", "experts.gate", [ops.MergeModulelist(0)]),
+        WeightConverter(r"s\.7\.w1\.weight", "seven.weight", []),
+    ]
+    keys = [f"l.experts.{e}.w1.weight" for e in range(12)]
+    with pytest.raises(ConfigurationError, match=r"'l\.experts\.7\.w1\.weight'"):
+        route_keys(keys, transforms)
 
 
 # --------------------------------------------------------------------------- property: random lists
@@ -362,6 +366,10 @@ _CONVERTERS = [
         r"layers\.(\d+)\.mlp\.gate\.weight", r"layers.\1.router.weight", [], scope_prefix=s
     ),
     lambda s: WeightConverter("blocks.*.fc2.weight", "blocks.fc2", [ops.MergeModulelist(0)], scope_prefix=s),
+    lambda s: WeightConverter(r"r1_x\.w", "glued.w", [], scope_prefix=s),  # sees an index a renaming glued
+    lambda s: WeightConverter(  # two wildcards: the layer is kept, the block gathered
+        "layers.*.blocks.*.fc2.weight", "layers.*.blocks.fc2", [ops.MergeModulelist(0)], scope_prefix=s
+    ),
 ]
 _MODULES = [
     "block_sparse_moe.experts.{E}.w{w}.weight",
@@ -417,96 +425,27 @@ def key_lists(draw: st.DrawFn) -> list[str]:
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
 @given(transforms=transform_lists(), keys=key_lists())
-def test_fast_routing_equals_exact_routing(transforms: list[WeightTransform], keys: list[str]) -> None:
-    fast = outcome(route_keys, keys, transforms)
-    exact = outcome(_route_keys_exact, keys, transforms)
-    assert_same_outcome(fast, exact)
+def test_cached_routing_equals_uncached_routing(transforms: list[WeightTransform], keys: list[str]) -> None:
+    assert_same_outcome(outcome(route_keys, keys, transforms), outcome(uncached, keys, transforms))
 
 
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
 @given(transforms=transform_lists(), keys=key_lists(), data=st.data())
-def test_fast_routing_equals_exact_routing_with_base_model_prefix(
+def test_cached_routing_equals_uncached_routing_with_base_model_prefix(
     transforms: list[WeightTransform], keys: list[str], data: st.DataObject
 ) -> None:
     runtime = set(data.draw(st.lists(st.sampled_from(keys), max_size=len(keys) // 2)))
     runtime |= {"model." + k for k in data.draw(st.lists(st.sampled_from(keys), max_size=5))}
     runtime |= {k.removeprefix("model.") for k in data.draw(st.lists(st.sampled_from(keys), max_size=5))}
     kwargs = {"runtime_keys": runtime, "base_model_prefix": "model"}
-    fast = outcome(route_keys, keys, transforms, **kwargs)
-    exact = outcome(_route_keys_exact, keys, transforms, **kwargs)
-    assert_same_outcome(fast, exact)
+    assert_same_outcome(
+        outcome(route_keys, keys, transforms, **kwargs), outcome(uncached, keys, transforms, **kwargs)
+    )
 
 
-@settings(
-    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
-)
-@given(transforms=transform_lists(), keys=key_lists(), chunk=st.integers(1, 9))
-def test_fast_routing_equals_exact_routing_across_chunk_boundaries(
-    transforms: list[WeightTransform], keys: list[str], chunk: int
-) -> None:
-    # Keys are filed a chunk at a time; tiny chunks put every boundary case (a class built in one
-    # chunk and used in the next, a conflict or duplicate split across chunks) in a small test.
-    with patch.object(filing, "_CHUNK", chunk):
-        fast = outcome(route_keys, keys, transforms)
-    exact = outcome(_route_keys_exact, keys, transforms)
-    assert_same_outcome(fast, exact)
-
-
-# --------------------------------------------------------------------------- width families
-
-
-@contextmanager
-def sharing_events() -> Iterator[list[str]]:
-    """Record when width families start (``"share"``) and stop (``"unshare"``) sharing a cache."""
-    events: list[str] = []
-    try_share, unshare = filing.try_share, filing.unshare
-
-    def counted_try_share(family, caches, cache_roots):  # type: ignore[no-untyped-def]
-        before = sum(m.cache is not m.own for m in family.members)
-        try_share(family, caches, cache_roots)
-        if sum(m.cache is not m.own for m in family.members) > before:
-            events.append("share")
-
-    def counted_unshare(family, caches):  # type: ignore[no-untyped-def]
-        if family.shared is not None:
-            events.append("unshare")
-        unshare(family, caches)
-
-    with (
-        patch.object(filing, "try_share", counted_try_share),
-        patch.object(filing, "unshare", counted_unshare),
-    ):
-        yield events
-
-
-def test_expert_indices_of_every_width_share_one_cache_and_route_exactly() -> None:
-    keys, transforms = mixtral_keys(6, 128), mixtral_mapping()  # experts 0-9, 10-99, 100-127
-    with sharing_events() as events, patch.object(filing, "_CHUNK", 64):
-        fast = route_keys(keys, transforms)
-    assert events == ["share", "share"]  # the widths seen in the first chunk, then the third
-    assert_same_routing(fast, _route_keys_exact(keys, transforms))
-
-
-def test_a_family_stops_sharing_when_one_width_meets_a_class_the_others_lack() -> None:
-    transforms = mixtral_mapping()
-    keys = mixtral_keys(6, 24)
-    keys += [f"model.layers.{i}.block_sparse_moe.experts.{e}.w4.weight" for i in range(6) for e in range(24)]
-    with sharing_events() as events, patch.object(filing, "_CHUNK", 8):
-        fast = route_keys(keys, transforms)
-    assert events == ["share", "unshare"]  # w4 gathers nothing: its verdict is not a shared list
-    assert_same_routing(fast, _route_keys_exact(keys, transforms))
-
-
-def test_widths_that_route_differently_never_share() -> None:
-    transforms = [WeightRenaming(r"experts\.(\d)(\d)\.", r"experts.\2\1."), *mixtral_mapping()]
-    keys = mixtral_keys(4, 30)
-    with sharing_events() as events, patch.object(filing, "_CHUNK", 16):
-        fast = route_keys(keys, transforms)
-    assert events == []
-    assert_same_routing(fast, _route_keys_exact(keys, transforms))
-
+# --------------------------------------------------------------------------- property: experts of several widths
 
 _MOE_MODULES = [
     "mlp.experts.{E}.w{w}.weight",
@@ -555,37 +494,15 @@ def moe_key_lists(draw: st.DrawFn) -> list[str]:
 @settings(
     max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
-@given(
-    transforms=moe_transform_lists(),
-    keys=moe_key_lists(),
-    chunk=st.sampled_from([1, 3, 8, 32]),
-    with_prefix=st.booleans(),
-    data=st.data(),
-)
-def test_fast_routing_equals_exact_routing_when_widths_share(
-    transforms: list[WeightTransform], keys: list[str], chunk: int, with_prefix: bool, data: st.DataObject
+@given(transforms=moe_transform_lists(), keys=moe_key_lists(), with_prefix=st.booleans(), data=st.data())
+def test_cached_routing_equals_uncached_routing_for_experts_of_several_widths(
+    transforms: list[WeightTransform], keys: list[str], with_prefix: bool, data: st.DataObject
 ) -> None:
     kwargs: dict[str, object] = {}
     if with_prefix:
         runtime = set(data.draw(st.lists(st.sampled_from(keys), max_size=len(keys) // 2)))
         runtime |= {"model." + k for k in data.draw(st.lists(st.sampled_from(keys), max_size=5))}
         kwargs = {"runtime_keys": runtime, "base_model_prefix": "model"}
-    with patch.object(filing, "_CHUNK", chunk):
-        fast = outcome(route_keys, keys, transforms, **kwargs)
-    exact = outcome(_route_keys_exact, keys, transforms, **kwargs)
-    assert_same_outcome(fast, exact)
-
-
-@pytest.mark.parametrize("chunk", [1, 3, 4096])
-def test_a_conflict_far_from_the_first_key_is_reported_in_key_order(chunk: int) -> None:
-    keys = mixtral_keys(30, 12)
-    keys.insert(600, "model.layers.2.block_sparse_moe.experts.03.w2.weight")  # index 3 again
-    keys.append("model.layers.0.block_sparse_moe.experts.0.w1.weight")  # a duplicate
-    transforms = mixtral_mapping()
-    with patch.object(filing, "_CHUNK", chunk):
-        fast = route_keys(keys, transforms)
-    assert [(c.first, c.second) for c in fast.conflicts] == [
-        ("model.layers.2.block_sparse_moe.experts.3.w2.weight", keys[600]),
-        ("model.layers.0.block_sparse_moe.experts.0.w1.weight", keys[-1]),
-    ]
-    assert_same_routing(fast, _route_keys_exact(keys, transforms))
+    assert_same_outcome(
+        outcome(route_keys, keys, transforms, **kwargs), outcome(uncached, keys, transforms, **kwargs)
+    )

@@ -1,6 +1,6 @@
 r"""Specification of weight transforms: renamings, prefix changes, converters, scoping and reversal.
 
-Loading and saving are exercised the way the loader does it: :func:`surgery.route_keys` decides
+Loading and saving are exercised the way the loader does it: :func:`surgery.routing.route_keys` decides
 where each checkpoint key goes, converters collect tensors (or futures) with ``add_tensor`` and
 ``convert`` runs the op chain. Saving inverts in two stages: reversed converters first, then the
 reversed renamings in reverse order.
@@ -23,18 +23,12 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import surgery
 from surgery import ops
+from surgery.converter import WeightConverter, split_transforms
 from surgery.errors import ConfigurationError, ConversionError, PatternError, SurgeryError
 from surgery.ops import OpContext
-from surgery.transforms import (
-    PrefixChange,
-    WeightConverter,
-    WeightRenaming,
-    WeightTransform,
-    legacy_renamings,
-    split_transforms,
-)
+from surgery.routing import route_keys
+from surgery.transforms import PrefixChange, WeightRenaming, WeightTransform, legacy_renamings
 
 # --------------------------------------------------------------------------- helpers: load and save
 
@@ -50,7 +44,7 @@ def _apply(
     ``fetch(key)`` gives a tensor, a future or a zero-argument callable; ``shapes`` are the known
     shapes of target keys (a ``*`` target is looked up with index 0).
     """
-    routing = surgery.route_keys(keys, transforms)
+    routing = route_keys(keys, transforms)
     assert not routing.conflicts, routing.conflicts
     out: dict[str, torch.Tensor] = {}
     for group in routing.groups.values():
@@ -101,7 +95,7 @@ def _assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 
 def _renamed(keys: Sequence[str], transforms: Sequence[WeightTransform]) -> dict[str, str]:
-    routing = surgery.route_keys(keys, transforms)
+    routing = route_keys(keys, transforms)
     return {k: r.target_key for k, r in routing.routes.items()}
 
 
@@ -458,7 +452,7 @@ def test_add_tensor_refuses_an_unknown_source_pattern():
 
 def test_two_keys_on_one_target_are_a_conflict_in_routing():
     keys = ["enc.LayerNorm.gamma", "enc.LayerNorm.weight"]
-    routing = surgery.route_keys(keys, legacy_renamings())
+    routing = route_keys(keys, legacy_renamings())
     assert [(c.target_key, c.first, c.second) for c in routing.conflicts] == [
         ("enc.LayerNorm.weight", "enc.LayerNorm.gamma", "enc.LayerNorm.weight")
     ]
@@ -477,7 +471,7 @@ def test_overlapping_converters_are_a_configuration_error_naming_both():
     first = WeightConverter("mlp.experts.*.w1.weight", "mlp.experts.gate", [ops.MergeModulelist(0)])
     second = WeightConverter(r"experts\.(\d+)\.w1", r"experts.\1.gate", [ops.Transpose()])
     with pytest.raises(ConfigurationError) as info:
-        surgery.route_keys(["m.mlp.experts.0.w1.weight"], [first, second])
+        route_keys(["m.mlp.experts.0.w1.weight"], [first, second])
     message = str(info.value)
     assert "mlp.experts.*.w1.weight" in message and r"experts\\.(\\d+)\\.w1" in message
 
@@ -487,9 +481,7 @@ def test_the_first_converter_claims_after_every_renaming_fired():
         WeightRenaming(r"\.block_sparse_moe\.", ".mlp."),
         WeightConverter("mlp.gate.weight", "mlp.router.weight", [ops.Transpose()]),
     ]
-    route = surgery.route_keys(["m.block_sparse_moe.gate.weight"], mapping).routes[
-        "m.block_sparse_moe.gate.weight"
-    ]
+    route = route_keys(["m.block_sparse_moe.gate.weight"], mapping).routes["m.block_sparse_moe.gate.weight"]
     assert (route.target_key, route.renamings, route.converter) == ("m.mlp.router.weight", (0,), 1)
 
 
@@ -703,10 +695,10 @@ def _renamings(draw):
 @settings(max_examples=100, deadline=None)
 @given(keys=st.sets(_key(), min_size=1, max_size=12), renamings=_renamings())
 def test_renaming_then_reverse_renaming_restores_the_key_set(keys, renamings):
-    forward = surgery.route_keys(sorted(keys), renamings)
+    forward = route_keys(sorted(keys), renamings)
     assert not forward.conflicts
     renamed = {r.target_key for r in forward.routes.values()}
     assert len(renamed) == len(keys)
-    backward = surgery.route_keys(sorted(renamed), [r.reverse_transform() for r in reversed(renamings)])
+    backward = route_keys(sorted(renamed), [r.reverse_transform() for r in reversed(renamings)])
     assert {r.target_key for r in backward.routes.values()} == keys
     assert all(backward.routes[forward.routes[k].target_key].target_key == k for k in keys)

@@ -26,8 +26,9 @@ from typing import Any
 
 from torch import nn
 
+from ..converter import WeightConverter
 from ..errors import FusionError
-from ..transforms import WeightConverter, WeightTransform
+from ..transforms import WeightTransform
 from .config import EnabledFusion, FusionConfig, validate_fusion_config
 from .plan import EXCLUDED, FUSED, SKIPPED, FusionCandidate, FusionPlan
 from .rewrite import examine_candidate

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..errors import RegistryError
+from ..registry import current_catalog, load_catalogs
 from .spec import FusionSpec
 
 __all__ = [
@@ -34,15 +35,11 @@ _PROVENANCE: dict[str, str] = {}  # name -> "user" | "catalog:<entry point name>
 
 
 def _ensure_catalogs() -> None:
-    from ..registry import load_catalogs
-
     load_catalogs()  # re-entrant: a catalog registering a fusion does not load itself again
 
 
 def _current_catalog() -> str | None:
     """The catalog whose entry point is running in this thread, or ``None``."""
-    from ..registry import current_catalog
-
     return current_catalog()
 
 

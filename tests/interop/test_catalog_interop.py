@@ -30,9 +30,9 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers.conversion_mapping import get_model_conversion_mapping as hf_conversion_mapping  # noqa: E402
 
 from specs import clip, detr, dinov2, ernie4_5_vl_moe, llava, mixtral, qwen2_moe, qwen2_vl, vit  # noqa: E402
-from surgery.loading import load_checkpoint  # noqa: E402
+from surgery.load.loader import load_checkpoint  # noqa: E402
 from surgery.registry import checkpoint_conversion_entry, load_catalogs, registry_snapshot  # noqa: E402
-from surgery.saving import save_checkpoint  # noqa: E402
+from surgery.save import save_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.interop
 

@@ -4,9 +4,11 @@ Routes synthetic MoE keys (``model.layers.{L}.block_sparse_moe.experts.{E}.w{1,2
 with 128 experts, plus attention, norm and router-gate keys) through
 :func:`surgery.routing.route_keys` and prints keys per second next to, measured in the same run:
 the floor of a bare Python loop over the same keys (one dict insert per key), one precompiled
-alternation regex search per key, and the exact per-key path on a sample.
+alternation regex search per key, and the exact per-key path (``cache=False``) on a sample.
+Routing is timed with the cycle collector paused, as :func:`surgery.load_checkpoint` runs it, and
+once more with the collector running.
 
-Run it with ``python -m surgery.benchmarks.route`` (``--keys N``, ``--repeat R``).
+Run it with ``python -m surgery bench route`` (``--keys N``, ``--repeat R``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..gcpause import gc_paused
-from ..routing import _route_keys_exact, route_keys
+from ..routing import route_keys
 from ..transforms import WeightTransform, legacy_renamings
 
 __all__ = ["main", "mixtral_keys", "mixtral_mapping", "run"]
@@ -99,11 +100,11 @@ def run(n_keys: int = 100_000, *, repeat: int = 5, exact_sample: int = 2_000) ->
     shared machine). Per-second figures are keys per second.
 
     Returns:
-        ``keys`` and ``groups``; for each measured thing (``route_keys``, ``with_routes`` =
-        ``route_keys`` then reading every :class:`~surgery.routing.KeyRoute` with the cycle collector
-        paused, as the loader does, ``floor`` = a bare
-        loop inserting each key in a dict, ``alternation`` = one regex search per key, ``exact``
-        = the exact per-key path on ``exact_sample`` keys) the entries ``<name>_s``,
+        ``keys`` and ``groups``; for each measured thing (``route_keys`` = routing and reading
+        every :class:`~surgery.routing.KeyRoute` with the cycle collector paused, as the loader
+        does, ``collector_on`` = the same with the collector running, ``floor`` = a bare loop
+        inserting each key in a dict, ``alternation`` = one regex search per key, ``exact`` = the
+        exact per-key path on ``exact_sample`` keys) the entries ``<name>_s``,
         ``<name>_cpu_s``, ``<name>_per_s`` and ``<name>_cpu_per_s``; and ``ratio_to_floor`` /
         ``cpu_ratio_to_floor`` for ``route_keys``.
     """
@@ -113,23 +114,33 @@ def run(n_keys: int = 100_000, *, repeat: int = 5, exact_sample: int = 2_000) ->
     if routing.conflicts:
         raise RuntimeError(f"benchmark keys conflict: {routing.conflicts[:3]}")
 
-    def with_routes() -> None:
-        with gc_paused():  # as in the loader, which reads every route with the collector paused
-            routes = route_keys(keys, transforms).routes
-            for k in keys:
-                routes[k]
+    def route_and_read() -> None:
+        routes = route_keys(keys, transforms).routes
+        for k in keys:
+            routes[k]
+
+    def paused(fn: Callable[[], Any]) -> Callable[[], None]:
+        def run_paused() -> None:
+            gc.disable()
+            try:
+                fn()
+            finally:
+                gc.enable()
+
+        return run_paused
 
     sample = keys[:exact_sample]
     best = _best_interleaved(
         {
-            "route_keys": lambda: route_keys(keys, transforms),
-            "with_routes": with_routes,
-            "floor": lambda: _floor(keys),
-            "alternation": lambda: _alternation(keys),
+            "route_keys": paused(route_and_read),
+            "collector_on": route_and_read,
+            "floor": paused(lambda: _floor(keys)),
+            "alternation": paused(lambda: _alternation(keys)),
         },
         repeat,
     )
-    best["exact"] = _best_interleaved({"exact": lambda: _route_keys_exact(sample, transforms)}, 1)["exact"]
+    exact = paused(lambda: route_keys(sample, transforms, cache=False))
+    best["exact"] = _best_interleaved({"exact": exact}, 1)["exact"]
     timed = {name: (times, len(sample) if name == "exact" else len(keys)) for name, times in best.items()}
     out: dict[str, Any] = {"keys": len(keys), "groups": len(routing.groups)}
     for name, ((wall, cpu), n) in timed.items():
@@ -142,9 +153,7 @@ def run(n_keys: int = 100_000, *, repeat: int = 5, exact_sample: int = 2_000) ->
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line: print the numbers of :func:`run`."""
-    parser = argparse.ArgumentParser(
-        prog="python -m surgery.benchmarks.route", description="Route Mixtral keys."
-    )
+    parser = argparse.ArgumentParser(prog="python -m surgery bench route", description="Route Mixtral keys.")
     parser.add_argument(
         "--keys", type=int, default=100_000, help="number of checkpoint keys (default 100000)"
     )
@@ -154,8 +163,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"Mixtral mapping: {r['keys']:,} keys -> {r['groups']:,} target groups, best of {args.repeat}")
     print(f"{'':32}{'keys/s (wall)':>16}{'keys/s (CPU)':>16}{'ns/key (CPU)':>14}")
     rows = [
-        ("route_keys", "route_keys"),
-        ("route_keys + read every route", "with_routes"),
+        ("route_keys + read every route", "route_keys"),
+        ("  the same, collector running", "collector_on"),
         ("floor: loop + dict insert", "floor"),
         ("one alternation search per key", "alternation"),
         ("exact per-key path (sample)", "exact"),

@@ -1,6 +1,6 @@
 """Planning a load: from checkpoint headers to the exact list of work the loader executes.
 
-:func:`_prepare` resolves the model's transforms (and fusions), routes every checkpoint key once,
+:func:`prepare` resolves the model's transforms (and fusions), routes every checkpoint key once,
 infers every converter's output shapes (arithmetic shape rules for built-in chains, a ``meta`` run
 otherwise), settles conflicts, checks everything against the model, and chooses per target how
 it is filled:
@@ -13,7 +13,7 @@ it is filled:
 * ``convert``: read, run the op chain, cast, set;
 * ``skip``: unexpected, mismatched in shape, conflicting or failing (all reported).
 
-The result is a :class:`~surgery.plan.LoadPlan` plus the executable work list that
+The result is a :class:`~surgery.load.plan.LoadPlan` plus the executable work list that
 :func:`surgery.load_checkpoint` runs. Nothing here reads tensor data.
 """
 
@@ -29,18 +29,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import ops
-from .checkpoint import CheckpointReader
-from .collection import expand_outputs
-from .errors import ConfigurationError, LoadError, SurgeryError
-from .ops import OpContext
+from .. import ops
+from ..checkpoint import CheckpointReader
+from ..converter import WeightConverter, expand_outputs
+from ..errors import ConfigurationError, LoadError, SurgeryError
+from ..fusion import apply_fusions, fusion_config_of, fusion_transforms
+from ..ops import OpContext
+from ..resolution import get_model_conversion_mapping
+from ..routing import Routing, route_keys
+from ..transforms import WeightTransform
 from .placement import all_contiguous, placement_views, source_slot_shapes
 from .plan import FUSION_METADATA_KEY, FUSION_TAG, LoadPlan, PlanEntry
 from .report import ConversionFailure, Mismatch
-from .routing import Routing, route_keys
-from .transforms import WeightConverter, WeightTransform
 
-__all__: list[str] = []  # internal: used by loading and saving
+__all__ = [
+    "Prepared",
+    "Work",
+    "meta_clone",
+    "model_device",
+    "op_context",
+    "ordered_sources",
+    "persisted_fusion_config",
+    "prepare",
+    "tied_groups",
+]
 
 
 # --------------------------------------------------------------------------- model helpers
@@ -51,7 +63,7 @@ def _runtime_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.state_dict(keep_vars=True))
 
 
-def _tied_groups(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+def tied_groups(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     by_id: dict[int, list[str]] = {}
     for k, t in tensors.items():
         by_id.setdefault(id(t), []).append(k)
@@ -84,7 +96,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _meta_clone(model: nn.Module) -> nn.Module:
+def meta_clone(model: nn.Module) -> nn.Module:
     """A structural copy of ``model`` whose tensors live on ``meta`` (no data is copied)."""
     memo: dict[int, Any] = {}
     for t in list(model.parameters()) + list(model.buffers()):
@@ -98,32 +110,14 @@ def _meta_clone(model: nn.Module) -> nn.Module:
 
 
 def _resolve_transforms(model: nn.Module) -> list[WeightTransform]:
-    from .resolution import get_model_conversion_mapping
-
     transforms = list(get_model_conversion_mapping(model))
-    for t in _fusion_transforms(model):
+    for t in fusion_transforms(model):
         t.__dict__[FUSION_TAG] = True  # saving reverses fusions whether or not they fired
         transforms.append(t)
     return transforms
 
 
-def _fusion_transforms(model: nn.Module) -> list[WeightTransform]:
-    try:
-        from .fusion import fusion_transforms
-    except ImportError:
-        return []
-    return list(fusion_transforms(model))
-
-
-def _fusion_config_of(model: nn.Module) -> dict[str, Any] | None:
-    try:
-        from .fusion import fusion_config_of
-    except ImportError:
-        return None
-    return fusion_config_of(model)
-
-
-def _persisted_fusion_config(reader: CheckpointReader) -> dict[str, Any] | None:
+def persisted_fusion_config(reader: CheckpointReader) -> dict[str, Any] | None:
 
     raw = reader.metadata.get(FUSION_METADATA_KEY)
     if raw is None:
@@ -150,27 +144,23 @@ def _apply_fusions(
     model: nn.Module, fusion_config: dict[str, Any] | None, reader: CheckpointReader
 ) -> dict | None:
     """Apply the requested (or persisted) fusions; return the config in force."""
-    current = _fusion_config_of(model)
+    current = fusion_config_of(model)
     wanted = (
-        fusion_config
-        if fusion_config is not None
-        else (None if current else _persisted_fusion_config(reader))
+        fusion_config if fusion_config is not None else (None if current else persisted_fusion_config(reader))
     )
     if wanted is None:
         return current
-    from .fusion import apply_fusions
-
     if current is not None and (current == wanted or not any(v is not False for v in wanted.values())):
         return current
     apply_fusions(model, wanted)
-    return _fusion_config_of(model)
+    return fusion_config_of(model)
 
 
 # --------------------------------------------------------------------------- planning
 
 
 @dataclass
-class _Work:
+class Work:
     """An executable plan entry."""
 
     entry: PlanEntry
@@ -185,9 +175,9 @@ class _Work:
 
 
 @dataclass
-class _Prepared:
+class Prepared:
     plan: LoadPlan
-    work: list[_Work]
+    work: list[Work]
     routing: Routing
     transforms: list[WeightTransform]
     reader: CheckpointReader
@@ -223,7 +213,7 @@ def _normalize_device(device: torch.device | str | None) -> torch.device | None:
         ) from None
 
 
-def _model_device(model: nn.Module) -> torch.device | None:
+def model_device(model: nn.Module) -> torch.device | None:
     """The device of the model's first tensor that is not on ``meta`` (``None`` if all are)."""
     for t in itertools.chain(model.parameters(), model.buffers()):
         if t.device.type != "meta":
@@ -231,7 +221,7 @@ def _model_device(model: nn.Module) -> torch.device | None:
     return None
 
 
-def _prepare(
+def prepare(
     model: nn.Module,
     path: str | os.PathLike[str],
     *,
@@ -240,7 +230,7 @@ def _prepare(
     fusion_config: dict[str, Any] | None,
     reader: CheckpointReader,
     stand_in: torch.device | None = None,
-) -> _Prepared:
+) -> Prepared:
     """Route every key and decide, from headers alone, how each target will be filled.
 
     ``stand_in``: plan as if tensors on ``meta`` lived on this device (the dry run of a fused
@@ -251,7 +241,7 @@ def _prepare(
     fusions = _apply_fusions(model, fusion_config, reader)
     transforms = _resolve_transforms(model)
     runtime = _runtime_tensors(model)
-    tied = _tied_groups(runtime)
+    tied = tied_groups(runtime)
     base_prefix = getattr(model, "base_model_prefix", None) or None
     routing = route_keys(
         reader.keys(), transforms, runtime_keys=runtime.keys(), base_model_prefix=base_prefix
@@ -288,7 +278,7 @@ def _prepare(
             return want_dtype
         return param.dtype
 
-    candidates: list[_Work] = []
+    candidates: list[Work] = []
     for group in routing.groups.values():
         src_keys = tuple(group.source_keys)
         infos = [reader.info(k) for k in src_keys]
@@ -345,7 +335,7 @@ def _prepare(
         if target_device.type == "meta":
             target_device = torch.device("cpu")
         entry.device = str(target_device)
-        work = _Work(
+        work = Work(
             entry, converter, group.key, pattern_of, out_keys, target_device, config, slot_shapes, index
         )
         candidates.append(work)
@@ -374,7 +364,7 @@ def _prepare(
     for k in list(covered):
         covered.update(tied.get(k, ()))
     plan.missing_keys = [k for k in runtime if k not in covered]
-    return _Prepared(
+    return Prepared(
         plan,
         work_list,
         routing,
@@ -390,17 +380,17 @@ def _prepare(
 
 
 def _settle_conflicts(
-    candidates: list[_Work],
+    candidates: list[Work],
     conflicted_groups: set[str],
     tied: dict[str, list[str]],
     conflicts: list[ConversionFailure],
-) -> list[_Work]:
+) -> list[Work]:
     """Drop every entry that shares a target with another one; return what is left to execute.
 
     Two routes to one parameter (two checkpoint keys renamed alike, or two names of one tied
     parameter) are a conflict: neither is loaded, and the report names both.
     """
-    producers: dict[str, list[_Work]] = {}
+    producers: dict[str, list[Work]] = {}
     for w in candidates:
         for k in w.dest_keys:
             producers.setdefault(tied.get(k, [k])[0], []).append(w)
@@ -423,7 +413,7 @@ def _settle_conflicts(
                 f"{' = '.join(names)}; neither is loaded. Keep one of them in the checkpoint.",
             )
         )
-    out: list[_Work] = []
+    out: list[Work] = []
     for w in candidates:
         if id(w) in bad:
             w.entry.status, w.entry.mode = "conflict", "skip"
@@ -480,7 +470,7 @@ def _infer_outputs(
     if cache is not None and all(type(op) in _BUILTIN_OPS for op in converter.operations):
         try:
             targets = converter._expand_target_keys(group_key)
-            ctx = _ctx(converter, group_key, runtime, config)
+            ctx = op_context(converter, group_key, runtime, config)
         except SurgeryError:
             targets = ()  # the uncached run below raises it, after the same steps as always
         else:
@@ -499,7 +489,7 @@ def _infer_outputs(
         converter.add_tensor(
             group_key, info.key, pat, torch.empty(info.shape, dtype=info.dtype, device="meta"), index=idx
         )
-    outputs = converter.convert(group_key, _ctx(converter, group_key, runtime, config))
+    outputs = converter.convert(group_key, op_context(converter, group_key, runtime, config))
     if key is not None and cache is not None:
         slots = _output_slots(targets, outputs, converter)
         if slots is not None:
@@ -531,7 +521,7 @@ def _output_slots(
     return slots
 
 
-def _ctx(
+def op_context(
     converter: WeightConverter, group_key: str, runtime: dict[str, torch.Tensor], config: Any
 ) -> OpContext:
     targets = converter._expand_target_keys(group_key)
@@ -540,7 +530,7 @@ def _ctx(
 
 
 def _choose_mode(
-    w: _Work,
+    w: Work,
     devices: list[torch.device],
     params: list[torch.Tensor],
     cast: bool,
@@ -561,7 +551,7 @@ def _choose_mode(
         return "mmap" if on_meta else "direct"
     if len(params) != 1 or w.slot_shapes is None:
         return "convert"
-    ctx = _ctx(w.converter, w.group_key, runtime, w.config)
+    ctx = op_context(w.converter, w.group_key, runtime, w.config)
     key = None
     if cache is not None and all(type(op) in _BUILTIN_OPS for op in w.converter.operations):
         try:
@@ -590,7 +580,7 @@ def _choose_mode(
 # --------------------------------------------------------------------------- direct placement
 
 
-def _ordered_sources(conv: WeightConverter, w: _Work) -> list[str]:
+def ordered_sources(conv: WeightConverter, w: Work) -> list[str]:
     """``w``'s source keys in the order of :func:`~surgery.placement.flatten_slots` of its views."""
     by_pattern: dict[int, dict[tuple[int, ...], str]] = {}
     for src in w.entry.source_keys:

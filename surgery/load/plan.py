@@ -4,8 +4,8 @@
 :func:`surgery.load_checkpoint` executes exactly that plan. A plan renders as a compact table in
 which keys that differ only by their indices fold into one row (``layers.{0..31}``), and as JSON.
 
-Building the plan (phase 1 of a load) lives in :mod:`surgery.planning`; the placement views in
-:mod:`surgery.placement`.
+Building the plan (phase 1 of a load) lives in :mod:`surgery.load.planner`; the placement views in
+:mod:`surgery.load.placement`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 __all__ = ["FUSION_METADATA_KEY", "LoadPlan", "PlanEntry", "fold_indices"]
 

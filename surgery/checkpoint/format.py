@@ -11,7 +11,7 @@ one open file:
   destination tensor's memory (no shared file position, so any number of threads may read).
 
 Checkpoint-level concerns (directories, indexes, pickle files, atomic writing) live in
-:mod:`surgery.checkpoint`.
+:mod:`surgery.checkpoint.reader` and :mod:`surgery.checkpoint.writer`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
-from .gcpause import gc_paused
+from ..errors import CheckpointError
 
 __all__ = [
     "DTYPES",
@@ -269,8 +268,7 @@ def parse_header(path: Path, fd: int, size: int) -> tuple[dict[str, str], dict[s
     if length > _MAX_HEADER:
         raise _corrupt(path, f"the header claims {length} bytes, more than the format's {_MAX_HEADER}")
     raw = _pread_exact(fd, length, 8)
-    with gc_paused():
-        return _parse_header_text(path, raw, 8 + length, size)
+    return _parse_header_text(path, raw, 8 + length, size)
 
 
 def _parse_header_text(

@@ -1,10 +1,10 @@
-"""Checkpoint I/O: lazy, validated safetensors reading and atomic writing.
+"""Reading checkpoints: single files, sharded checkpoints, and pickle files only on request.
 
 :func:`open_checkpoint` accepts a ``.safetensors`` file, a directory holding ``model.safetensors``,
 or a sharded checkpoint described by ``model.safetensors.index.json``. Every header (and the
 index) is parsed and validated up front, before a single tensor byte is read; tensors are then
 read on demand, one key at a time, with our own reader over the file
-(:mod:`surgery.safetensors_format`):
+(:mod:`surgery.checkpoint.format`):
 
 * ``get_tensor(key, copy=False)``: a zero-copy view over a private copy-on-write ``mmap`` of the
   file (writing to it never touches the file);
@@ -15,12 +15,6 @@ read on demand, one key at a time, with our own reader over the file
 
 Pickle checkpoints (``.bin``, ``.pt``, ...) are refused unless the caller opts in with
 ``allow_pickle=True``; they are then loaded with ``torch.load(weights_only=True, mmap=True)``.
-
-:func:`write_checkpoint` streams tensors one at a time into temporary files in the target
-directory, fsyncs them and renames them into place, so a failed or interrupted save leaves the
-previous checkpoint loadable. Given the ``specs`` (shape and dtype) of every key, it plans the
-files from them alone and looks up each value only when writing it, so a lazily computed state
-dict never has more than one value alive.
 """
 
 from __future__ import annotations
@@ -36,28 +30,11 @@ from typing import Any
 
 import torch
 
-from .checkpoint_writer import (
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
-    parse_size,
-    write_checkpoint,
-)
-from .errors import CheckpointError
-from .safetensors_format import (
-    SafetensorsFile,
-    TensorInfo,
-    unique_pairs,
-)
+from ..errors import CheckpointError
+from .format import SafetensorsFile, TensorInfo, unique_pairs
+from .writer import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-__all__ = [
-    "SAFE_WEIGHTS_INDEX_NAME",
-    "SAFE_WEIGHTS_NAME",
-    "CheckpointReader",
-    "TensorInfo",
-    "open_checkpoint",
-    "parse_size",
-    "write_checkpoint",
-]
+__all__ = ["CheckpointReader", "open_checkpoint"]
 
 _PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
 _PICKLE_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"

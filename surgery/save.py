@@ -31,14 +31,17 @@ import torch
 from torch import nn
 
 from .checkpoint import write_checkpoint
+from .converter import WeightConverter, split_transforms
 from .errors import CheckpointError, ConfigurationError, ConversionError
-from .loading import load_record
+from .fusion import fusion_config_of, fusion_transforms
+from .load.loader import load_record
+from .load.placement import all_contiguous, flatten_slots, placement_views, shape_of
+from .load.plan import FUSION_METADATA_KEY, FUSION_TAG, fold_indices
+from .load.planner import tied_groups
 from .ops import OpContext, run_chain
-from .placement import all_contiguous, flatten_slots, placement_views, shape_of
-from .plan import FUSION_METADATA_KEY, FUSION_TAG, fold_indices
-from .planning import _fusion_config_of, _fusion_transforms, _tied_groups
+from .resolution import get_model_conversion_mapping
 from .routing import route_keys
-from .transforms import PrefixChange, WeightConverter, WeightTransform, split_transforms
+from .transforms import PrefixChange, WeightTransform
 
 __all__ = [
     "RevertedState",
@@ -61,7 +64,7 @@ def _dedup_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The runtime state dict with tied tensors kept once (the name the checkpoint used, if known)."""
     state = model.state_dict(keep_vars=True)
     record = load_record(model)
-    groups = {id(keys): keys for keys in _tied_groups(state).values()}  # one entry per tied group
+    groups = {id(keys): keys for keys in tied_groups(state).values()}  # one entry per tied group
     drop: set[str] = set()
     for keys in groups.values():
         preferred = [k for k in keys if record is not None and k in record.loaded_keys]
@@ -84,12 +87,10 @@ def _refuse_meta(state: dict[str, torch.Tensor]) -> None:
 def reverting_transforms(model: nn.Module) -> list[WeightTransform]:
     """The forward transforms a save in original format inverts (see the module docstring)."""
     record = load_record(model)
-    fusion = list(_fusion_transforms(model))
+    fusion = list(fusion_transforms(model))
     if record is not None:
         base = [t for t in record.transforms if not t.__dict__.get(FUSION_TAG)]
     else:
-        from .resolution import get_model_conversion_mapping
-
         base = [
             t
             for t in get_model_conversion_mapping(model, include_legacy=False)
@@ -430,7 +431,7 @@ def save_checkpoint(
         >>> surgery.save_checkpoint(model, "out/")  # doctest: +SKIP
     """
     meta = dict(metadata or {})
-    fusion = _fusion_config_of(model)
+    fusion = fusion_config_of(model)
     if not original_format and fusion:
         meta[FUSION_METADATA_KEY] = json.dumps(fusion, sort_keys=True)
     state = RevertedState(model, original_format=original_format)

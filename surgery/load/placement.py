@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from .errors import SurgeryError
-from .ops import Chunk, Concatenate, MergeModulelist, OpContext, Split, SplitModulelist
-from .transforms import WeightConverter
+from ..converter import WeightConverter
+from ..errors import SurgeryError
+from ..ops import Chunk, Concatenate, MergeModulelist, OpContext, Split, SplitModulelist
 
 __all__ = ["all_contiguous", "flatten_slots", "placement_views", "shape_of", "source_slot_shapes"]
 

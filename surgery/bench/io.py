@@ -1,6 +1,6 @@
 """Benchmark: our safetensors reader/writer against the ``safetensors`` package.
 
-Run ``python -m surgery.benchmarks.io [--mib 512] [--tensors 64] [--repeat 3]``. It writes a
+Run ``python -m surgery.bench.io [--mib 512] [--tensors 64] [--repeat 3]``. It writes a
 bf16 checkpoint of the given size into a temporary directory, then times (best of ``repeat``,
 warm page cache) reading every tensor several ways and writing it again. On Linux it also
 prints the peak resident-memory growth of one ``write_checkpoint`` call (the writer streams

@@ -1,6 +1,6 @@
 """Benchmark: loading and saving Mixtral-style checkpoints against plain safetensors (not a test).
 
-Run ``python -m surgery bench load`` (or ``python -m surgery.benchmarks.load``) with
+Run ``python -m surgery bench load`` (or ``python -m surgery.bench.load``) with
 ``--size-gb``, ``--repeat``, ``--only {A,B,C}``, ``--skip-transformers``, ``--workdir``,
 ``--profile``.
 
@@ -242,7 +242,8 @@ def _serve(with_transformers: bool) -> None:
     """
     from safetensors.torch import load_file, save_file  # noqa: F401
 
-    from .. import loading, saving  # noqa: F401
+    from .. import save  # noqa: F401
+    from ..load import loader  # noqa: F401
 
     if with_transformers:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -278,7 +279,7 @@ def _runner(spec: dict[str, Any], cfg: ExampleMoEConfig) -> Callable[[], dict[st
     variant, original, runtime = spec["variant"], spec["original"], spec.get("runtime", "")
     from safetensors.torch import load_file
 
-    from ..loading import load_checkpoint
+    from ..load.loader import load_checkpoint
 
     def meta_model() -> ExampleMoEForCausalLM:
         return build_moe_model(cfg, seed=None, device="meta", dtype=torch.bfloat16)
@@ -348,8 +349,8 @@ def _child_save(spec: dict[str, Any], cfg: ExampleMoEConfig) -> dict[str, Any]:
     """Load the A model once, then time every save variant ``repeat`` times (peak reset each time)."""
     from safetensors.torch import save_file
 
-    from ..loading import load_checkpoint
-    from ..saving import save_checkpoint
+    from ..load.loader import load_checkpoint
+    from ..save import save_checkpoint
 
     model = _empty_model(cfg)
     load_checkpoint(model, spec["original"], progress=False)
@@ -416,7 +417,7 @@ class _Servers:
         hf = spec["variant"] == "hf"
         proc = self._procs.get(hf)
         if proc is None or proc.poll() is not None:
-            cmd = [sys.executable, "-m", "surgery.benchmarks.load", "--serve"] + (
+            cmd = [sys.executable, "-m", "surgery.bench.load", "--serve"] + (
                 ["--with-transformers"] if hf else []
             )
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -684,7 +685,7 @@ def _profile(workdir: Path, size_gb: float, which: Sequence[str], top: int) -> N
     import io
     import pstats
 
-    from ..loading import load_checkpoint
+    from ..load.loader import load_checkpoint
 
     for name in which:
         cfg = config_for_size(size_gb) if name == "A" else per_key_config()

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 if TYPE_CHECKING:
     from .plan import LoadPlan

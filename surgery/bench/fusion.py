@@ -9,7 +9,7 @@ same run.
 Part 2 times :func:`~surgery.preview_fusions` and :func:`~surgery.apply_fusions` on a
 ``--depth`` (default 32) block example tower.
 
-Run it with ``python -m surgery.benchmarks.fusion`` (``--device cuda`` on a GPU machine).
+Run it with ``python -m surgery.bench.fusion`` (``--device cuda`` on a GPU machine).
 """
 
 from __future__ import annotations
@@ -156,9 +156,7 @@ def run(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
-    p = argparse.ArgumentParser(
-        prog="python -m surgery.benchmarks.fusion", description=__doc__.splitlines()[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m surgery.bench.fusion", description=__doc__.splitlines()[0])
     p.add_argument("--patches", type=int, default=4096)
     p.add_argument("--embed-dim", type=int, default=1280)
     p.add_argument("--depth", type=int, default=32, help="blocks of the tower for the preview/apply timing")

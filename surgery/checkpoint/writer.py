@@ -5,7 +5,7 @@ mapping described by ``specs``, so at most one value is alive at once), shards t
 ``max_shard_size`` with a ``model.safetensors.index.json``, and commits atomically: every file
 goes to a temporary name in the target directory, is fsynced and renamed into place, and files
 of a previous checkpoint are removed only once the new one is complete. A failed or interrupted
-save leaves the previous checkpoint loadable. Reading lives in :mod:`surgery.checkpoint`.
+save leaves the previous checkpoint loadable. Reading lives in :mod:`surgery.checkpoint.reader`.
 """
 
 from __future__ import annotations
@@ -28,12 +28,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .errors import CheckpointError, ConfigurationError
-from .safetensors_format import (
-    DTYPE_NAMES,
-    PACKED,
-    tensor_memory,
-)
+from ..errors import CheckpointError, ConfigurationError
+from .format import DTYPE_NAMES, PACKED, tensor_memory
 
 __all__ = ["SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_NAME", "SHARD_NAME", "parse_size", "write_checkpoint"]
 

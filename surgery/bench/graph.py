@@ -1,6 +1,6 @@
 """Benchmark: build a :class:`~surgery.graph.ModuleGraph` of a 100-layer decoder.
 
-Run ``python -m surgery.benchmarks.graph [--layers N] [--repeat R]``. The model is built on the
+Run ``python -m surgery.bench.graph [--layers N] [--repeat R]``. The model is built on the
 ``meta`` device (no storage), so only the graph build is timed; it prints the module count and
 the best and median build times.
 """

@@ -1,0 +1,25 @@
+"""Checkpoint I/O: the safetensors format, validated lazy reading, atomic streaming writes.
+
+* :mod:`~surgery.checkpoint.format`: the safetensors header (parsed and validated before any
+  tensor byte is read) and :class:`~surgery.checkpoint.format.SafetensorsFile`, one open file.
+* :mod:`~surgery.checkpoint.reader`: :func:`open_checkpoint` over a file, a directory or a
+  sharded checkpoint (index validated, shard paths confined to its directory); pickle files only
+  with ``allow_pickle=True``, then with ``weights_only=True``.
+* :mod:`~surgery.checkpoint.writer`: :func:`write_checkpoint`, streaming, sharded, atomic
+  (temporary files, fsync, rename), so a failed save leaves the previous checkpoint intact.
+"""
+
+from .format import TensorInfo
+from .reader import CheckpointReader, open_checkpoint
+from .writer import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SHARD_NAME, parse_size, write_checkpoint
+
+__all__ = [
+    "SAFE_WEIGHTS_INDEX_NAME",
+    "SAFE_WEIGHTS_NAME",
+    "SHARD_NAME",
+    "CheckpointReader",
+    "TensorInfo",
+    "open_checkpoint",
+    "parse_size",
+    "write_checkpoint",
+]

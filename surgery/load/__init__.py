@@ -1,0 +1,26 @@
+"""Loading: plan from headers, then read every tensor straight into place.
+
+* :mod:`~surgery.load.plan`: :class:`LoadPlan` and :class:`PlanEntry`, what a load will do.
+* :mod:`~surgery.load.planner`: phase 1, from checkpoint headers to the work list.
+* :mod:`~surgery.load.placement`: destination views that sources are read into.
+* :mod:`~surgery.load.loader`: :func:`plan_load` and :func:`load_checkpoint` (phase 2).
+* :mod:`~surgery.load.report`: :class:`LoadReport`, everything a load did not do as asked.
+"""
+
+from .loader import DEFAULT_WORKERS, SYNC_ENV, LoadRecord, load_checkpoint, load_record, plan_load
+from .plan import LoadPlan, PlanEntry
+from .report import ConversionFailure, LoadReport, Mismatch
+
+__all__ = [
+    "DEFAULT_WORKERS",
+    "SYNC_ENV",
+    "ConversionFailure",
+    "LoadPlan",
+    "LoadRecord",
+    "LoadReport",
+    "Mismatch",
+    "PlanEntry",
+    "load_checkpoint",
+    "load_record",
+    "plan_load",
+]
