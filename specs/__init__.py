@@ -1,11 +1,17 @@
 """The built-in catalog: fusion specs and checkpoint conversion mappings, one module per family.
 
 :func:`register_catalog` is the ``surgery.catalogs`` entry point (declared in ``pyproject.toml``):
-the engine calls it lazily on the first registry lookup. It registers every family from the
-explicit list below, through the same public functions a user extending the library calls.
+the engine calls it lazily on the first registry lookup. Each family module is data: ``ENTRIES``
+(registry key → a literal transform list) and ``ALIASES`` (registry key → the key whose mapping
+it shares). :func:`register_family` hands both to the same public function a user extending the
+library calls; the fusion specs register themselves with ``patch_embeddings.register()``.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
+
+from surgery.registry import register_catalog_modules, register_checkpoint_conversion_mapping
 
 from . import (
     clip,
@@ -20,18 +26,24 @@ from . import (
     vit,
 )
 
-__all__ = ["FAMILIES", "register_catalog"]
+__all__ = ["FAMILIES", "register_catalog", "register_family"]
 
 FAMILIES = (mixtral, qwen2_moe, llava, qwen2_vl, clip, vit, dinov2, detr, ernie4_5_vl_moe)
 """Checkpoint-conversion families, registered in this order."""
 
 
+def register_family(family: ModuleType) -> None:
+    """Register one family module's ``ENTRIES`` and ``ALIASES`` through the public API."""
+    for key, transforms in family.ENTRIES.items():
+        register_checkpoint_conversion_mapping(key, transforms)
+    for key, target in family.ALIASES.items():
+        register_checkpoint_conversion_mapping(key, target)
+
+
 def register_catalog() -> None:
     """Register every built-in family through the public API."""
-    from surgery.registry import register_catalog_modules
-
     # The entries below were written for transformers' model classes and our own examples.
     register_catalog_modules("transformers", "surgery.examples")
     for family in FAMILIES:
-        family.register()
+        register_family(family)
     patch_embeddings.register()

@@ -22,10 +22,9 @@ reference although no class or model type of that name exists in transformers 5.
 from __future__ import annotations
 
 from surgery import PrefixChange
-from surgery.registry import register_checkpoint_conversion_mapping
 from surgery.transforms import WeightTransform
 
-__all__ = ["ALIASES", "ENTRIES", "register"]
+__all__ = ["ALIASES", "ENTRIES"]
 
 ENTRIES: dict[str, list[WeightTransform]] = {
     "CLIPVisionModel": [PrefixChange(prefix_to_remove="vision_model")],
@@ -50,11 +49,3 @@ ALIASES: dict[str, str] = {
     "xCLIPTextModel": "CLIPTextModel",
 }
 """Registry key → the key whose mapping it shares."""
-
-
-def register() -> None:
-    """Register the CLIP/SigLIP tower family through the public registry API."""
-    for key, transforms in ENTRIES.items():
-        register_checkpoint_conversion_mapping(key, transforms)
-    for key, target in ALIASES.items():
-        register_checkpoint_conversion_mapping(key, target)

@@ -19,10 +19,9 @@ MaskFormer's DETR decoder is a ``MaskFormerDetrDecoder`` (an alias of ``DetrMode
 from __future__ import annotations
 
 from surgery import WeightRenaming
-from surgery.registry import register_checkpoint_conversion_mapping
 from surgery.transforms import WeightTransform
 
-__all__ = ["ALIASES", "ENTRIES", "register"]
+__all__ = ["ALIASES", "ENTRIES"]
 
 _LAYER_MLP: list[WeightTransform] = [
     WeightRenaming(r"layers.(\d+).fc1", r"layers.\1.mlp.fc1"),
@@ -64,11 +63,3 @@ ALIASES: dict[str, str] = {
     "MaskFormerDetrDecoder": "DetrModel",
 }
 """Registry key → the key whose mapping it shares."""
-
-
-def register() -> None:
-    """Register the DETR family through the public registry API."""
-    for key, transforms in ENTRIES.items():
-        register_checkpoint_conversion_mapping(key, transforms)
-    for key, target in ALIASES.items():
-        register_checkpoint_conversion_mapping(key, target)

@@ -20,10 +20,9 @@ Layer paths keep ``encoder.layer.N`` (unlike ViT). Configurations without SwiGLU
 from __future__ import annotations
 
 from surgery import WeightConverter, WeightRenaming, ops
-from surgery.registry import register_checkpoint_conversion_mapping
 from surgery.transforms import WeightTransform
 
-__all__ = ["ALIASES", "ENTRIES", "register"]
+__all__ = ["ALIASES", "ENTRIES"]
 
 _DINOV2: list[WeightTransform] = [
     WeightRenaming("attention.attention.query", "attention.q_proj"),
@@ -48,11 +47,3 @@ ALIASES: dict[str, str] = {
     "Dinov2WithRegistersBackbone": "Dinov2WithRegistersModel",
 }
 """Registry key → the key whose mapping it shares."""
-
-
-def register() -> None:
-    """Register the DINOv2 family through the public registry API."""
-    for key, transforms in ENTRIES.items():
-        register_checkpoint_conversion_mapping(key, transforms)
-    for key, target in ALIASES.items():
-        register_checkpoint_conversion_mapping(key, target)

@@ -37,7 +37,6 @@ from typing import ClassVar
 import torch
 
 from surgery import ConversionError, WeightConverter, WeightRenaming, ops
-from surgery.registry import register_checkpoint_conversion_mapping
 from surgery.transforms import WeightTransform
 
 __all__ = [
@@ -45,7 +44,6 @@ __all__ = [
     "ENTRIES",
     "FuseAndSplitTextVisionExperts",
     "SplitAndDecoupleTextVisionExperts",
-    "register",
 ]
 
 
@@ -191,11 +189,3 @@ ENTRIES: dict[str, list[WeightTransform]] = {
 
 ALIASES: dict[str, str] = {}
 """Registry key → the key whose mapping it shares (none for this family)."""
-
-
-def register() -> None:
-    """Register the Ernie 4.5 VL MoE family through the public registry API."""
-    for key, transforms in ENTRIES.items():
-        register_checkpoint_conversion_mapping(key, transforms)
-    for key, target in ALIASES.items():
-        register_checkpoint_conversion_mapping(key, target)

@@ -22,10 +22,9 @@ The related families that use the same scheme with other module names (``llava_n
 from __future__ import annotations
 
 from surgery import WeightRenaming
-from surgery.registry import register_checkpoint_conversion_mapping
 from surgery.transforms import WeightTransform
 
-__all__ = ["ALIASES", "ENTRIES", "register"]
+__all__ = ["ALIASES", "ENTRIES"]
 
 _LM_HEAD = WeightRenaming(r"^language_model.lm_head", "lm_head")
 _LANGUAGE_MODEL = WeightRenaming(r"^language_model", "model.language_model")
@@ -102,11 +101,3 @@ ALIASES: dict[str, str] = {
     "VipLlavaModel": "LlavaModel",
 }
 """Registry key → the key whose mapping it shares."""
-
-
-def register() -> None:
-    """Register the Llava family through the public registry API."""
-    for key, transforms in ENTRIES.items():
-        register_checkpoint_conversion_mapping(key, transforms)
-    for key, target in ALIASES.items():
-        register_checkpoint_conversion_mapping(key, target)

@@ -19,10 +19,9 @@ Runtime layout::
 from __future__ import annotations
 
 from surgery import WeightConverter, WeightRenaming, ops
-from surgery.registry import register_checkpoint_conversion_mapping
 from surgery.transforms import WeightTransform
 
-__all__ = ["ALIASES", "ENTRIES", "register"]
+__all__ = ["ALIASES", "ENTRIES"]
 
 _RENAME_BLOCK = WeightRenaming(".block_sparse_moe.", ".mlp.")
 
@@ -49,11 +48,3 @@ ALIASES: dict[str, str] = {
     "minimax": "mixtral",
 }
 """Registry key → the key whose mapping it shares."""
-
-
-def register() -> None:
-    """Register the Mixtral family through the public registry API."""
-    for key, transforms in ENTRIES.items():
-        register_checkpoint_conversion_mapping(key, transforms)
-    for key, target in ALIASES.items():
-        register_checkpoint_conversion_mapping(key, target)

@@ -25,10 +25,9 @@ loader does not fall back to the original key when a rename produces an unknown 
 from __future__ import annotations
 
 from surgery import WeightConverter, WeightRenaming, ops
-from surgery.registry import register_checkpoint_conversion_mapping
 from surgery.transforms import WeightTransform
 
-__all__ = ["ALIASES", "ENTRIES", "register"]
+__all__ = ["ALIASES", "ENTRIES"]
 
 _EXPERTS: list[WeightTransform] = [
     WeightConverter(
@@ -112,11 +111,3 @@ ALIASES: dict[str, str] = {
     "UnlimitedOcrTextModel": "qwen2_moe",
 }
 """Registry key → the key whose mapping it shares."""
-
-
-def register() -> None:
-    """Register the Qwen2-MoE family through the public registry API."""
-    for key, transforms in ENTRIES.items():
-        register_checkpoint_conversion_mapping(key, transforms)
-    for key, target in ALIASES.items():
-        register_checkpoint_conversion_mapping(key, target)

@@ -19,10 +19,9 @@ non-capturing group, ``(?!\.(?:language_model|visual))`` (same keys match).
 from __future__ import annotations
 
 from surgery import PrefixChange, WeightRenaming
-from surgery.registry import register_checkpoint_conversion_mapping
 from surgery.transforms import WeightTransform
 
-__all__ = ["ALIASES", "ENTRIES", "register"]
+__all__ = ["ALIASES", "ENTRIES"]
 
 ENTRIES: dict[str, list[WeightTransform]] = {
     "Qwen2VLModel": [
@@ -40,11 +39,3 @@ ALIASES: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "Qwen2VLForConditionalGeneration",
 }
 """Registry key → the key whose mapping it shares."""
-
-
-def register() -> None:
-    """Register the Qwen2-VL family through the public registry API."""
-    for key, transforms in ENTRIES.items():
-        register_checkpoint_conversion_mapping(key, transforms)
-    for key, target in ALIASES.items():
-        register_checkpoint_conversion_mapping(key, target)

@@ -19,10 +19,9 @@ sub-model.
 from __future__ import annotations
 
 from surgery import WeightRenaming
-from surgery.registry import register_checkpoint_conversion_mapping
 from surgery.transforms import WeightTransform
 
-__all__ = ["ALIASES", "ENTRIES", "register"]
+__all__ = ["ALIASES", "ENTRIES"]
 
 _VIT: list[WeightTransform] = [
     WeightRenaming(r"encoder\.layer\.", "layers."),
@@ -56,11 +55,3 @@ ALIASES: dict[str, str] = {
     "VivitModel": "ViTModel",
 }
 """Registry key → the key whose mapping it shares."""
-
-
-def register() -> None:
-    """Register the ViT family through the public registry API."""
-    for key, transforms in ENTRIES.items():
-        register_checkpoint_conversion_mapping(key, transforms)
-    for key, target in ALIASES.items():
-        register_checkpoint_conversion_mapping(key, target)
