@@ -26,7 +26,6 @@ from surgery.fusion import (
     check_fusion_conflicts,
     fusion_config_of,
     fusion_record,
-    fusion_registry_snapshot,
     fusion_transforms,
     preview_fusions,
     register_fusion,
@@ -37,10 +36,7 @@ from surgery.transforms import WeightTransform
 ON = {"patch_embeddings": True}
 
 
-@pytest.fixture(autouse=True)
-def isolated_fusion_registry():
-    with fusion_registry_snapshot():  # the built-in catalog provides patch_embeddings
-        yield
+pytestmark = pytest.mark.usefixtures("isolated_fusion_registry")
 
 
 # --------------------------------------------------------------------------- helpers

@@ -22,11 +22,7 @@ from surgery.fusion import (
     validate_fusion_config,
 )
 
-
-@pytest.fixture(autouse=True)
-def isolated_fusion_registry():
-    with fusion_registry_snapshot():  # the built-in catalog provides patch_embeddings
-        yield
+pytestmark = pytest.mark.usefixtures("isolated_fusion_registry")
 
 
 # --------------------------------------------------------------------------- accepted forms

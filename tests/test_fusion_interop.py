@@ -12,10 +12,10 @@ import copy
 import pytest
 import torch
 
-from surgery.fusion import apply_fusions, fusion_registry_snapshot, fusion_transforms
+from surgery.fusion import apply_fusions, fusion_transforms
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.interop
+pytestmark = [pytest.mark.interop, pytest.mark.usefixtures("isolated_fusion_registry")]
 
 TEXT = dict(
     hidden_size=32,
@@ -61,12 +61,6 @@ def qwen3_vl():
         ),
     )
     return transformers.Qwen3VLForConditionalGeneration(config)
-
-
-@pytest.fixture(autouse=True)
-def isolated_fusion_registry():
-    with fusion_registry_snapshot():  # the built-in catalog provides patch_embeddings
-        yield
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from surgery import ConfigurationError, WeightConverter, ops
 from surgery.checkpoint import write_checkpoint
 from surgery.examples import build_vision_tower, example_pixel_values
 from surgery.examples.vision import ExamplePatchEmbed, ExampleVisionTower
-from surgery.fusion import fusion_config_of, fusion_record, fusion_registry_snapshot
+from surgery.fusion import fusion_config_of, fusion_record
 from surgery.load.loader import load_record
 from surgery.load.plan import FUSION_METADATA_KEY
 
@@ -35,10 +35,7 @@ OFF = {"patch_embeddings": False}
 CONFIG_JSON = {"model_type": "example_vision", "embed_dim": 32, "patch_size": 14}
 
 
-@pytest.fixture(autouse=True)
-def isolated_fusion_registry():
-    with fusion_registry_snapshot():  # the built-in catalog provides patch_embeddings
-        yield
+pytestmark = pytest.mark.usefixtures("isolated_fusion_registry")
 
 
 # --------------------------------------------------------------------------- helpers

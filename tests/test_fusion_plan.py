@@ -14,17 +14,13 @@ from surgery.fusion import (
     RECORD_ATTRIBUTE,
     SKIPPED,
     WOULD_FUSE,
-    fusion_registry_snapshot,
     preview_fusions,
 )
 
 ON = {"patch_embeddings": True}
 
 
-@pytest.fixture(autouse=True)
-def isolated_fusion_registry():
-    with fusion_registry_snapshot():  # the built-in catalog provides patch_embeddings
-        yield
+pytestmark = pytest.mark.usefixtures("isolated_fusion_registry")
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -20,19 +21,11 @@ from surgery.load.loader import load_record
 from surgery.load.plan import LoadPlan, PlanEntry, fold_indices
 from surgery.ops import OpContext
 
+if TYPE_CHECKING:
+    from conftest import WriteOriginal
+
 CFG = ExampleMoEConfig()
 FUSE = {"patch_embeddings": True}
-
-
-def write_original(path: Path, **edits: torch.Tensor | None) -> None:
-    sd = original_state_dict(build_moe_model(CFG, seed=0))
-    for key, value in edits.items():
-        key = key.replace("__", ".")
-        if value is None:
-            del sd[key]
-        else:
-            sd[key] = value
-    write_checkpoint(sd, path)
 
 
 def corrupt_data(file: Path) -> None:
@@ -53,7 +46,7 @@ def without_path(plan: LoadPlan) -> dict:
 # ------------------------------------------------------------------------------------------ headers only
 
 
-def test_plan_reads_only_headers(tmp_path: Path) -> None:
+def test_plan_reads_only_headers(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path / "intact")
     write_original(tmp_path / "corrupt")
     corrupt_data(tmp_path / "corrupt" / SAFE_WEIGHTS_NAME)
@@ -67,7 +60,9 @@ def test_plan_reads_only_headers(tmp_path: Path) -> None:
     assert not any(torch.equal(model.state_dict()[k], reference[k]) for k in reference)
 
 
-def test_plan_reports_missing_unexpected_and_mismatched_before_any_read(tmp_path: Path) -> None:
+def test_plan_reports_missing_unexpected_and_mismatched_before_any_read(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
     write_original(
         tmp_path, lm_head__weight=None, extra__bias=torch.ones(2), model__norm__weight=torch.ones(3)
     )
@@ -80,7 +75,7 @@ def test_plan_reports_missing_unexpected_and_mismatched_before_any_read(tmp_path
     assert "checkpoint (3,) vs model (16,)" in mismatch.message
 
 
-def test_plan_describes_each_converter_group(tmp_path: Path) -> None:
+def test_plan_describes_each_converter_group(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path)
     plan = surgery.plan_load(build_moe_model(CFG), tmp_path)
     (entry,) = [e for e in plan.entries if e.target_keys == ("model.layers.1.mlp.experts.gate_up_proj",)]
@@ -99,7 +94,7 @@ def test_plan_describes_each_converter_group(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------ the model untouched
 
 
-def test_plan_changes_nothing_on_the_model(tmp_path: Path) -> None:
+def test_plan_changes_nothing_on_the_model(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path)
     model = build_moe_model(CFG, seed=3)
     before = {k: (v, v.clone()) for k, v in model.state_dict(keep_vars=True).items()}
@@ -160,7 +155,7 @@ def test_load_executes_exactly_the_plan(tmp_path: Path, build, kwargs) -> None:
 # ------------------------------------------------------------------------------------------ rendering
 
 
-def test_render_folds_indices_into_one_row(tmp_path: Path) -> None:
+def test_render_folds_indices_into_one_row(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path)
     text = surgery.plan_load(build_moe_model(CFG, device="meta"), tmp_path).render()
     lines = text.splitlines()
@@ -172,7 +167,7 @@ def test_render_folds_indices_into_one_row(tmp_path: Path) -> None:
     assert len(lines) < 21  # folded
 
 
-def test_render_lists_problems(tmp_path: Path) -> None:
+def test_render_lists_problems(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path, lm_head__weight=None, model__layers__0__input_layernorm__weight=torch.ones(2))
     text = surgery.plan_load(build_moe_model(CFG), tmp_path).render()
     assert "missing (1): lm_head.weight" in text
@@ -185,7 +180,7 @@ def test_render_limits_rows() -> None:
     assert text.splitlines()[-1] == "... 3 more rows"
 
 
-def test_plan_round_trips_through_json(tmp_path: Path) -> None:
+def test_plan_round_trips_through_json(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path, lm_head__weight=None, extra=torch.ones(1))
     plan = surgery.plan_load(build_moe_model(CFG), tmp_path)
     text = plan.to_json()

@@ -50,7 +50,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import surgery  # noqa: E402
 from surgery.fusion import fusion_registry_snapshot  # noqa: E402
 
-pytestmark = pytest.mark.interop
+pytestmark = [pytest.mark.interop, pytest.mark.usefixtures("isolated_fusion_registry")]
 
 T = transformers
 ON = {"patch_embeddings": True}
@@ -324,12 +324,6 @@ def local_side(prepared, family) -> Side:
 def side(sides, family) -> Side:
     """One family's artifacts from both sides."""
     return sides[family]
-
-
-@pytest.fixture(autouse=True)
-def isolated_fusion_registry():
-    with fusion_registry_snapshot():  # the built-in catalog provides patch_embeddings
-        yield
 
 
 # --------------------------------------------------------------------------- apply_fusions vs transformers

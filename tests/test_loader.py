@@ -7,6 +7,7 @@ import struct
 import types
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -20,21 +21,11 @@ from surgery.examples.moe import ExampleMoEConfig, build_moe_model, original_sta
 from surgery.load.loader import SYNC_ENV, load_record
 from surgery.registry import register_checkpoint_conversion_mapping, registry_snapshot
 
+if TYPE_CHECKING:
+    from conftest import WriteOriginal
+
 CFG = ExampleMoEConfig()
 GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"
-
-
-def write_original(path: Path, *, dtype: torch.dtype | None = None, **edits: torch.Tensor | None) -> dict:
-    """The example MoE's original per-expert checkpoint; ``edits`` replace (``None``: drop) keys."""
-    sd = original_state_dict(build_moe_model(CFG, seed=0, dtype=dtype))
-    for key, value in edits.items():
-        key = key.replace("__", ".")
-        if value is None:
-            del sd[key]
-        else:
-            sd[key] = value
-    write_checkpoint(sd, path)
-    return sd
 
 
 def reference(dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -55,7 +46,9 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------------ bad input
 
 
-def test_truncated_file_is_refused_before_the_model_changes(tmp_path: Path) -> None:
+def test_truncated_file_is_refused_before_the_model_changes(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
     write_original(tmp_path)
     file = tmp_path / SAFE_WEIGHTS_NAME
     file.write_bytes(file.read_bytes()[:-100])
@@ -67,7 +60,7 @@ def test_truncated_file_is_refused_before_the_model_changes(tmp_path: Path) -> N
     assert load_record(model) is None
 
 
-def test_wrong_header_is_refused_naming_the_file(tmp_path: Path) -> None:
+def test_wrong_header_is_refused_naming_the_file(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path)
     file = tmp_path / SAFE_WEIGHTS_NAME
     data = bytearray(file.read_bytes())
@@ -77,7 +70,7 @@ def test_wrong_header_is_refused_naming_the_file(tmp_path: Path) -> None:
         surgery.load_checkpoint(build_moe_model(CFG), tmp_path)
 
 
-def test_header_that_is_not_json_is_refused(tmp_path: Path) -> None:
+def test_header_that_is_not_json_is_refused(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path)
     file = tmp_path / SAFE_WEIGHTS_NAME
     data = bytearray(file.read_bytes())
@@ -112,7 +105,7 @@ def test_index_pointing_outside_the_directory_is_refused(tmp_path: Path) -> None
         surgery.load_checkpoint(build_moe_model(CFG), tmp_path / "ckpt")
 
 
-def test_shape_mismatch_is_reported_and_not_loaded(tmp_path: Path) -> None:
+def test_shape_mismatch_is_reported_and_not_loaded(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path, model__norm__weight=torch.ones(CFG.hidden_size + 1))
     model = build_moe_model(CFG, seed=3)
     before = model.model.norm.weight.detach().clone()
@@ -147,7 +140,9 @@ def test_shape_mismatch_of_a_converter_output_is_reported_with_its_sources(tmp_p
     assert "model.layers.1.mlp.experts.gate_up_proj" in report.loaded_keys
 
 
-def test_dtype_mismatch_is_reported_and_loaded_with_a_cast(tmp_path: Path) -> None:
+def test_dtype_mismatch_is_reported_and_loaded_with_a_cast(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
     write_original(tmp_path, dtype=torch.bfloat16)
     model = build_moe_model(CFG, seed=3)
     report = surgery.load_checkpoint(model, tmp_path)
@@ -213,7 +208,9 @@ def test_failing_converter_is_reported_and_other_keys_still_load(
     assert not report.ok
 
 
-def test_two_keys_landing_on_one_parameter_are_a_conflict_and_neither_is_loaded(tmp_path: Path) -> None:
+def test_two_keys_landing_on_one_parameter_are_a_conflict_and_neither_is_loaded(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
     # the renaming block_sparse_moe -> mlp makes both keys name model.layers.0.mlp.gate.weight
     gate = torch.full((CFG.num_local_experts, CFG.hidden_size), 7.0)
     write_original(tmp_path, model__layers__0__mlp__gate__weight=gate)
@@ -234,14 +231,18 @@ def test_two_keys_landing_on_one_parameter_are_a_conflict_and_neither_is_loaded(
     assert entry.mode == "skip"
 
 
-def test_strict_load_raises_load_error_carrying_the_report(tmp_path: Path) -> None:
+def test_strict_load_raises_load_error_carrying_the_report(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
     write_original(tmp_path, model__norm__weight=None)
     with pytest.raises(LoadError, match=r"model\.norm\.weight") as info:
         surgery.load_checkpoint(build_moe_model(CFG), tmp_path, strict=True)
     assert info.value.report.missing_keys == ["model.norm.weight"]
 
 
-def test_strict_load_of_a_complete_checkpoint_returns_the_report(tmp_path: Path) -> None:
+def test_strict_load_of_a_complete_checkpoint_returns_the_report(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
     write_original(tmp_path)
     assert surgery.load_checkpoint(build_moe_model(CFG), tmp_path, strict=True).ok
 
@@ -249,7 +250,9 @@ def test_strict_load_of_a_complete_checkpoint_returns_the_report(tmp_path: Path)
 # ------------------------------------------------------------------------------------------ materialization
 
 
-def test_model_built_on_meta_is_materialized_from_the_checkpoint(tmp_path: Path) -> None:
+def test_model_built_on_meta_is_materialized_from_the_checkpoint(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
     write_original(tmp_path)
     model = build_moe_model(CFG, device="meta")
     report = surgery.load_checkpoint(model, tmp_path)
@@ -261,7 +264,9 @@ def test_model_built_on_meta_is_materialized_from_the_checkpoint(tmp_path: Path)
         assert torch.equal(model(ids), build_moe_model(CFG, seed=0)(ids))
 
 
-def test_meta_model_takes_plain_tensors_zero_copy_and_experts_read_into_place(tmp_path: Path) -> None:
+def test_meta_model_takes_plain_tensors_zero_copy_and_experts_read_into_place(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
     write_original(tmp_path)
     report = surgery.load_checkpoint(build_moe_model(CFG, device="meta"), tmp_path)
     modes = {k: e.mode for e in report.plan.entries for k in e.target_keys}
@@ -289,7 +294,7 @@ def test_writing_to_a_mapped_parameter_never_touches_the_file(tmp_path: Path) ->
     assert (tmp_path / SAFE_WEIGHTS_NAME).read_bytes() == before
 
 
-def test_cpu_model_is_filled_in_place(tmp_path: Path) -> None:
+def test_cpu_model_is_filled_in_place(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path)
     model = build_moe_model(CFG, seed=3)
     params = {k: p for k, p in model.named_parameters()}
@@ -299,7 +304,7 @@ def test_cpu_model_is_filled_in_place(tmp_path: Path) -> None:
     assert_same(model.state_dict(), reference())
 
 
-def test_missing_parameters_are_reported(tmp_path: Path) -> None:
+def test_missing_parameters_are_reported(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path, model__norm__weight=None, lm_head__weight=None)
     report = surgery.load_checkpoint(build_moe_model(CFG), tmp_path)
     assert report.missing_keys == ["model.norm.weight", "lm_head.weight"]
@@ -307,7 +312,9 @@ def test_missing_parameters_are_reported(tmp_path: Path) -> None:
     assert "missing keys" in str(report)
 
 
-def test_missing_parameters_of_a_meta_model_stay_on_meta_never_random(tmp_path: Path) -> None:
+def test_missing_parameters_of_a_meta_model_stay_on_meta_never_random(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
     write_original(tmp_path, model__norm__weight=None)
     model = build_moe_model(CFG, device="meta")
     report = surgery.load_checkpoint(model, tmp_path)
@@ -371,7 +378,9 @@ def _load_everything(path: Path, **kwargs) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("how", ["env", "argument"])
-def test_sequential_loading_gives_what_threads_give(tmp_path: Path, monkeypatch, how: str) -> None:
+def test_sequential_loading_gives_what_threads_give(
+    tmp_path: Path, monkeypatch, how: str, write_original: WriteOriginal
+) -> None:
     write_original(tmp_path, dtype=torch.bfloat16, model__norm__weight=torch.ones(3), lm_head__weight=None)
     threaded_state, threaded_report = _load_everything(tmp_path, num_workers=4)
     if how == "env":
@@ -383,7 +392,9 @@ def test_sequential_loading_gives_what_threads_give(tmp_path: Path, monkeypatch,
     assert sync_report == threaded_report
 
 
-def test_dtype_argument_casts_floating_tensors_without_reporting_a_mismatch(tmp_path: Path) -> None:
+def test_dtype_argument_casts_floating_tensors_without_reporting_a_mismatch(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
     write_original(tmp_path)
     model = build_moe_model(CFG, device="meta")
     report = surgery.load_checkpoint(model, tmp_path, dtype=torch.bfloat16)
@@ -391,14 +402,14 @@ def test_dtype_argument_casts_floating_tensors_without_reporting_a_mismatch(tmp_
     assert_same(model.state_dict(), reference(torch.bfloat16))
 
 
-def test_dtype_argument_accepts_the_dtype_name(tmp_path: Path) -> None:
+def test_dtype_argument_accepts_the_dtype_name(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path)
     model = build_moe_model(CFG, seed=3)
     surgery.load_checkpoint(model, tmp_path, dtype="bfloat16")
     assert {t.dtype for t in model.state_dict().values()} == {torch.bfloat16}
 
 
-def test_dtype_checkpoint_keeps_each_checkpoint_dtype(tmp_path: Path) -> None:
+def test_dtype_checkpoint_keeps_each_checkpoint_dtype(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path, dtype=torch.bfloat16)
     model = build_moe_model(CFG, seed=3)
     report = surgery.load_checkpoint(model, tmp_path, dtype="checkpoint")
@@ -406,13 +417,15 @@ def test_dtype_checkpoint_keeps_each_checkpoint_dtype(tmp_path: Path) -> None:
     assert_same(model.state_dict(), reference(torch.bfloat16))
 
 
-def test_unknown_dtype_is_a_configuration_error_naming_the_choices(tmp_path: Path) -> None:
+def test_unknown_dtype_is_a_configuration_error_naming_the_choices(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
     write_original(tmp_path)
     with pytest.raises(ConfigurationError, match="'checkpoint'"):
         surgery.load_checkpoint(build_moe_model(CFG), tmp_path, dtype="float99")
 
 
-def test_device_argument_places_a_meta_model(tmp_path: Path) -> None:
+def test_device_argument_places_a_meta_model(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path)
     model = build_moe_model(CFG, device="meta")
     report = surgery.load_checkpoint(model, tmp_path, device="cpu")
@@ -420,14 +433,16 @@ def test_device_argument_places_a_meta_model(tmp_path: Path) -> None:
     assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
 
 
-def test_bad_device_is_a_configuration_error(tmp_path: Path) -> None:
+def test_bad_device_is_a_configuration_error(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path)
     with pytest.raises(ConfigurationError, match="not a torch device"):
         surgery.load_checkpoint(build_moe_model(CFG), tmp_path, device="gpu:nine")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_device_argument_moves_loaded_tensors_to_the_accelerator(tmp_path: Path) -> None:
+def test_device_argument_moves_loaded_tensors_to_the_accelerator(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
     write_original(tmp_path)
     model = build_moe_model(CFG, device="meta")
     assert surgery.load_checkpoint(model, tmp_path, device="cuda").ok
@@ -481,13 +496,15 @@ def test_keyboard_interrupt_propagates_cancels_pending_work_and_leaves_no_record
     assert 1 <= len(calls) < n // 2  # the rest was cancelled before it started
 
 
-def test_progress_bar_is_silent_when_stderr_is_not_a_terminal(tmp_path: Path, capsys) -> None:
+def test_progress_bar_is_silent_when_stderr_is_not_a_terminal(
+    tmp_path: Path, capsys, write_original: WriteOriginal
+) -> None:
     write_original(tmp_path)
     surgery.load_checkpoint(build_moe_model(CFG), tmp_path)
     assert capsys.readouterr().err == ""
 
 
-def test_progress_bar_can_be_forced_on(tmp_path: Path, capsys) -> None:
+def test_progress_bar_can_be_forced_on(tmp_path: Path, capsys, write_original: WriteOriginal) -> None:
     write_original(tmp_path)
     surgery.load_checkpoint(build_moe_model(CFG), tmp_path, progress=True)
     assert "100.0%" in capsys.readouterr().err
@@ -496,7 +513,7 @@ def test_progress_bar_can_be_forced_on(tmp_path: Path, capsys) -> None:
 # ------------------------------------------------------------------------------------------ report
 
 
-def test_report_lists_the_transforms_that_fired(tmp_path: Path) -> None:
+def test_report_lists_the_transforms_that_fired(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path)
     report = surgery.load_checkpoint(build_moe_model(CFG), tmp_path)
     assert len(report.transforms_used) == 3
@@ -504,7 +521,9 @@ def test_report_lists_the_transforms_that_fired(tmp_path: Path) -> None:
     assert all("MergeModulelist" in t for t in report.transforms_used[1:])
 
 
-def test_report_round_trips_through_json_and_reads_well(tmp_path: Path) -> None:
+def test_report_round_trips_through_json_and_reads_well(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
     write_original(tmp_path, model__norm__weight=torch.ones(3), lm_head__weight=None, extra=torch.ones(1))
     report = surgery.load_checkpoint(build_moe_model(CFG), tmp_path)
     data = json.loads(report.to_json())
