@@ -141,7 +141,7 @@ class _Decision(NamedTuple):
     renamings: tuple[int, ...]
     converter: int | None
     pattern_index: int | None
-    stars: tuple[str, ...]  # wildcard texts of a gathering converter, else ()
+    indices: tuple[int, ...]  # the wildcard indices of a gathering converter, else ()
 
 
 class _ExactRouter:
@@ -180,8 +180,8 @@ class _ExactRouter:
         if claimed is None:
             return _Decision((current,), tuple(fired), None, None, ())
         i, c, m = claimed
-        stars = m.stars if c.gathers else ()
-        return _Decision(c.target_keys(m), tuple(fired), i, m.pattern_index, stars)
+        index = tuple(map(int, m.stars)) if c.gathers else ()
+        return _Decision(c.target_keys(m), tuple(fired), i, m.pattern_index, index)
 
 
 # --------------------------------------------------------------------------- the template cache
@@ -194,21 +194,32 @@ _MISSING = object()
 class _Replay:
     """One template's decision, with the key's numeric components as ``str.format`` fields.
 
-    ``targets`` are formats (``"{0}"`` is the key's first numeric component); ``stars`` holds,
-    per wildcard, the number of the component it copies or its fixed text.
+    ``targets`` are formats (``"{0}"`` is the key's first numeric component); ``index`` holds,
+    per wildcard, ``(component number, None)`` when it copies a component, else ``(None, value)``.
     """
 
-    __slots__ = ("_formats", "_rest", "_star_fields")
+    __slots__ = ("_formats", "_index", "_rest")
 
-    def __init__(self, decision: _Decision, targets: list[str], stars: list[int | str]) -> None:
+    def __init__(
+        self, decision: _Decision, targets: list[str], index: list[tuple[int | None, int | None]]
+    ) -> None:
         self._formats = tuple(t.format for t in targets)
         self._rest = (decision.renamings, decision.converter, decision.pattern_index)
-        self._star_fields = tuple(stars)
+        self._index = tuple(index)
 
     def decide(self, values: list[str]) -> _Decision:
-        targets = tuple([f(*values) for f in self._formats])
-        stars = tuple([values[s] if isinstance(s, int) else s for s in self._star_fields])
-        return _Decision(targets, *self._rest, stars)
+        formats = self._formats
+        if len(formats) == 1:  # the common case, without building a list
+            targets: tuple[str, ...] = (formats[0](*values),)
+        else:
+            targets = tuple([f(*values) for f in formats])
+        fields = self._index
+        if len(fields) == 1 and fields[0][0] is not None:  # one wildcard copying a component
+            index: tuple[int, ...] = (int(values[fields[0][0]]),)
+        else:
+            index = tuple([fixed if c is None else int(values[c]) for c, fixed in fields])  # type: ignore[misc]
+        # tuple.__new__ skips the NamedTuple's argument handling; a replay runs once per key.
+        return tuple.__new__(_Decision, (targets, *self._rest, index))  # type: ignore[type-var]
 
 
 class _TemplateCache:
@@ -241,8 +252,9 @@ class _TemplateCache:
 def _learn(exact: _ExactRouter, parts: list[str], decision: _Decision, trace: list[str]) -> _Replay | None:
     """Turn one key's decision into a :class:`_Replay` by routing probe keys, or ``None``.
 
-    For numeric component ``i`` of width ``w``, probe A puts ``0123...`` there and probe B the
-    same digits plus 5 (mod 10), so the two differ at every position. A character of an output
+    For numeric component ``i`` of width ``w``, probe A puts ``1234...`` there (position ``k``
+    holds ``k + 1`` mod 10) and probe B the same digits plus 5, so the two differ at every
+    position and neither starts with ``0`` (``int`` tells them apart). A character of an output
     (or of the key after a renaming, in ``trace``) that differs between A and B is a copy of
     component ``i``, at the position its A digit names.
 
@@ -255,10 +267,10 @@ def _learn(exact: _ExactRouter, parts: list[str], decision: _Decision, trace: li
         return None  # probe digits would repeat within the component
     texts = [*trace, *decision.targets]
     owners: list[list[tuple[int, int] | None]] = [[None] * len(t) for t in texts]
-    star_fields: list[int | str] = list(decision.stars)
+    index: list[tuple[int | None, int | None]] = [(None, v) for v in decision.indices]
     for i, value in enumerate(values):
         probes = []
-        for shift in (0, 5):
+        for shift in (1, 6):
             probe_parts = list(parts)
             probe_parts[2 * i + 1] = _probe(len(value), shift)
             probe_trace: list[str] = []
@@ -277,22 +289,23 @@ def _learn(exact: _ExactRouter, parts: list[str], decision: _Decision, trace: li
                     if ca != c0:
                         return None
                     continue
-                k = int(ca)
-                if owner[j] is not None or cb != str((k + 5) % 10) or c0 != value[k]:
+                k = (int(ca) - 1) % 10
+                if owner[j] is not None or cb != str((k + 6) % 10) or c0 != value[k]:
                     return None
                 owner[j] = (i, k)
-        for n, (sa, sb) in enumerate(zip(a.stars, b.stars)):
-            if sa != sb:
-                if sa != _probe(len(value), 0) or sb != _probe(len(value), 5):
-                    return None  # the wildcard caught part of a component
-                star_fields[n] = i
+        for n, (ia, ib) in enumerate(zip(a.indices, b.indices)):
+            if ia == ib == decision.indices[n]:
+                continue
+            if ia != int(_probe(len(value), 1)) or ib != int(_probe(len(value), 6)):
+                return None  # the wildcard caught part of a component
+            index[n] = (i, None)
     fields = [_fields(owner, text, values) for owner, text in zip(owners, texts)]
     if any(f is None for f in fields):
         return None
     if not all(_delimited(f) for f in fields[: len(trace)]):  # type: ignore[arg-type]
         return None
     formats = [_format(f) for f in fields[len(trace) :]]  # type: ignore[arg-type]
-    return _Replay(decision, formats, star_fields)
+    return _Replay(decision, formats, index)
 
 
 _Fields = list[str | int]  # literal characters, and numeric component numbers where copied whole
@@ -350,7 +363,7 @@ def _same_shape(a: _Decision, b: _Decision) -> bool:
         a.renamings == b.renamings
         and a.converter == b.converter
         and a.pattern_index == b.pattern_index
-        and [len(s) for s in a.stars] == [len(s) for s in b.stars]
+        and len(a.indices) == len(b.indices)
     )
 
 
@@ -360,7 +373,7 @@ def _same_shape(a: _Decision, b: _Decision) -> bool:
 def route_key(key: str, transforms: Sequence[WeightTransform]) -> KeyRoute:
     """Route a single key exactly (no base-model prefix)."""
     d = _ExactRouter(transforms).decide(key)
-    return KeyRoute(key, d.targets[0], d.renamings, d.converter, d.pattern_index, tuple(map(int, d.stars)))
+    return KeyRoute(key, d.targets[0], d.renamings, d.converter, d.pattern_index, d.indices)
 
 
 def route_keys(
@@ -403,23 +416,25 @@ def route_keys(
     routes: dict[str, KeyRoute] = {}
     groups: dict[str, TargetGroup] = {}
     conflicts: list[RouteConflict] = []
+    keys = keys if isinstance(keys, list) else list(keys)
+    bad = next((k for k in keys if not isinstance(k, str)), _MISSING)
+    if bad is not _MISSING:
+        raise ConfigurationError(f"Checkpoint keys must be strings, got {bad!r}; pass the tensor names.")
     for key in keys:
-        if not isinstance(key, str):
-            raise ConfigurationError(f"Checkpoint keys must be strings, got {key!r}; pass the tensor names.")
         d = decide(key)
         how = ""
         if prefix and not _names_runtime_keys(d.targets, known):
             d, how = _with_base_prefix(key, d, prefix, known, decide)
-        first = d.targets[0]
-        index = tuple(map(int, d.stars)) if d.stars else ()
-        routes[key] = KeyRoute(key, first, d.renamings, d.converter, d.pattern_index, index, how)
+        targets, renamings, converter, pattern_index, index = d
+        first = targets[0]
+        routes[key] = KeyRoute(key, first, renamings, converter, pattern_index, index, how)
         group = groups.get(first)
         if group is None:
-            group = groups[first] = TargetGroup(first, d.converter, d.targets)
-        elif group.converter != d.converter:
+            group = groups[first] = TargetGroup(first, converter, targets)
+        elif group.converter != converter:
             conflicts.append(RouteConflict(first, group.source_keys[0], key))
             continue
-        slot = group.sources.setdefault(d.pattern_index or 0, {})
+        slot = group.sources.setdefault(pattern_index or 0, {})
         if index in slot:
             conflicts.append(RouteConflict(first, slot[index], key))
             continue
@@ -429,6 +444,9 @@ def route_keys(
 
 def _names_runtime_keys(targets: tuple[str, ...], known: Collection[str]) -> bool:
     # A target whose ``*`` the op chain fills is checked by its first member.
+    if len(targets) == 1:  # the common case, without a generator
+        t = targets[0]
+        return (t.replace("*", "0") if "*" in t else t) in known
     return all((t.replace("*", "0") if "*" in t else t) in known for t in targets)
 
 

@@ -53,6 +53,7 @@ _TARGET_VS_HF = 1.5
 _TARGET_RSS = 1.2
 _TARGET_ZERO_COPY_S_PER_GB = 0.04
 _TARGET_B = 1.5
+_TARGET_ROUTING_SHARE = 0.20
 
 
 # --------------------------------------------------------------------------- configurations
@@ -313,6 +314,30 @@ def _runner(spec: dict[str, Any], cfg: ExampleMoEConfig) -> Callable[[], dict[st
         notes = "nothing missing" if not problems else f"PROBLEMS {problems}"
         return {"total_s": t1 - t0, "load_s": t1 - t0, "missing": len(info["missing_keys"]), "notes": notes}
 
+    def routing() -> dict[str, Any]:
+        # The planner's routing call on the same checkpoint and model, alone, collector paused
+        # as in a load: its time over a whole load is routing's share of that load.
+        from ..checkpoint import open_checkpoint
+        from ..resolution import get_model_conversion_mapping
+        from ..routing import route_keys
+
+        model = meta_model()
+        transforms = get_model_conversion_mapping(model)
+        runtime = model.state_dict().keys()
+        with open_checkpoint(original) as reader:
+            keys = reader.keys()
+            gc.disable()
+            try:
+                t0 = time.perf_counter()
+                prefix = getattr(model, "base_model_prefix", None) or None
+                r = route_keys(keys, transforms, runtime_keys=runtime, base_model_prefix=prefix)
+                for k in keys:
+                    r.routes[k]
+                t1 = time.perf_counter()
+            finally:
+                gc.enable()
+        return {"total_s": t1 - t0, "load_s": t1 - t0, "notes": f"{len(keys)} keys, {len(r.groups)} groups"}
+
     def raw() -> dict[str, Any]:
         t0 = time.perf_counter()
         state = load_file(original, backend=variant.removeprefix("raw_"))
@@ -334,6 +359,8 @@ def _runner(spec: dict[str, Any], cfg: ExampleMoEConfig) -> Callable[[], dict[st
         return ours
     if variant in ("raw_pread", "raw_mmap"):
         return raw
+    if variant == "routing":
+        return routing
     raise SystemExit(f"unknown variant {variant!r}")
 
 
@@ -587,6 +614,7 @@ def _bench_b(workdir: Path, repeat: int, hf: bool, hf_repeat: int) -> tuple[str,
         repeat,
     )
     _measure(rows, "ours_meta", "(b) surgery per-expert -> meta model", spec, repeat)
+    _measure(rows, "routing", "  info: routing alone (route_keys + read every route)", spec, repeat)
     if hf and info["hf_config"] and hf_repeat > 0:
         _measure(
             rows,
@@ -611,6 +639,14 @@ def _bench_b(workdir: Path, repeat: int, hf: bool, hf_repeat: int) -> tuple[str,
             ratio = r["total_s"] / floor["total_s"]
             text = f"{what}: {ratio:.2f}x ({info['keys'] / r['total_s']:,.0f} keys/s)"
             verdicts.append(_verdict(ratio <= _TARGET_B, text))
+    routing = _get(rows, "routing")
+    for tag, r in (("(a)", a), ("(b)", b)):
+        what = f"routing at most {_TARGET_ROUTING_SHARE:.0%} of B{tag}"
+        if r is None or routing is None:
+            verdicts.append(_verdict(None, f"{what}: not measured"))
+        else:
+            share = routing["total_s"] / r["total_s"]
+            verdicts.append(_verdict(share <= _TARGET_ROUTING_SHARE, f"{what}: {share:.0%}"))
     return "\n".join([title, _table(rows, floor_name, mb)]), verdicts, {"rows": rows, "info": info}
 
 
