@@ -32,3 +32,25 @@ def test_readme_opens_with_the_demo_and_the_test_commands() -> None:
     assert "pytest" in commands[1]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest" in ci
+
+
+def _architecture_map() -> str:
+    text = (ROOT / "docs" / "concepts.md").read_text()
+    return text.split("## Architecture", 1)[1].split("```", 2)[1]
+
+
+def test_the_architecture_map_names_every_module_and_nothing_else() -> None:
+    block = _architecture_map()
+    package = ROOT / "surgery"
+    for path in package.glob("*.py"):
+        if path.stem not in ("__init__", "__main__"):
+            assert f"{path.name}" in block, path.name
+    for sub in ("checkpoint", "load"):
+        for path in (package / sub).glob("*.py"):
+            if path.stem != "__init__":
+                assert path.name in block, f"{sub}/{path.name}"
+    for folder in ("checkpoint", "load", "fusion", "examples", "bench"):
+        assert f"{folder}/" in block, folder
+    named = set(re.findall(r"\b(\w+\.py)\b", block))
+    existing = {p.name for p in package.rglob("*.py")}
+    assert named <= existing, sorted(named - existing)

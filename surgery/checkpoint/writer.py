@@ -413,7 +413,7 @@ def write_checkpoint(
     checkpoint is left loadable and no temporary file remains.
 
     With ``specs``, ``state_dict`` may compute its values lazily (like
-    :class:`~surgery.saving.RevertedState`): shards, headers and the index are planned from
+    :class:`~surgery.save.RevertedState`): shards, headers and the index are planned from
     ``specs`` alone, then each value is looked up once, in ``specs`` order, checked against its
     spec, written and dropped before the next lookup, so at most one value is alive at a time.
     The files are byte-identical to a save of the same tensors without ``specs``.

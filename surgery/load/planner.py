@@ -581,7 +581,7 @@ def _choose_mode(
 
 
 def ordered_sources(conv: WeightConverter, w: Work) -> list[str]:
-    """``w``'s source keys in the order of :func:`~surgery.placement.flatten_slots` of its views."""
+    """``w``'s source keys in the order of :func:`~surgery.load.placement.flatten_slots` of its views."""
     by_pattern: dict[int, dict[tuple[int, ...], str]] = {}
     for src in w.entry.source_keys:
         pat, idx = w.pattern_of[src]
