@@ -173,7 +173,12 @@ class WeightConverter(WeightTransform):
         )
 
     def pending_targets(self) -> list[str]:
+        """The target keys with tensors collected and not yet converted."""
         return list(self._collected)
+
+    def is_pending(self, target_key: str) -> bool:
+        """Whether tensors were collected for ``target_key`` and not yet converted."""
+        return target_key in self._collected
 
     def convert(
         self,
@@ -208,7 +213,7 @@ class WeightConverter(WeightTransform):
                     f"target pattern(s); pass the group's target keys in pattern order."
                 )
         else:
-            targets = self._expand_target_keys(target_key)
+            targets = self.expand_target_keys(target_key)
         base = ctx or OpContext()
         ctx = OpContext(
             n_targets=len(self._targets),
@@ -221,7 +226,7 @@ class WeightConverter(WeightTransform):
         out = run_chain(self.operations, slots, ctx)
         return expand_outputs(targets, out, self)
 
-    def _expand_target_keys(self, first_target_key: str) -> tuple[str, ...]:
+    def expand_target_keys(self, first_target_key: str) -> tuple[str, ...]:
         """All target keys of the group whose first target key is ``first_target_key``."""
         if len(self._targets) == 1:
             return (first_target_key,)

@@ -272,7 +272,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
         self, index: int, key: str, sources: tuple[str, ...], shapes: dict[str, tuple[int, ...]]
     ) -> tuple[_Group, dict[str, torch.Tensor]]:
         conv = self._converters[index]
-        targets = conv._expand_target_keys(key)
+        targets = conv.expand_target_keys(key)
         ctx = OpContext(
             n_targets=len(targets), target_shapes=tuple(shapes.get(t.replace("*", "0")) for t in targets)
         )

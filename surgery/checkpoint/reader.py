@@ -144,7 +144,13 @@ class CheckpointReader:
     def __len__(self) -> int:
         return len(self._where)
 
-    def _lookup(self, key: str) -> tuple[TensorInfo, _File]:
+    def locate(self, key: str) -> tuple[TensorInfo, _File]:
+        """The header entry of ``key`` and the open file that holds it.
+
+        Raises:
+            CheckpointError: the key is not stored (the message lists close matches), or the
+                reader is closed.
+        """
         if self._closed:
             raise CheckpointError(f"The checkpoint reader for '{self.path}' is closed; open it again.")
         try:
@@ -163,7 +169,7 @@ class CheckpointReader:
         Raises:
             CheckpointError: ``key`` is not in the checkpoint (the message lists close matches).
         """
-        return self._lookup(key)[0]
+        return self.locate(key)[0]
 
     def get_tensor(self, key: str, *, copy: bool = True) -> torch.Tensor:
         """Read one tensor.
@@ -183,7 +189,7 @@ class CheckpointReader:
             >>> with open_checkpoint("ckpt/") as reader:  # doctest: +SKIP
             ...     w = reader.get_tensor("lm_head.weight", copy=False)
         """
-        info, source = self._lookup(key)
+        info, source = self.locate(key)
         if isinstance(source, _PickleFile):
             tensor = source.tensors[key]
             return tensor.clone(memory_format=torch.contiguous_format) if copy else tensor
@@ -207,7 +213,7 @@ class CheckpointReader:
         Example:
             >>> reader.read_into("lm_head.weight", model.lm_head.weight.data)  # doctest: +SKIP
         """
-        info, source = self._lookup(key)
+        info, source = self.locate(key)
         if not isinstance(out, torch.Tensor):
             raise CheckpointError(
                 f"read_into({key!r}, out): out must be a torch.Tensor, got {type(out).__name__}."
@@ -249,7 +255,7 @@ class CheckpointReader:
         Raises:
             CheckpointError: the key is missing, the tensor is 0-dim, or the range is out of bounds.
         """
-        info, source = self._lookup(key)
+        info, source = self.locate(key)
         ndim = len(info.shape)
         valid_dim = type(dim) is int and -ndim <= dim < ndim
         if not valid_dim or type(start) is not int or type(stop) is not int:

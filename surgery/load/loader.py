@@ -207,7 +207,7 @@ def _read_placed(reader: CheckpointReader, pairs: list[tuple[str, torch.Tensor]]
         for src, view in pairs:
             reader.read_into(src, view)
         return
-    lookup = reader._lookup
+    lookup = reader.locate
     source: Any = None
     batch: list[tuple[str, torch.Tensor]] = []
     spans: list[list[Any]] = []  # [offset, address, nbytes, key]

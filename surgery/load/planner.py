@@ -469,7 +469,7 @@ def _infer_outputs(
     key = None
     if cache is not None and all(type(op) in _BUILTIN_OPS for op in converter.operations):
         try:
-            targets = converter._expand_target_keys(group_key)
+            targets = converter.expand_target_keys(group_key)
             ctx = op_context(converter, group_key, runtime, config)
         except SurgeryError:
             targets = ()  # the uncached run below raises it, after the same steps as always
@@ -482,7 +482,7 @@ def _infer_outputs(
                 tuple((pattern_of[i.key], i.shape, i.dtype) for i in infos),
             )
             slots = cache.get(key)
-            if slots is not None and group_key not in converter._collected:
+            if slots is not None and not converter.is_pending(group_key):
                 return expand_outputs(targets, slots, converter)
     for info in infos:
         pat, idx = pattern_of[info.key]
@@ -524,7 +524,7 @@ def _output_slots(
 def op_context(
     converter: WeightConverter, group_key: str, runtime: dict[str, torch.Tensor], config: Any
 ) -> OpContext:
-    targets = converter._expand_target_keys(group_key)
+    targets = converter.expand_target_keys(group_key)
     shapes = tuple(tuple(runtime[k].shape) if k in runtime else None for k in targets)
     return OpContext(n_targets=len(targets), target_shapes=shapes, config=config)
 
