@@ -21,7 +21,10 @@ from collections.abc import Callable, Sequence
 from torch import nn
 
 from .checkpoint import open_checkpoint
+from .demo import run_demo
 from .errors import SurgeryError
+from .examples.moe import build_moe_model
+from .examples.vision import build_vision_tower
 from .fusion import preview_fusions
 from .load.loader import load_checkpoint, plan_load
 from .load.plan import fold_indices
@@ -33,14 +36,10 @@ _BENCHES = ("route", "load", "fusion", "graph")
 
 
 def _example_moe() -> nn.Module:
-    from .examples.moe import build_moe_model
-
     return build_moe_model()
 
 
 def _example_vision() -> nn.Module:
-    from .examples.vision import build_vision_tower
-
     return build_vision_tower()
 
 
@@ -81,8 +80,6 @@ def _fusion_arg(values: Sequence[str] | None) -> dict[str, object] | None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
     return run_demo(workdir=args.workdir, quick=args.quick)
 
 

@@ -22,6 +22,13 @@ from typing import Any
 
 import torch
 
+from .checkpoint import open_checkpoint, write_checkpoint
+from .examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
+from .examples.vision import build_vision_tower
+from .fusion import preview_fusions
+from .load import load_checkpoint, plan_load
+from .save import save_checkpoint
+
 __all__ = ["run_demo"]
 
 
@@ -44,9 +51,6 @@ def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
 
 
 def _moe_part(root: Path, quick: bool, timings: list[tuple[str, float]]) -> bool:
-    import surgery
-    from surgery.checkpoint import open_checkpoint, write_checkpoint
-    from surgery.examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
 
     cfg = ExampleMoEConfig(
         hidden_size=32 if quick else 64,
@@ -65,9 +69,9 @@ def _moe_part(root: Path, quick: bool, timings: list[tuple[str, float]]) -> bool
         print(f"{len(original)} tensors in {len(list(src_dir.glob('*.safetensors')))} shards at {src_dir}")
     model = build_moe_model(cfg, device="meta", dtype=torch.bfloat16)
     with _step("MoE: load plan (headers only)", timings):
-        print(surgery.plan_load(model, src_dir).render(max_rows=12))
+        print(plan_load(model, src_dir).render(max_rows=12))
     with _step("MoE: load into the fused-experts model built on meta", timings):
-        report = surgery.load_checkpoint(model, src_dir)
+        report = load_checkpoint(model, src_dir)
         print(report)
     ok_values = _same_tensors(model.state_dict(), reference.state_dict())
     print(f"loaded weights equal the source model's: {ok_values}")
@@ -76,9 +80,7 @@ def _moe_part(root: Path, quick: bool, timings: list[tuple[str, float]]) -> bool
         ok_out = torch.equal(model(ids), reference(ids))
     print(f"outputs equal the source model's: {ok_out}")
     with _step("MoE: save back in the original layout", timings):
-        surgery.save_checkpoint(
-            model, out_dir, max_shard_size=sum(t.nbytes for t in original.values()) // 2 + 1
-        )
+        save_checkpoint(model, out_dir, max_shard_size=sum(t.nbytes for t in original.values()) // 2 + 1)
     same_files = _same_files(src_dir, out_dir)
     with open_checkpoint(out_dir) as r:
         same = _same_tensors({k: r.get_tensor(k) for k in r}, original)
@@ -87,9 +89,6 @@ def _moe_part(root: Path, quick: bool, timings: list[tuple[str, float]]) -> bool
 
 
 def _vision_part(root: Path, quick: bool, timings: list[tuple[str, float]]) -> bool:
-    import surgery
-    from surgery.checkpoint import write_checkpoint
-    from surgery.examples.vision import build_vision_tower
 
     depth = 2 if quick else 4
     src_dir, out_dir = root / "vision-original", root / "vision-roundtrip"
@@ -99,9 +98,9 @@ def _vision_part(root: Path, quick: bool, timings: list[tuple[str, float]]) -> b
         write_checkpoint(original, src_dir)
     fused = build_vision_tower(depth=depth, seed=1)
     with _step("Vision: preview the patch_embeddings fusion", timings):
-        print(surgery.preview_fusions(fused, {"patch_embeddings": True}).render())
+        print(preview_fusions(fused, {"patch_embeddings": True}).render())
     with _step("Vision: apply the fusion and load the original checkpoint through it", timings):
-        report = surgery.load_checkpoint(fused, src_dir, fusion_config={"patch_embeddings": True})
+        report = load_checkpoint(fused, src_dir, fusion_config={"patch_embeddings": True})
         print(report)
     patches = torch.randn(64, _patch_volume(unfused))
     with torch.no_grad():
@@ -109,7 +108,7 @@ def _vision_part(root: Path, quick: bool, timings: list[tuple[str, float]]) -> b
     err = (a - b).abs().max().item() / max(a.abs().max().item(), 1e-12)
     print(f"fused vs unfused output: max relative difference {err:.2e}")
     with _step("Vision: export back to the original layout", timings):
-        surgery.save_checkpoint(fused, out_dir)
+        save_checkpoint(fused, out_dir)
     same_files = _same_files(src_dir, out_dir)
     print(f"exported files byte-identical to the input: {same_files}")
     return report.ok and err < 1e-5 and same_files
