@@ -187,7 +187,7 @@ class _ExactRouter:
 # --------------------------------------------------------------------------- the template cache
 
 # A numeric component after a dot; ``split`` yields [text, digits, text, digits, ..., text].
-_NUMERIC = re.compile(r"\.([0-9]+)(?=\.|$)")
+_NUMERIC = re.compile(r"\.([0-9]+)(?=\.|\Z)")
 _MISSING = object()
 
 
