@@ -47,6 +47,7 @@ from .planner import (
     ordered_sources,
     persisted_fusion_config,
     prepare,
+    refuse_dtensors,
 )
 from .report import ConversionFailure, LoadReport
 
@@ -332,6 +333,7 @@ def plan_load(
         >>> plan = surgery.plan_load(model, "ckpt/")  # doctest: +SKIP
         >>> print(plan.render())  # doctest: +SKIP
     """
+    refuse_dtensors(model)
     with _collector_paused(), _opened(path, allow_pickle) as reader:
         needs_fusion = fusion_config is not None or (
             fusion_config_of(model) is None and persisted_fusion_config(reader) is not None
@@ -399,6 +401,7 @@ def load_checkpoint(
         True
     """
     start = time.perf_counter()
+    refuse_dtensors(model)
     model.__dict__.pop(_RECORD_ATTR, None)  # a failed or interrupted load leaves no record behind
     with _collector_paused(), _opened(path, allow_pickle) as reader:
         with _undo_fusions_on_error(model):

@@ -23,6 +23,7 @@ import copy
 import itertools
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,11 +52,34 @@ __all__ = [
     "ordered_sources",
     "persisted_fusion_config",
     "prepare",
+    "refuse_dtensors",
     "tied_groups",
 ]
 
 
 # --------------------------------------------------------------------------- model helpers
+
+
+def refuse_dtensors(model: nn.Module) -> None:
+    """Refuse a model whose parameters are already ``DTensor``s, before anything is read.
+
+    Loading does not shard on read yet: reading into a DTensor's ``data_ptr()`` writes through
+    the wrapper (``OSError: Bad address``), and replacing it would silently un-parallelize the
+    model. ``torch.distributed.tensor`` is only consulted when it is already imported (importing
+    it costs about a second, and a DTensor cannot exist without it).
+    """
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    if dtensor_module is None:
+        return
+    dtensor = dtensor_module.DTensor
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if isinstance(t, dtensor):
+            raise ConfigurationError(
+                f"{name!r} is a DTensor (placements {tuple(t.placements)}): the model was already "
+                "parallelized, and surgery cannot load into DTensors yet. Load the checkpoint into the "
+                "plain model first, then parallelize it (torch.distributed.tensor.parallel."
+                "parallelize_module)."
+            )
 
 
 def _runtime_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
