@@ -319,6 +319,12 @@ def prepare(
         )
         index = len(plan.entries)
         plan.entries.append(entry)
+        quantized = _prequantized_sources(infos, reader)
+        if quantized:
+            entry.status, entry.mode, entry.message = "error", "skip", quantized
+            failures.append((index, ConversionFailure("dequantize", src_keys, group.target_keys, quantized)))
+            covered.update(k for k in group.target_keys if k in runtime)
+            continue
         converter = _converter_at(transforms, group.converter)
         pattern_of = {k: (r.pattern_index or 0, r.index) for k, r in zip(src_keys, routes)}
         config = None
@@ -445,6 +451,24 @@ def _settle_conflicts(
         elif w.entry.status == "ok":
             out.append(w)
     return out
+
+
+def _prequantized_sources(infos: list[Any], reader: CheckpointReader) -> str:
+    """Why these sources cannot be cast as they are (``""`` when they can).
+
+    A float8 tensor stored with a ``<key>_scale_inv`` companion holds quantized values
+    (block-wise FP8, the DeepSeek-V3 layout): casting them to a float dtype ignores the scales
+    and gives wrong numbers, so such a source is an error until a quantizer decodes it.
+    """
+    for info in infos:
+        if info.dtype.is_floating_point and info.dtype.itemsize == 1 and f"{info.key}_scale_inv" in reader:
+            return (
+                f"{info.key!r} is {_dtype_name(info.dtype)} with the scales {info.key + '_scale_inv'!r}: the "
+                "checkpoint is pre-quantized, and casting its values without the scales would load wrong "
+                "weights. surgery has no quantizer for this layout yet: dequantize the checkpoint to a "
+                "float dtype first (each weight block times its scale)."
+            )
+    return ""
 
 
 def _converter_at(transforms: list[WeightTransform], index: int | None) -> WeightConverter | None:
