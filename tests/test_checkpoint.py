@@ -1058,3 +1058,31 @@ def test_specs_write_failing_midway_leaves_the_previous_checkpoint_loadable(
     assert listing(sharded) == before
     with open_checkpoint(sharded) as reader:
         assert torch.equal(reader.get_tensor("c"), torch.full((8,), 2.0))
+
+
+# --------------------------------------------------------------------------- saving over a previous checkpoint
+
+
+def test_a_save_never_deletes_a_file_the_previous_index_names_but_it_did_not_write(tmp_path: Path) -> None:
+    sd = {"a": torch.arange(4.0), "b": torch.ones(3)}
+    write_checkpoint(sd, tmp_path, max_shard_size=16)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "README.md").write_text("notes")
+    index = json.loads((tmp_path / SAFE_WEIGHTS_INDEX_NAME).read_text())
+    index["weight_map"].update({"x": "tokenizer.json", "y": "README.md"})
+    (tmp_path / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index))
+    write_checkpoint(sd, tmp_path)  # now a single file: the old shards go, the other files stay
+    assert (tmp_path / "tokenizer.json").read_text() == "{}"
+    assert (tmp_path / "README.md").read_text() == "notes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", SAFE_WEIGHTS_NAME, "tokenizer.json"]
+
+
+@pytest.mark.parametrize("broken", ["{}", "[]", "not json", '{"weight_map": 3}', '{"weight_map": {"a": 1}}'])
+def test_a_broken_previous_index_never_blocks_a_save(tmp_path: Path, broken: str) -> None:
+    sd = {"a": torch.arange(4.0), "b": torch.ones(3)}
+    write_checkpoint(sd, tmp_path, max_shard_size=16)
+    (tmp_path / SAFE_WEIGHTS_INDEX_NAME).write_text(broken)
+    write_checkpoint(sd, tmp_path, max_shard_size=16)
+    with open_checkpoint(tmp_path) as reader:
+        assert sorted(reader.keys()) == ["a", "b"]
+        assert torch.equal(reader.get_tensor("a"), sd["a"])

@@ -306,12 +306,13 @@ def _sigint_deferred() -> Iterator[None]:
 
 
 def _previous_shards(directory: Path) -> set[str]:
-    """Names of the shard files of whatever checkpoint is in ``directory`` now (best effort)."""
-    names = {p.name for p in directory.iterdir() if SHARD_NAME.fullmatch(p.name)}
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        weight_map = json.loads((directory / SAFE_WEIGHTS_INDEX_NAME).read_text("utf-8"))["weight_map"]
-        names.update(n for n in weight_map.values() if isinstance(n, str) and Path(n).name == n)
-    return names
+    """Shard files of a previous save in ``directory``: only names this writer gives its shards.
+
+    The previous index is not consulted: it may name any file (``tokenizer.json``), and a save
+    never deletes a file it would not have written. Shards a previous index named otherwise stay
+    on disk, unreferenced by the new index.
+    """
+    return {p.name for p in directory.iterdir() if SHARD_NAME.fullmatch(p.name)}
 
 
 def _fsync_directory(directory: Path) -> None:
