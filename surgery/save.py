@@ -447,7 +447,7 @@ def _update_config_json(path: Path, fusion: dict[str, Any] | None) -> None:
         return
     try:
         data = json.loads(cfg.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return
     if not isinstance(data, dict):
         return

@@ -1086,3 +1086,41 @@ def test_a_broken_previous_index_never_blocks_a_save(tmp_path: Path, broken: str
     with open_checkpoint(tmp_path) as reader:
         assert sorted(reader.keys()) == ["a", "b"]
         assert torch.equal(reader.get_tensor("a"), sd["a"])
+
+
+# --------------------------------------------------------------------------- hostile headers and indexes
+
+_DEEP = b"[" * 200_000 + b"]" * 200_000
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b'{"a": ' + _DEEP + b"}", b'{"__metadata__": {"x": ' + _DEEP + b"}}", _DEEP],
+    ids=["entry", "metadata", "top"],
+)
+def test_a_header_nested_too_deeply_is_a_checkpoint_error(tmp_path: Path, header: bytes) -> None:
+    path = write_raw(tmp_path / "deep.safetensors", header)
+    with pytest.raises(CheckpointError, match="too deeply"):
+        open_checkpoint(path)
+
+
+def test_an_index_nested_too_deeply_is_a_checkpoint_error(sharded: Path) -> None:
+    (sharded / SAFE_WEIGHTS_INDEX_NAME).write_bytes(b'{"weight_map": ' + _DEEP + b"}")
+    with pytest.raises(CheckpointError, match="nested too deeply"):
+        open_checkpoint(sharded)
+
+
+@pytest.mark.parametrize(
+    "shape", [[0, 2**63], [0, 2**62, 2**62], [2**40, 0, 2**40]], ids=["dim", "strides", "middle-zero"]
+)
+def test_an_empty_tensor_whose_strides_overflow_is_refused_at_open(tmp_path: Path, shape: list[int]) -> None:
+    header = {"x": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}
+    path = write_raw(tmp_path / "overflow.safetensors", header)
+    with pytest.raises(CheckpointError, match="overflow"):
+        open_checkpoint(path)
+
+
+def test_an_empty_tensor_of_sane_shape_still_opens(tmp_path: Path) -> None:
+    header = {"x": {"dtype": "F32", "shape": [0, 4096], "data_offsets": [0, 0]}}
+    with open_checkpoint(write_raw(tmp_path / "empty.safetensors", header)) as reader:
+        assert reader.get_tensor("x").shape == (0, 4096)

@@ -19,6 +19,7 @@ from surgery.checkpoint import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, write
 from surgery.errors import CheckpointError, ConfigurationError, LoadError
 from surgery.examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
 from surgery.load.loader import SYNC_ENV, load_record
+from surgery.load.plan import FUSION_METADATA_KEY
 from surgery.registry import register_checkpoint_conversion_mapping, registry_snapshot
 
 if TYPE_CHECKING:
@@ -591,3 +592,10 @@ def test_experts_stored_out_of_order_fill_the_fused_parameter_exactly(tmp_path: 
     model = Stacked("toy_stacked", 12)
     assert surgery.load_checkpoint(model, tmp_path).ok
     assert torch.equal(model.fused, torch.stack([experts[f"experts.{i}.w"] for i in range(12)]))
+
+
+def test_fusion_metadata_nested_too_deeply_is_a_load_error(tmp_path: Path) -> None:
+    deep = "[" * 200_000 + "]" * 200_000
+    write_checkpoint(nn.Linear(2, 2).state_dict(), tmp_path, metadata={FUSION_METADATA_KEY: deep})
+    with pytest.raises(LoadError, match="not valid JSON"):
+        surgery.load_checkpoint(nn.Linear(2, 2), tmp_path)

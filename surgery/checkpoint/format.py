@@ -173,6 +173,9 @@ def _parse_entry(path: Path, key: str, entry: object, data_start: int, size: int
     dtype = DTYPES[name]
     pack = PACKED.get(name, 1)
     numel = math.prod(shape)
+    if math.prod(max(d, 1) for d in shape) * dtype.itemsize >= 2**63:
+        # torch computes byte strides in int64, zero-sized dims included.
+        raise _corrupt(path, f"tensor {key!r} has shape {shape}, whose strides overflow 64-bit integers")
     if pack > 1 and (not shape or shape[-1] % pack):
         raise _corrupt(
             path, f"{name} tensor {key!r} has shape {shape}; its last dim must be a multiple of {pack}"
@@ -203,7 +206,7 @@ def _loads_plain(raw: bytes) -> dict[str, Any] | None:
     """
     try:
         header = json.loads(raw.decode("utf-8"))
-    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, nesting
         return None
     if type(header) is not dict:
         return None
@@ -239,7 +242,7 @@ def _parse_entries(path: Path, header: dict[str, Any], data_start: int, size: in
                 if (
                     type(begin) is int
                     and type(end) is int
-                    and 0 <= begin <= end
+                    and 0 <= begin < end  # empty tensors take the careful path (stride check)
                     and end - begin == prod(shape) * dtype.itemsize
                     and data_start + end <= size
                 ):
@@ -280,6 +283,8 @@ def _parse_header_text(
             header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
         except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, duplicate keys
             raise _corrupt(path, f"the header is not valid JSON ({exc})") from None
+        except RecursionError:
+            raise _corrupt(path, "the header nests JSON too deeply to parse") from None
     if not isinstance(header, dict):
         raise _corrupt(path, "the header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}

@@ -356,6 +356,10 @@ def _open_index(given: Path, index: Path, *, allow_pickle: bool) -> CheckpointRe
         raise _index_error(
             index, f"not valid JSON ({exc})", "Restore or regenerate the index file."
         ) from None
+    except RecursionError:
+        raise _index_error(
+            index, "JSON nested too deeply to parse", "Restore or regenerate the index file."
+        ) from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict):
         raise _index_error(

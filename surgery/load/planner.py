@@ -142,21 +142,21 @@ def _resolve_transforms(model: nn.Module) -> list[WeightTransform]:
 
 
 def persisted_fusion_config(reader: CheckpointReader) -> dict[str, Any] | None:
-
+    """The fusion config a runtime-layout save persisted (metadata, else config.json), or None."""
     raw = reader.metadata.get(FUSION_METADATA_KEY)
     if raw is None:
         cfg_path = reader.path / "config.json" if reader.path.is_dir() else reader.path.parent / "config.json"
         if cfg_path.is_file():
             try:
                 data = json.loads(cfg_path.read_text())
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):
                 return None
             value = data.get("fusion_config") if isinstance(data, dict) else None
             return value if isinstance(value, dict) and value else None
         return None
     try:
         value = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise LoadError(
             f"{reader.path}: metadata {FUSION_METADATA_KEY!r} is not valid JSON ({exc}); "
             "re-save the checkpoint or pass fusion_config= explicitly."
