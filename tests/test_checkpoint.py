@@ -665,10 +665,25 @@ class _RunsCode:
         return (print, ("this must never run",))
 
 
-def test_pickle_with_arbitrary_objects_is_refused_even_with_opt_in(tmp_path: Path) -> None:
-    torch.save({"w": torch.ones(2), "evil": _RunsCode()}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(CheckpointError, match="weights_only"):
+class _RunsOsCode:
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
+@pytest.mark.parametrize(
+    ("evil", "named"),
+    [(_RunsCode(), "'print'"), (_RunsOsCode(), "getcwd'")],
+    ids=["builtin", "blocked-module"],
+)
+def test_pickle_with_arbitrary_objects_is_refused_even_with_opt_in(
+    tmp_path: Path, evil: object, named: str
+) -> None:
+    torch.save({"w": torch.ones(2), "evil": evil}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="weights_only=True") as caught:
         open_checkpoint(tmp_path, allow_pickle=True)
+    message = str(caught.value)
+    assert named in message  # what the file tried to smuggle in
+    assert "False" not in message and "allowlist" not in message  # no advice to lift the check
 
 
 def test_sharded_pickle_index_is_refused_by_default(tmp_path: Path) -> None:

@@ -56,8 +56,9 @@ class _PickleFile:
             loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:
             raise CheckpointError(
-                f"Cannot load pickle checkpoint '{path}' safely: {exc}. Only plain tensor state dicts saved "
-                "by torch.save (zip format) load with weights_only=True; convert the file to safetensors."
+                f"Cannot load pickle checkpoint '{path}' safely: {_unpickling_reason(exc)}. Only plain "
+                "tensor state dicts saved by torch.save (zip format) load with weights_only=True; convert "
+                "the file to safetensors."
             ) from None
         if not isinstance(loaded, Mapping):
             raise CheckpointError(
@@ -83,6 +84,22 @@ class _PickleFile:
 
 
 _File = SafetensorsFile | _PickleFile
+
+
+def _unpickling_reason(exc: Exception) -> str:
+    """What ``torch.load(weights_only=True)`` refused, without its advice to lift the check.
+
+    torch's message suggests retrying with ``weights_only=False`` or allow-listing the global,
+    both of which run code from the file; for a file that just tried to smuggle a callable in,
+    that advice must not be relayed. Only the name of what was refused is kept.
+    """
+    refused = _REFUSED_GLOBAL.search(str(exc))
+    if refused:
+        return f"it references {refused.group(1).rstrip('.')!r}, which weights_only=True does not run"
+    return f"it holds objects other than tensors and plain containers ({type(exc).__name__})"
+
+
+_REFUSED_GLOBAL = re.compile(r"(?i)unsupported global:?\s*(?:GLOBAL\s+)?(\S+)")
 
 
 class CheckpointReader:
