@@ -300,9 +300,17 @@ def _check_complete(
     dims = len(indices[0])
     for d in range(dims):
         values = sorted({ix[d] for ix in indices})
-        missing = sorted(set(range(values[-1] + 1)) - set(values))
-        if missing:
-            shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        n_missing = values[-1] + 1 - len(values)  # sorted, distinct, from 0: no gap iff last == len - 1
+        if n_missing:
+            # The first few gaps, in at most len(values) + 8 steps: one stray huge index (a key
+            # ``experts.99999999999``) must not make this loop or a set that large.
+            seen, missing = set(values), []
+            for i in itertools.count():
+                if i not in seen:
+                    missing.append(i)
+                    if len(missing) == min(8, n_missing):
+                        break
+            shown = ", ".join(map(str, missing)) + (" ..." if n_missing > 8 else "")
             example = names.get(indices[0], "")
             raise ConversionError(
                 f"{transform!r}: index {shown} of {pattern!r} is missing for {target_key!r} "

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .converter import WeightConverter, split_transforms
-from .errors import ConfigurationError
+from .errors import CheckpointError, ConfigurationError, SurgeryError
 from .transforms import WeightTransform
 
 __all__ = ["KeyRoute", "RouteConflict", "Routing", "TargetGroup", "route_key", "route_keys"]
@@ -402,6 +402,7 @@ def route_keys(
 
     Raises:
         ConfigurationError: two converters claim the same key, or a key is not a string.
+        CheckpointError: a gathered index has more digits than Python converts.
 
     Example:
         >>> from surgery import WeightRenaming
@@ -420,25 +421,34 @@ def route_keys(
     bad = next((k for k in keys if not isinstance(k, str)), _MISSING)
     if bad is not _MISSING:
         raise ConfigurationError(f"Checkpoint keys must be strings, got {bad!r}; pass the tensor names.")
-    for key in keys:
-        d = decide(key)
-        how = ""
-        if prefix and not _names_runtime_keys(d.targets, known):
-            d, how = _with_base_prefix(key, d, prefix, known, decide)
-        targets, renamings, converter, pattern_index, index = d
-        first = targets[0]
-        routes[key] = KeyRoute(key, first, renamings, converter, pattern_index, index, how)
-        group = groups.get(first)
-        if group is None:
-            group = groups[first] = TargetGroup(first, converter, targets)
-        elif group.converter != converter:
-            conflicts.append(RouteConflict(first, group.source_keys[0], key))
-            continue
-        slot = group.sources.setdefault(pattern_index or 0, {})
-        if index in slot:
-            conflicts.append(RouteConflict(first, slot[index], key))
-            continue
-        slot[index] = key
+    try:
+        for key in keys:
+            d = decide(key)
+            how = ""
+            if prefix and not _names_runtime_keys(d.targets, known):
+                d, how = _with_base_prefix(key, d, prefix, known, decide)
+            targets, renamings, converter, pattern_index, index = d
+            first = targets[0]
+            routes[key] = KeyRoute(key, first, renamings, converter, pattern_index, index, how)
+            group = groups.get(first)
+            if group is None:
+                group = groups[first] = TargetGroup(first, converter, targets)
+            elif group.converter != converter:
+                conflicts.append(RouteConflict(first, group.source_keys[0], key))
+                continue
+            slot = group.sources.setdefault(pattern_index or 0, {})
+            if index in slot:
+                conflicts.append(RouteConflict(first, slot[index], key))
+                continue
+            slot[index] = key
+    except SurgeryError:
+        raise  # our own errors are ValueErrors too
+    except ValueError as exc:  # int() of an index too long to convert (Python's digit limit)
+        shown = key if len(key) <= 120 else f"{key[:60]}...{key[-40:]}"
+        raise CheckpointError(
+            f"Checkpoint key {shown!r} ({len(key)} characters) has an index too long to use ({exc}); "
+            "expert and layer indices are small numbers. Fix or drop the key."
+        ) from None
     return Routing(router.transforms, routes, groups, conflicts)
 
 

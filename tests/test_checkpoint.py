@@ -1139,3 +1139,11 @@ def test_an_empty_tensor_of_sane_shape_still_opens(tmp_path: Path) -> None:
     header = {"x": {"dtype": "F32", "shape": [0, 4096], "data_offsets": [0, 0]}}
     with open_checkpoint(write_raw(tmp_path / "empty.safetensors", header)) as reader:
         assert reader.get_tensor("x").shape == (0, 4096)
+
+
+def test_an_index_file_larger_than_the_limit_is_refused_before_reading(sharded: Path) -> None:
+    index = sharded / SAFE_WEIGHTS_INDEX_NAME
+    with index.open("r+b") as f:
+        f.truncate(100_000_001)  # sparse: nothing is read or allocated
+    with pytest.raises(CheckpointError, match="more than the 100000000"):
+        open_checkpoint(sharded)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from surgery import ConfigurationError, PrefixChange, WeightConverter, WeightRenaming, ops
+from surgery import CheckpointError, ConfigurationError, PrefixChange, WeightConverter, WeightRenaming, ops
 from surgery.bench.route import mixtral_mapping
 from surgery.routing import KeyRoute, RouteConflict, Routing, route_key, route_keys
 from surgery.transforms import WeightTransform, legacy_renamings
@@ -506,3 +506,11 @@ def test_cached_routing_equals_uncached_routing_for_experts_of_several_widths(
     assert_same_outcome(
         outcome(route_keys, keys, transforms, **kwargs), outcome(uncached, keys, transforms, **kwargs)
     )
+
+
+def test_an_index_with_more_digits_than_python_converts_is_a_checkpoint_error() -> None:
+    transforms = [WeightConverter("experts.*.w1.weight", "experts.gate", [ops.MergeModulelist(0)])]
+    key = "m.experts." + "9" * 5_000 + ".w1.weight"
+    for cache in (True, False):
+        with pytest.raises(CheckpointError, match="index too long"):
+            route_keys([key], transforms, cache=cache)

@@ -334,6 +334,15 @@ def test_a_missing_expert_is_an_error_naming_its_index():
         c.convert("m.experts.w1")
 
 
+def test_one_stray_huge_index_is_a_quick_error_listing_the_first_gaps():
+    c = WeightConverter("experts.*.w1.weight", "experts.w1", operations=[ops.MergeModulelist(0)])
+    _collect(c, "m.experts.w1", [0, 1, 10**15], lambda i: torch.zeros(2))
+    with pytest.raises(
+        ConversionError, match=r"index 2, 3, 4, 5, 6, 7, 8, 9 \.\.\. of .* up to 1000000000000000"
+    ):
+        c.convert("m.experts.w1")
+
+
 def test_a_merge_keeps_the_layer_wildcard_and_gathers_the_expert_one():
     c = WeightConverter(
         "layers.*.experts.*.w1.weight", "layers.*.experts.gate_proj", operations=[ops.MergeModulelist(0)]

@@ -39,6 +39,7 @@ __all__ = ["CheckpointReader", "open_checkpoint"]
 _PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
 _PICKLE_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 _PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt"})
+_MAX_INDEX_BYTES = 100_000_000  # like the safetensors header: read whole, so bounded
 _NUMBERED = re.compile(r"(.+)-\d{5}-of-(\d{5})(\.\w+)")
 
 
@@ -366,6 +367,14 @@ def _shard_path(index: Path, name: object, key: str) -> Path:
 
 def _open_index(given: Path, index: Path, *, allow_pickle: bool) -> CheckpointReader:
     try:
+        size = index.stat().st_size
+        if size > _MAX_INDEX_BYTES:
+            raise _index_error(
+                index,
+                f"it is {size} bytes, more than the {_MAX_INDEX_BYTES} an index may hold (the safetensors "
+                "header limit)",
+                "Restore or regenerate the index file.",
+            )
         raw = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=unique_pairs)
     except OSError as exc:
         raise CheckpointError(f"Cannot read checkpoint index '{index}': {exc.strerror or exc}.") from None
