@@ -371,3 +371,19 @@ def test_a_fused_load_that_fails_before_reading_leaves_the_model_unfused(tmp_pat
     assert fusion_config_of(model) is None
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_a_strict_fused_load_refused_by_the_headers_leaves_the_model_unfused(tmp_path: Path) -> None:
+    from surgery.checkpoint import write_checkpoint
+    from surgery.errors import LoadError
+    from surgery.fusion import fusion_config_of
+
+    state = dict(build_vision_tower(depth=1, seed=0).state_dict())
+    state["stray.weight"] = torch.ones(2)
+    write_checkpoint(state, tmp_path)
+    model = build_vision_tower(depth=1, seed=1)
+    original_patch_embed = model.patch_embed
+    with pytest.raises(LoadError, match="before reading any tensor"):
+        surgery.load_checkpoint(model, tmp_path, fusion_config=ON, strict=True)
+    assert fusion_config_of(model) is None
+    assert model.patch_embed is original_patch_embed

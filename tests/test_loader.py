@@ -241,6 +241,21 @@ def test_strict_load_raises_load_error_carrying_the_report(
     assert info.value.report.missing_keys == ["model.norm.weight"]
 
 
+def test_strict_load_refuses_what_the_headers_show_before_touching_the_model(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
+    write_original(tmp_path, model__norm__weight=None, extra__weight=torch.ones(2))
+    model = build_moe_model(CFG, seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(LoadError, match="before reading any tensor") as info:
+        surgery.load_checkpoint(model, tmp_path, strict=True)
+    report = info.value.report
+    assert report.missing_keys == ["model.norm.weight"] and report.unexpected_keys == ["extra.weight"]
+    assert report.loaded_keys == []
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # nothing was loaded
+
+
 def test_strict_load_of_a_complete_checkpoint_returns_the_report(
     tmp_path: Path, write_original: WriteOriginal
 ) -> None:

@@ -379,6 +379,9 @@ def load_checkpoint(
         fusion_config: fusions to apply before loading, e.g. ``{"patch_embeddings": True}``; by
             default, the fusions persisted with a runtime-layout checkpoint are re-applied.
         strict: raise :class:`~surgery.LoadError` (carrying the report) when the report is not ok.
+            Problems the headers already show (missing, unexpected, shape-mismatched or
+            conflicting keys, failed conversions) raise before any tensor is read, leaving the
+            model unchanged; problems found while reading raise after the load.
         allow_pickle: accept ``.bin``/``.pt`` files (loaded with ``weights_only=True``).
         num_workers: reader threads (default 4).
         sync: load sequentially (also ``SURGERY_SYNC_LOAD=1``).
@@ -408,6 +411,15 @@ def load_checkpoint(
             prep = prepare(
                 model, path, device=device, dtype=dtype, fusion_config=fusion_config, reader=reader
             )
+            if strict:  # what the headers already show fails the load before a tensor is read
+                early = _report(path, prep, [], [], list(prep.failures))
+                if not early.ok:
+                    early.seconds = time.perf_counter() - start
+                    raise LoadError(
+                        f"strict load of {path} refused before reading any tensor (the model is "
+                        f"unchanged):\n{early}",
+                        early,
+                    )
         failures = list(prep.failures)
         done: dict[int, Work] = {}
         loaded: list[str] = []
@@ -442,24 +454,34 @@ def load_checkpoint(
         else:
             _run_pool(prep, num_workers or DEFAULT_WORKERS, finish, fail)
 
-        order = {k: i for i, k in enumerate(prep.runtime)}
-        report = LoadReport(
-            checkpoint=str(path),
-            loaded_keys=sorted(loaded, key=order.__getitem__),
-            missing_keys=list(prep.plan.missing_keys),
-            unexpected_keys=list(prep.plan.unexpected_keys),
-            mismatched=list(prep.mismatches),
-            conflicts=list(prep.conflicts),
-            conversion_errors=[f for _, f in sorted(failures, key=lambda p: p[0])],
-            mapped_keys=sorted(mapped, key=order.__getitem__),
-            fusions=prep.plan.fusions,
-            plan=prep.plan,
-        )
+        report = _report(path, prep, loaded, mapped, failures)
         report.transforms_used = _record(model, prep, [done[i] for i in sorted(done)], path)
         report.seconds = time.perf_counter() - start
     if strict and not report.ok:
         raise LoadError(f"strict load of {path} failed:\n{report}", report)
     return report
+
+
+def _report(
+    path: str | os.PathLike[str],
+    prep: Prepared,
+    loaded: list[str],
+    mapped: list[str],
+    failures: list[tuple[int, ConversionFailure]],
+) -> LoadReport:
+    order = {k: i for i, k in enumerate(prep.runtime)}
+    return LoadReport(
+        checkpoint=str(path),
+        loaded_keys=sorted(loaded, key=order.__getitem__),
+        missing_keys=list(prep.plan.missing_keys),
+        unexpected_keys=list(prep.plan.unexpected_keys),
+        mismatched=list(prep.mismatches),
+        conflicts=list(prep.conflicts),
+        conversion_errors=[f for _, f in sorted(failures, key=lambda p: p[0])],
+        mapped_keys=sorted(mapped, key=order.__getitem__),
+        fusions=prep.plan.fusions,
+        plan=prep.plan,
+    )
 
 
 @contextlib.contextmanager
