@@ -266,6 +266,7 @@ def _learn(exact: _ExactRouter, parts: list[str], decision: _Decision, trace: li
     if any(len(v) > 10 for v in values):
         return None  # probe digits would repeat within the component
     texts = [*trace, *decision.targets]
+    lengths = list(map(len, texts))
     owners: list[list[tuple[int, int] | None]] = [[None] * len(t) for t in texts]
     index: list[tuple[int | None, int | None]] = [(None, v) for v in decision.indices]
     for i, value in enumerate(values):
@@ -279,9 +280,7 @@ def _learn(exact: _ExactRouter, parts: list[str], decision: _Decision, trace: li
         (a, texts_a), (b, texts_b) = probes
         if not (_same_shape(a, decision) and _same_shape(b, decision)):
             return None
-        if [len(t) for t in texts_a] != [len(t) for t in texts] or [len(t) for t in texts_b] != [
-            len(t) for t in texts
-        ]:
+        if not (list(map(len, texts_a)) == lengths == list(map(len, texts_b))):
             return None
         for owner, t, ta, tb in zip(owners, texts, texts_a, texts_b):
             for j, (c0, ca, cb) in enumerate(zip(t, ta, tb)):

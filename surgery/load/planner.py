@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..checkpoint import CheckpointReader
+from ..checkpoint import CheckpointReader, TensorInfo
 from ..converter import WeightConverter, expand_outputs
 from ..errors import ConfigurationError, LoadError, SurgeryError
 from ..fusion import apply_fusions, fusion_config_of, fusion_transforms
@@ -302,6 +302,12 @@ def prepare(
             return want_dtype
         return param.dtype
 
+    def fail(entry: PlanEntry, index: int, transform: str, message: str) -> None:
+        """Skip an entry that cannot be converted; its targets are reported, not missing."""
+        entry.status, entry.mode, entry.message = "error", "skip", message
+        failures.append((index, ConversionFailure(transform, entry.source_keys, entry.target_keys, message)))
+        covered.update(k for k in entry.target_keys if k in runtime)
+
     candidates: list[Work] = []
     for group in routing.groups.values():
         src_keys = tuple(group.source_keys)
@@ -321,9 +327,7 @@ def prepare(
         plan.entries.append(entry)
         quantized = _prequantized_sources(infos, reader)
         if quantized:
-            entry.status, entry.mode, entry.message = "error", "skip", quantized
-            failures.append((index, ConversionFailure("dequantize", src_keys, group.target_keys, quantized)))
-            covered.update(k for k in group.target_keys if k in runtime)
+            fail(entry, index, "dequantize", quantized)
             continue
         converter = _converter_at(transforms, group.converter)
         pattern_of = {k: (r.pattern_index or 0, r.index) for k, r in zip(src_keys, routes)}
@@ -339,11 +343,7 @@ def prepare(
                     converter, group.key, infos, pattern_of, runtime, config, infer_cache
                 )
             except SurgeryError as exc:
-                entry.status, entry.mode, entry.message = "error", "skip", str(exc)
-                failures.append(
-                    (index, ConversionFailure(repr(converter), src_keys, group.target_keys, str(exc)))
-                )
-                covered.update(k for k in group.target_keys if k in runtime)
+                fail(entry, index, repr(converter), str(exc))
                 continue
             out_keys = tuple(outputs)
             out_shapes = [tuple(outputs[k].shape) for k in out_keys]
@@ -453,7 +453,7 @@ def _settle_conflicts(
     return out
 
 
-def _prequantized_sources(infos: list[Any], reader: CheckpointReader) -> str:
+def _prequantized_sources(infos: list[TensorInfo], reader: CheckpointReader) -> str:
     """Why these sources cannot be cast as they are (``""`` when they can).
 
     A float8 tensor stored with a ``<key>_scale_inv`` companion holds quantized values
