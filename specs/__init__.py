@@ -15,6 +15,7 @@ from surgery.registry import register_catalog_modules, register_checkpoint_conve
 
 from . import (
     clip,
+    dense_example,
     detr,
     dinov2,
     ernie4_5_vl_moe,
@@ -28,7 +29,7 @@ from . import (
 
 __all__ = ["FAMILIES", "register_catalog", "register_family"]
 
-FAMILIES = (mixtral, qwen2_moe, llava, qwen2_vl, clip, vit, dinov2, detr, ernie4_5_vl_moe)
+FAMILIES = (mixtral, qwen2_moe, llava, qwen2_vl, clip, vit, dinov2, detr, ernie4_5_vl_moe, dense_example)
 """Checkpoint-conversion families, registered in this order."""
 
 

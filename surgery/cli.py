@@ -2,11 +2,12 @@
 
 * ``demo``: the main job end to end on the built-in example models.
 * ``preview``: show what a fusion would change on a built-in example (or your own model).
-* ``inspect PATH``: summarize a checkpoint; with ``--model``, show the load plan.
+* ``inspect PATH``: summarize a checkpoint; with ``--model``, show the load plan (``--tp N``:
+  what each of N tensor-parallel ranks reads, planned without a process group).
 * ``convert SRC DST --model M``: load a checkpoint into a model and save it in another layout.
 * ``bench {route,load,fusion,graph}``: benchmarks that print ratios against a floor.
 
-``--model`` takes a built-in example name (``example-moe``, ``example-vision``) or
+``--model`` takes a built-in example name (``example-dense``, ``example-moe``, ``example-vision``) or
 ``package.module:factory``, a zero-argument callable returning an ``nn.Module``.
 """
 
@@ -23,6 +24,7 @@ from torch import nn
 from .checkpoint import open_checkpoint
 from .demo import run_demo
 from .errors import SurgeryError
+from .examples.dense import build_dense_model
 from .examples.moe import build_moe_model
 from .examples.vision import build_vision_tower
 from .fusion import preview_fusions
@@ -43,7 +45,12 @@ def _example_vision() -> nn.Module:
     return build_vision_tower()
 
 
+def _example_dense() -> nn.Module:
+    return build_dense_model()
+
+
 _EXAMPLES: dict[str, Callable[[], nn.Module]] = {
+    "example-dense": _example_dense,
     "example-moe": _example_moe,
     "example-vision": _example_vision,
 }
@@ -98,8 +105,27 @@ def _cmd_preview(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.model:
-        plan = plan_load(build_model(args.model), args.path, fusion_config=_fusion_arg(args.fusion))
-        print(plan.to_json(indent=2) if args.json else plan.render())
+        if args.tp is None:
+            plan = plan_load(build_model(args.model), args.path, fusion_config=_fusion_arg(args.fusion))
+            print(plan.to_json(indent=2) if args.json else plan.render())
+            return 0
+        tp_plan = json.loads(args.tp_plan) if args.tp_plan else "auto"
+        ranks = range(args.tp) if args.tp_rank is None else [args.tp_rank]
+        plans = [
+            plan_load(
+                build_model(args.model),
+                args.path,
+                fusion_config=_fusion_arg(args.fusion),
+                tp_plan=tp_plan,
+                tp_size=args.tp,
+                tp_rank=r,
+            )
+            for r in ranks
+        ]
+        if args.json:
+            print(json.dumps([p.to_dict() for p in plans], indent=2))
+        else:
+            print("\n\n".join(p.render() for p in plans))
         return 0
     with open_checkpoint(args.path) as reader:
         keys = reader.keys()
@@ -155,6 +181,9 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--model", default=None)
     i.add_argument("--fusion", action="append")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--tp", type=int, default=None, help="plan a tensor-parallel load for this many ranks")
+    i.add_argument("--tp-rank", type=int, default=None, help="only this rank (default: every rank)")
+    i.add_argument("--tp-plan", default=None, help="a JSON tp_plan (default: the model's own, 'auto')")
     i.set_defaults(func=_cmd_inspect)
 
     c = sub.add_parser("convert", help="load a checkpoint into a model and save it again")

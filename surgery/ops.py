@@ -30,6 +30,7 @@ from typing import Any, ClassVar, TypeAlias
 import torch
 
 from .errors import ConversionError
+from .slicing import NOT_NEEDED, Region, SlotRegion, intersect
 
 __all__ = [
     "Chunk",
@@ -41,6 +42,7 @@ __all__ = [
     "MergeModulelist",
     "OpContext",
     "PermuteForRope",
+    "SliceRule",
     "Slot",
     "Split",
     "SplitModulelist",
@@ -51,6 +53,8 @@ __all__ = [
 ]
 
 Slot: TypeAlias = "torch.Tensor | list[torch.Tensor]"
+SliceRule: TypeAlias = "tuple[list[SlotRegion], ConversionOp] | None"
+"""What :meth:`ConversionOp.slice_rule` returns: the inputs' regions and the op to run on them."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,25 @@ class ConversionOp:
         """
         return None
 
+    def slice_rule(
+        self,
+        regions: list[SlotRegion],
+        in_shapes: list[Any],
+        out_shapes: list[Any],
+        ctx: OpContext,
+    ) -> SliceRule:
+        """Which regions of the inputs make the given regions of the outputs (tensor parallelism).
+
+        Optional (the default has no rule). ``regions`` holds, per output slot, the part a rank
+        needs (:data:`surgery.slicing.SlotRegion`, dims non-negative, ``None`` for all of it);
+        ``in_shapes``/``out_shapes`` are the slots' global shapes. Return the inputs' regions and
+        the op that turns the local input pieces into exactly the local output pieces, or
+        ``None`` when no such rule exists: the loader then reads the sources whole and keeps the
+        rank's part of the result (a reported fallback), so a missing rule costs bytes, never
+        correctness.
+        """
+        return None
+
     def _fail(self, ctx: OpContext, message: str) -> ConversionError:
         return ConversionError(f"{self!r}{_at(ctx)}: {message}")
 
@@ -150,6 +173,56 @@ def _check_dim(op: ConversionOp, ctx: OpContext, t: torch.Tensor, dim: int) -> N
         raise op._fail(ctx, f"dim={dim} is out of range for a tensor of shape {tuple(t.shape)}.")
 
 
+class _NoRule(Exception):
+    """Raised inside a slice rule: these regions have no exact rule."""
+
+
+def _per_tensor_rule(regions: list[SlotRegion], in_shapes: list[Any], fn) -> list[SlotRegion] | None:
+    """Apply ``fn(region, input_shape) -> Region`` to every sharded tensor of every slot."""
+    out: list[SlotRegion] = []
+    try:
+        for r, s in zip(regions, in_shapes):
+            if isinstance(s, list):
+                items = r if isinstance(r, list) else [r] * len(s)
+                out.append(
+                    [x if x is None or x is NOT_NEEDED else fn(x, tuple(sh)) for x, sh in zip(items, s)]
+                )
+            else:
+                out.append(None if r is None else fn(r, tuple(s)))
+    except _NoRule:
+        return None
+    return out
+
+
+def _split_rule(
+    op: ConversionOp, dim: int, regions: list[SlotRegion], in_shapes: list[Any], out_shapes: list[Any]
+):
+    """The rule of Chunk/Split: one input cut into consecutive parts along ``dim``."""
+    if len(in_shapes) != 1 or isinstance(in_shapes[0], list) or any(isinstance(s, list) for s in out_shapes):
+        return None
+    shape = tuple(in_shapes[0])
+    c = dim % len(shape)
+    sizes = [s[c] for s in out_shapes]
+    if any(r is not None and not isinstance(r, Region) for r in regions):
+        return None
+    sharded = [r for r in regions if isinstance(r, Region)]
+    if all(r.dim != c for r in sharded):  # across the split: every part needs the same region
+        if len(sharded) != len(regions) or len(set(sharded)) != 1:
+            return None
+        return [sharded[0]], Split(sizes=tuple(sizes), dim=c)
+    if any(r.dim != c for r in sharded):
+        return None
+    intervals: list[tuple[int, int]] = []
+    local_sizes: list[int] = []
+    offset = 0
+    for r, size in zip(regions, sizes):
+        part = r if isinstance(r, Region) else Region(c, ((0, size),))
+        intervals.extend((a + offset, b + offset) for a, b in part.intervals)
+        local_sizes.append(part.size)
+        offset += size
+    return [Region.of(c, intervals)], Split(sizes=tuple(local_sizes), dim=c)
+
+
 @dataclass(frozen=True)
 class Chunk(ConversionOp):
     """Split one tensor into equal parts along ``dim`` (``chunks`` parts, default: one per target).
@@ -180,6 +253,10 @@ class Chunk(ConversionOp):
     @property
     def reverse_op(self) -> ConversionOp:
         return Concatenate(dim=self.dim)
+
+    def slice_rule(self, regions, in_shapes, out_shapes, ctx) -> SliceRule:
+        """Each output's region, shifted by its offset: q/k/v from a fused ``qkv`` read three row ranges."""
+        return _split_rule(self, self.dim, regions, in_shapes, out_shapes)
 
 
 @dataclass(frozen=True)
@@ -231,6 +308,10 @@ class Split(ConversionOp):
     def reverse_op(self) -> ConversionOp:
         return Concatenate(dim=self.dim)
 
+    def slice_rule(self, regions, in_shapes, out_shapes, ctx) -> SliceRule:
+        """Each output's region, shifted by its offset: q/k/v from a fused ``qkv`` read three row ranges."""
+        return _split_rule(self, self.dim, regions, in_shapes, out_shapes)
+
 
 @dataclass(frozen=True)
 class Concatenate(ConversionOp):
@@ -265,6 +346,21 @@ class Concatenate(ConversionOp):
     def reverse_op(self) -> ConversionOp:
         return Split(sizes=None, dim=self.dim)
 
+    def slice_rule(self, regions, in_shapes, out_shapes, ctx) -> SliceRule:
+        """Across ``dim`` every input gets the output's region; along it, each input its share."""
+        (region,) = regions
+        if not isinstance(region, Region) or any(isinstance(s, list) for s in in_shapes):
+            return None
+        c = self.dim % len(in_shapes[0])
+        if region.dim != c:
+            return [region] * len(in_shapes), self
+        out: list[SlotRegion] = []
+        offset = 0
+        for shape in in_shapes:
+            out.append(intersect(region, offset, offset + shape[c]))
+            offset += shape[c]
+        return out, self
+
 
 @dataclass(frozen=True)
 class MergeModulelist(ConversionOp):
@@ -287,6 +383,25 @@ class MergeModulelist(ConversionOp):
     @property
     def reverse_op(self) -> ConversionOp:
         return SplitModulelist(dim=self.dim)
+
+    def slice_rule(self, regions, in_shapes, out_shapes, ctx) -> SliceRule:
+        """On the stacked dim only the items in the region are read; on others every item gets it."""
+        out: list[SlotRegion] = []
+        for region, items, stacked in zip(regions, in_shapes, out_shapes):
+            if region is None:
+                out.append(None)
+                continue
+            if not isinstance(region, Region) or not isinstance(items, list):
+                return None
+            m = self.dim % len(stacked)
+            if region.dim == m:
+                keep = {i for a, b in region.intervals for i in range(a, b)}
+                if not keep:
+                    return None  # stacking nothing has no local op; the fallback handles it
+                out.append([None if i in keep else NOT_NEEDED for i in range(len(items))])
+            else:
+                out.append([region.on(region.dim if region.dim < m else region.dim - 1)] * len(items))
+        return out, self
 
     def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
         if not -len(shape) <= self.dim < len(shape):
@@ -318,6 +433,20 @@ class SplitModulelist(ConversionOp):
     def reverse_op(self) -> ConversionOp:
         return MergeModulelist(dim=self.dim)
 
+    def slice_rule(self, regions, in_shapes, out_shapes, ctx) -> SliceRule:
+        """Every item sharded alike: the stacked input gets that region (one dim further past ``dim``)."""
+        out: list[SlotRegion] = []
+        for region, shape in zip(regions, in_shapes):
+            if region is None:
+                out.append(None)
+                continue
+            if not isinstance(region, list) or len(set(region)) != 1 or not isinstance(region[0], Region):
+                return None
+            m = self.dim % len(shape)
+            r = region[0]
+            out.append(r.on(r.dim if r.dim < m else r.dim + 1))
+        return out, self
+
     def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
         n = len(shape) + 1  # the stacked tensor has one more dim, of unknown size
         if not -n <= self.dim < n:
@@ -344,6 +473,16 @@ class Transpose(ConversionOp):
     @property
     def reverse_op(self) -> ConversionOp:
         return Transpose(dim0=self.dim1, dim1=self.dim0)
+
+    def slice_rule(self, regions, in_shapes, out_shapes, ctx) -> SliceRule:
+        """The region moves to the swapped dim."""
+
+        def fn(r: Region, shape: tuple[int, ...]) -> Region:
+            a, b = self.dim0 % len(shape), self.dim1 % len(shape)
+            return r.on(b if r.dim == a else a if r.dim == b else r.dim)
+
+        got = _per_tensor_rule(regions, in_shapes, fn)
+        return None if got is None else (got, self)
 
     def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
         n = len(shape)
@@ -414,6 +553,30 @@ class PermuteForRope(ConversionOp):
     def reverse_op(self) -> ConversionOp:
         return PermuteForRope(self.num_heads, self.config_attribute, inverse=not self.inverse)
 
+    def slice_rule(self, regions, in_shapes, out_shapes, ctx) -> SliceRule:
+        """Whole heads on dim 0 keep their rows (local op: the local head count); dim 1 passes."""
+        try:
+            heads = self._heads(ctx)
+        except ConversionError:
+            return None
+        local: set[int] = set()
+
+        def fn(r: Region, shape: tuple[int, ...]) -> Region:
+            if r.dim != 0:
+                return r
+            per_head = shape[0] // heads
+            if not per_head or any(a % per_head or b % per_head for a, b in r.intervals):
+                raise _NoRule
+            local.add(r.size // per_head)
+            return r
+
+        got = _per_tensor_rule(regions, in_shapes, fn)
+        if got is None or len(local) > 1:
+            return None
+        if not local:
+            return got, self
+        return got, PermuteForRope(num_heads=local.pop(), inverse=self.inverse)
+
     def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
         return shape
 
@@ -444,6 +607,29 @@ class Interleave(ConversionOp):
     @property
     def reverse_op(self) -> ConversionOp:
         return Interleave(dim=self.dim, inverse=not self.inverse)
+
+    def slice_rule(self, regions, in_shapes, out_shapes, ctx) -> SliceRule:
+        """Other dims pass; on ``dim`` a packed region (the same rows of both halves) is one
+        contiguous input range, and the reverse for ``inverse=True``."""
+
+        def fn(r: Region, shape: tuple[int, ...]) -> Region:
+            d = self.dim % len(shape)
+            if r.dim != d:
+                return r
+            half = shape[d] // 2
+            if self.inverse:  # output pairs [a_i, b_i]: even-aligned rows come from both halves
+                if any(a % 2 or b % 2 for a, b in r.intervals):
+                    raise _NoRule
+                firsts = [(a // 2, b // 2) for a, b in r.intervals]
+                return Region.of(d, firsts + [(a + half, b + half) for a, b in firsts])
+            low = intersect(r, 0, half)
+            high = intersect(r, half, 2 * half)
+            if low.intervals != high.intervals:
+                raise _NoRule
+            return Region.of(d, [(2 * a, 2 * b) for a, b in low.intervals])
+
+        got = _per_tensor_rule(regions, in_shapes, fn)
+        return None if got is None else (got, self)
 
     def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
         return shape
@@ -480,6 +666,19 @@ class Conv3dToLinear(ConversionOp):
     def reverse_op(self) -> ConversionOp:
         return LinearToConv3d(self.in_channels, self.kernel_size)
 
+    def slice_rule(self, regions, in_shapes, out_shapes, ctx) -> SliceRule:
+        """Dim 0 passes; dim 1 only in whole input channels (local op: the local channel count)."""
+        ((region,), (shape,)) = regions, in_shapes
+        if not isinstance(region, Region) or isinstance(shape, list):
+            return None
+        if region.dim == 0:
+            return [region], self
+        per_channel = math.prod(self.kernel_size)
+        if any(a % per_channel or b % per_channel for a, b in region.intervals):
+            return None
+        channels = Region(1, tuple((a // per_channel, b // per_channel) for a, b in region.intervals))
+        return [channels], Conv3dToLinear(channels.size, self.kernel_size)
+
     def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
         return (shape[0], self.in_channels, *self.kernel_size) if len(shape) == 2 else None
 
@@ -504,6 +703,17 @@ class LinearToConv3d(ConversionOp):
     @property
     def reverse_op(self) -> ConversionOp:
         return Conv3dToLinear(self.in_channels, self.kernel_size)
+
+    def slice_rule(self, regions, in_shapes, out_shapes, ctx) -> SliceRule:
+        """Dim 0 passes; a region of input channels reads those channels' columns."""
+        ((region,), (shape,)) = regions, in_shapes
+        if not isinstance(region, Region) or isinstance(shape, list) or region.dim not in (0, 1):
+            return None
+        if region.dim == 0:
+            return [region], self
+        per_channel = math.prod(self.kernel_size)
+        columns = Region(1, tuple((a * per_channel, b * per_channel) for a, b in region.intervals))
+        return [columns], LinearToConv3d(region.size, self.kernel_size)
 
     def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
         return (shape[0], self.in_channels * math.prod(self.kernel_size)) if len(shape) == 5 else None

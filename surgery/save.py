@@ -37,8 +37,9 @@ from .fusion import fusion_config_of, fusion_transforms
 from .load.loader import load_record
 from .load.placement import all_contiguous, flatten_slots, placement_views, shape_of
 from .load.plan import FUSION_METADATA_KEY, FUSION_TAG, fold_indices
-from .load.planner import tied_groups
+from .load.planner import config_lookup, tied_groups
 from .ops import OpContext, run_chain
+from .parallel import dtensor_type
 from .resolution import get_model_conversion_mapping
 from .routing import route_keys
 from .transforms import PrefixChange, WeightTransform
@@ -71,6 +72,21 @@ def _dedup_state(model: nn.Module) -> dict[str, torch.Tensor]:
         chosen = preferred[0] if preferred else keys[0]
         drop.update(k for k in keys if k != chosen)
     return {k: t.detach() for k, t in state.items() if k not in drop}
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A ``meta`` tensor of ``t``'s global shape and dtype (a DTensor's global shape, not its shard)."""
+    return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    dtensor = dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def _value(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor is gathered (collective: every rank must ask, in the same order)."""
+    return t.full_tensor() if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def _refuse_meta(state: dict[str, torch.Tensor]) -> None:
@@ -158,6 +174,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
         self._group_of: dict[str, int] = {}
         self._current: int | None = None
         self._cache: dict[str, torch.Tensor] = {}
+        self._config_for = config_lookup(model)
         groups = self._plan(model) if original_format else self._identity(model)
         self._groups = groups
         for i, g in enumerate(groups):
@@ -274,11 +291,13 @@ class RevertedState(Mapping[str, torch.Tensor]):
         conv = self._converters[index]
         targets = conv.expand_target_keys(key)
         ctx = OpContext(
-            n_targets=len(targets), target_shapes=tuple(shapes.get(t.replace("*", "0")) for t in targets)
+            n_targets=len(targets),
+            target_shapes=tuple(shapes.get(t.replace("*", "0")) for t in targets),
+            config=self._config_for(sources[0]),
         )
         for k in sources:
             pat, idx = self._routes[k]
-            conv.add_tensor(key, k, pat, self._state[k].to("meta"), index=idx)
+            conv.add_tensor(key, k, pat, _meta_like(self._state[k]), index=idx)
         metas = conv.convert(key, ctx)
         group = _Group(sources, tuple(metas), (), (), index, key, ctx, chain_order=tuple(metas))
         if len(sources) == 1:
@@ -296,16 +315,16 @@ class RevertedState(Mapping[str, torch.Tensor]):
         views = placement_views(
             forward, meta, slot_shapes, OpContext(n_targets=1, target_shapes=(tuple(source.shape),))
         )
-        if views is None or not all_contiguous(views) or not source.is_contiguous():
-            return None
+        if views is None or not all_contiguous(views) or not (_is_dtensor(source) or source.is_contiguous()):
+            return None  # a DTensor is gathered into a fresh contiguous tensor
         return slot_shapes
 
     # ------------------------------------------------------------------ values
     def _compute(self, g: _Group) -> dict[str, torch.Tensor]:
         if g.converter is None:
-            raw = {g.outputs[0]: self._state[g.sources[0]]}
+            raw = {g.outputs[0]: _value(self._state[g.sources[0]])}
         elif g.slot_shapes is not None:
-            src = self._state[g.sources[0]]
+            src = _value(self._state[g.sources[0]])
             ctx = OpContext(n_targets=1, target_shapes=(tuple(src.shape),))
             flat = flatten_slots(placement_views(self._forward[g.converter], src, g.slot_shapes, ctx) or [])
             if len(flat) != len(g.chain_order):
@@ -317,7 +336,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
             conv = self._converters[g.converter]
             for k in g.sources:
                 pat, idx = self._routes[k]
-                conv.add_tensor(g.key, k, pat, self._state[k], index=idx)
+                conv.add_tensor(g.key, k, pat, _value(self._state[k]), index=idx)
             raw = conv.convert(g.key, g.ctx)
         out: dict[str, torch.Tensor] = {}
         for o, n, d in zip(g.outputs, g.names, g.dtypes):
@@ -363,6 +382,10 @@ class RevertedState(Mapping[str, torch.Tensor]):
         """The keys of each group, in write order: what one computation produces."""
         return [g.names for g in self._groups]
 
+    def source_tensors(self) -> list[torch.Tensor]:
+        """The model tensors the values are computed from (DTensors stay DTensors)."""
+        return list(self._state.values())
+
     @property
     def cached_keys(self) -> tuple[str, ...]:
         """The keys whose values the mapping holds right now (one group's at most)."""
@@ -389,7 +412,9 @@ def revert_state_dict(model: nn.Module, *, original_format: bool = True) -> dict
     """The model's tensors in the original checkpoint layout, in memory (every group at once).
 
     Tensors that need no computation (plain keys, experts cut out of a fused parameter) share
-    memory with the model's parameters; ``.clone()`` them before modifying them.
+    memory with the model's parameters; ``.clone()`` them before modifying them. For a
+    tensor-parallel model the call is collective (every rank calls it) and every rank gets the
+    whole tensors.
 
     Example:
         >>> sd = surgery.revert_state_dict(model)  # doctest: +SKIP
@@ -411,7 +436,11 @@ def save_checkpoint(
     """Save ``model`` as safetensors, atomically.
 
     Args:
-        model: the module tree.
+        model: the module tree. For a tensor-parallel model (DTensor parameters) the save is
+            collective: every rank calls it; each group's DTensors are gathered when the group is
+            computed (``full_tensor()``), rank 0 writes, and the other ranks return ``[]``. The
+            files equal a single-process save's. Per-rank shard files are not offered: an
+            original-layout key (one expert's ``w1``) is a slice of every rank's shard.
         path: a directory (``model.safetensors`` or shards plus an index) or a ``.safetensors`` file.
         original_format: write the checkpoint layout the model was loaded from (inverting exactly
             the transforms that fired, and every fusion); ``False`` writes the runtime layout and
@@ -435,9 +464,35 @@ def save_checkpoint(
     if not original_format and fusion:
         meta[FUSION_METADATA_KEY] = json.dumps(fusion, sort_keys=True)
     state = RevertedState(model, original_format=original_format)
+    group = _gathering_group(state)
+    if group is not None:
+        import torch.distributed as dist
+
+        if dist.get_rank(group) != 0:  # compute every group in write order, for the gathers
+            for key in state.specs:
+                state[key]
+            dist.barrier(group)
+            return []
+        try:
+            files = write_checkpoint(
+                state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs
+            )
+            _update_config_json(Path(path), None if original_format else fusion)
+        finally:
+            dist.barrier(group)
+        return files
     files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
     _update_config_json(Path(path), None if original_format else fusion)
     return files
+
+
+def _gathering_group(state: RevertedState) -> Any:
+    """The process group of the model's DTensors when a save must gather them (``None`` otherwise)."""
+    for t in state.source_tensors():
+        if _is_dtensor(t):
+            mesh = t.device_mesh  # type: ignore[attr-defined]
+            return mesh.get_group() if mesh.size() > 1 else None
+    return None
 
 
 def _update_config_json(path: Path, fusion: dict[str, Any] | None) -> None:

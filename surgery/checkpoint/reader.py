@@ -24,7 +24,8 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,21 @@ class CheckpointReader:
         for k, v in self.index_metadata.items():
             self.metadata.setdefault(k, v if isinstance(v, str) else json.dumps(v))
         self._closed = False
+        self._bytes_read = 0
+        self._count_lock = threading.Lock()
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of tensor data this reader has handed out (read, or mapped), from every thread."""
+        return self._bytes_read
+
+    def record_read(self, nbytes: int) -> None:
+        """Add ``nbytes`` to :attr:`bytes_read` (for callers that read through :meth:`locate`)."""
+        self._count(nbytes)
+
+    def _count(self, nbytes: int) -> None:
+        with self._count_lock:
+            self._bytes_read += nbytes
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -208,6 +224,7 @@ class CheckpointReader:
             ...     w = reader.get_tensor("lm_head.weight", copy=False)
         """
         info, source = self.locate(key)
+        self._count(info.nbytes)
         if isinstance(source, _PickleFile):
             tensor = source.tensors[key]
             return tensor.clone(memory_format=torch.contiguous_format) if copy else tensor
@@ -249,8 +266,10 @@ class CheckpointReader:
                 f"Pass torch.empty({info.shape}, dtype={info.dtype}), or use get_tensor() and convert."
             )
         if isinstance(source, _PickleFile):
+            self._count(info.nbytes)
             out.copy_(source.tensors[key])
         elif out.device.type == "cpu" and out.is_contiguous():
+            self._count(info.nbytes)
             source.read_into(info.offset, out, key)
         else:
             out.copy_(self.get_tensor(key, copy=False))
@@ -288,6 +307,7 @@ class CheckpointReader:
                 f"{info.shape}; need 0 <= start <= stop <= {info.shape[dim]}."
             )
         shape = (*info.shape[:dim], stop - start, *info.shape[dim + 1 :])
+        self._count(math.prod(shape) * info.dtype.itemsize)
         if isinstance(source, _PickleFile):
             part = source.tensors[key].narrow(dim, start, stop - start)
             return part.clone(memory_format=torch.contiguous_format) if copy else part
@@ -299,8 +319,86 @@ class CheckpointReader:
             out = torch.empty(shape, dtype=info.dtype)
             source.read_into(offset, out, key)
             return out
-        whole = self.get_tensor(key, copy=False).narrow(dim, start, stop - start)
+        whole = source.view(info.offset, info.nbytes, info.dtype, info.shape).narrow(dim, start, stop - start)
         return whole.clone(memory_format=torch.contiguous_format) if copy else whole
+
+    def read_region(
+        self,
+        key: str,
+        dim: int,
+        intervals: Sequence[tuple[int, int]],
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Read the half-open ``intervals`` of ``dim``, concatenated along ``dim``, and nothing else.
+
+        Generalizes :meth:`get_slice` to several intervals (a packed tensor-parallel shard holds
+        one per part) and to reading straight into ``out``. When every dim before ``dim`` has size
+        1 (always for ``dim=0``) each interval is one contiguous byte range, read with one
+        ``preadv``; on a later dim the region is gathered from the file mapping, which touches
+        only the pages that hold it (3-50x faster than one ``preadv`` per row run, measured in
+        docs/benchmarks.md).
+
+        Args:
+            key: the checkpoint key.
+            dim: the dimension (negative counts from the end).
+            intervals: sorted, disjoint ``(start, stop)`` pairs within the dim.
+            out: a tensor of the stored dtype and the region's shape to fill (default: a new one).
+
+        Raises:
+            CheckpointError: the key is missing, the dim or intervals are out of bounds or
+                unsorted, or ``out`` does not fit.
+        """
+        info, source = self.locate(key)
+        ndim = len(info.shape)
+        spans = [tuple(iv) for iv in intervals]
+        if not (type(dim) is int and -ndim <= dim < ndim):
+            raise CheckpointError(
+                f"read_region({key!r}, dim={dim!r}): tensor of shape {info.shape} has no such dim; use -{ndim} <= dim < {ndim}."
+            )
+        dim %= ndim
+        size = info.shape[dim]
+        previous = 0
+        for iv in spans:
+            if len(iv) != 2 or not all(type(x) is int for x in iv) or not previous <= iv[0] <= iv[1] <= size:
+                raise CheckpointError(
+                    f"read_region({key!r}, dim={dim}, intervals={list(intervals)}): intervals must be sorted, "
+                    f"disjoint (start, stop) int pairs within 0..{size} (shape {info.shape})."
+                )
+            previous = iv[1]
+        local = sum(b - a for a, b in spans)
+        shape = (*info.shape[:dim], local, *info.shape[dim + 1 :])
+        if out is None:
+            out = torch.empty(shape, dtype=info.dtype)
+        elif tuple(out.shape) != shape or out.dtype != info.dtype or out.device.type == "meta":
+            raise CheckpointError(
+                f"read_region({key!r}): out is {tuple(out.shape)} {out.dtype} on {out.device}; the region needs "
+                f"torch.empty({shape}, dtype={info.dtype})."
+            )
+        self._count(math.prod(shape) * info.dtype.itemsize)
+        leading = all(n == 1 for n in info.shape[:dim])
+        if (
+            isinstance(source, _PickleFile)
+            or not leading
+            or out.device.type != "cpu"
+            or not out.is_contiguous()
+        ):
+            whole = (
+                source.tensors[key]
+                if isinstance(source, _PickleFile)
+                else source.view(info.offset, info.nbytes, info.dtype, info.shape)
+            )
+            pos = 0
+            for a, b in spans:
+                out.narrow(dim, pos, b - a).copy_(whole.narrow(dim, a, b - a))
+                pos += b - a
+            return out
+        row = math.prod(info.shape[dim + 1 :]) * info.dtype.itemsize
+        pos = 0
+        for a, b in spans:
+            source.read_into(info.offset + a * row, out.narrow(dim, pos, b - a), key)
+            pos += b - a
+        return out
 
     def close(self) -> None:
         """Release file handles and mappings. Zero-copy views already returned stay valid."""

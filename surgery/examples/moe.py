@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .layers import Attention, RMSNorm
+
 __all__ = [
     "ExampleMoEConfig",
     "ExampleMoEExperts",
@@ -55,38 +57,6 @@ class ExampleMoEConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
-
-
-class _RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
-
-
-class _Attention(nn.Module):
-    def __init__(self, cfg: ExampleMoEConfig) -> None:
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-        rep = self.n_heads // self.n_kv
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class ExampleMoEExperts(nn.Module):
@@ -130,10 +100,10 @@ class _MoEBlock(nn.Module):
 class _DecoderLayer(nn.Module):
     def __init__(self, cfg: ExampleMoEConfig) -> None:
         super().__init__()
-        self.self_attn = _Attention(cfg)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads)
         self.mlp = _MoEBlock(cfg)
-        self.input_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -154,7 +124,7 @@ class ExampleMoEModel(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(_DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -164,9 +134,23 @@ class ExampleMoEModel(nn.Module):
 
 
 class ExampleMoEForCausalLM(nn.Module):
-    """Base model plus a language-model head; ``base_model_prefix = "model"``."""
+    """Base model plus a language-model head; ``base_model_prefix = "model"``.
+
+    ``tp_plan`` is the tensor-parallel plan ``load_checkpoint(..., tp_plan="auto")`` applies:
+    attention heads split across ranks (q/k/v colwise, o rowwise), experts sharded on their
+    intermediate dim, the embedding by vocabulary rows and whole logits from the head.
+    """
 
     base_model_prefix = "model"
+    tp_plan = {
+        "model.embed_tokens": "rowwise",
+        "model.layers.*.self_attn.q_proj": "colwise",
+        "model.layers.*.self_attn.k_proj": "colwise",
+        "model.layers.*.self_attn.v_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp.experts": "experts",
+        "lm_head": "colwise_gather",
+    }
 
     def __init__(self, cfg: ExampleMoEConfig) -> None:
         super().__init__()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import sys
 import threading
@@ -33,8 +34,12 @@ from torch import nn
 
 from ..checkpoint import CheckpointReader, open_checkpoint
 from ..checkpoint.format import SafetensorsFile
+from ..converter import expand_outputs
 from ..errors import ConversionError, LoadError, SurgeryError
 from ..fusion import RECORD_ATTRIBUTE, fusion_config_of
+from ..ops import run_chain
+from ..parallel import dtensor_type
+from ..slicing import NOT_NEEDED, Region
 from ..transforms import PrefixChange, WeightTransform
 from .placement import all_contiguous, flatten_slots, placement_views
 from .plan import LoadPlan
@@ -47,9 +52,9 @@ from .planner import (
     ordered_sources,
     persisted_fusion_config,
     prepare,
-    refuse_dtensors,
 )
-from .report import ConversionFailure, LoadReport
+from .report import ConversionFailure, LoadReport, TPFallback
+from .sharding import local_context, tensor_parallel
 
 __all__ = ["DEFAULT_WORKERS", "SYNC_ENV", "LoadRecord", "load_checkpoint", "load_record", "plan_load"]
 
@@ -130,8 +135,10 @@ class _Progress:
 
 
 def _usable_in_place(param: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
+    dtensor = dtensor_type()
     return (
-        param.device.type != "meta"
+        (dtensor is None or not isinstance(param, dtensor))
+        and param.device.type != "meta"
         and param.device == device
         and param.dtype == dtype
         and param.is_contiguous()
@@ -158,6 +165,8 @@ def _execute(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, bool]]:
     """Run one plan entry; return (runtime key, tensor, fresh) to set in the main thread."""
     reader = prep.reader
     entry = w.entry
+    if w.sharding is not None and w.sharding.sharded:
+        return _execute_shard(prep, w)
     if entry.mode == "mmap":
         (src,) = entry.source_keys
         return [(w.dest_keys[0], reader.get_tensor(src, copy=False), True)]
@@ -195,6 +204,78 @@ def _execute(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, bool]]:
     return result
 
 
+def _read(reader: CheckpointReader, key: str, region: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``key``'s region (all of it for ``None``), into ``out`` when given."""
+    if isinstance(region, Region):
+        return reader.read_region(key, region.dim, region.intervals, out=out)
+    if out is not None:
+        return reader.read_into(key, out)
+    return reader.get_tensor(key)
+
+
+def _execute_shard(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, bool]]:
+    """Run one entry of a tensor-parallel load: read this rank's regions, build the local tensors."""
+    reader, entry, sh = prep.reader, w.entry, w.sharding
+    assert sh is not None
+    local_shapes = [
+        tuple(prep.runtime[k].shape) if r is None else _local(tuple(prep.runtime[k].shape), r)
+        for k, r in zip(w.dest_keys, sh.regions)
+    ]
+    if w.converter is None:
+        (src,) = entry.source_keys
+        key = w.dest_keys[0]
+        dtype = prep.target_dtype[key]
+        if entry.mode == "direct":
+            dest = torch.empty(local_shapes[0], dtype=dtype, device=w.device)
+            return [(key, _read(reader, src, sh.sources[src], dest), True)]
+        return [(key, _read(reader, src, sh.sources[src]).to(dtype).to(w.device), True)]
+    conv = w.converter
+    ctx = op_context(conv, w.group_key, prep.runtime, w.config)
+    targets = conv.expand_target_keys(w.group_key)
+    if sh.fallback is not None:  # read whole, run the global chain, keep this rank's part
+        for src in entry.source_keys:
+            pat, idx = w.pattern_of[src]
+            conv.add_tensor(w.group_key, src, pat, reader.get_tensor(src), index=idx)
+        outputs = conv.convert(w.group_key, ctx)
+        result = []
+        for key, region in zip(w.dest_keys, sh.regions):
+            t = outputs.pop(key)
+            t = t if region is None else region.take(t).contiguous()
+            result.append((key, t.to(prep.target_dtype[key]).to(w.device), True))
+        return result
+    local_ctx = local_context(ctx, sh.regions, w.dest_keys)
+    keys = [k for k in ordered_sources(conv, w) if sh.sources.get(k) is not NOT_NEEDED]
+    if entry.mode == "direct":
+        key = w.dest_keys[0]
+        dest = torch.empty(local_shapes[0], dtype=prep.target_dtype[key], device=w.device)
+        views = placement_views(conv, dest, sh.local_slot_shapes or [], local_ctx, operations=sh.operations)
+        if views is None or not all_contiguous(views):
+            raise ConversionError(
+                f"{conv!r}: the planned direct placement of this rank's part of {key!r} failed; this is a bug."
+            )
+        for src, view in zip(keys, flatten_slots(views)):
+            _read(reader, src, sh.sources[src], view)
+        return [(key, dest, True)]
+    tensors = {k: _read(reader, k, sh.sources[k]) for k in keys}
+    slots: list[Any] = []
+    by_pattern: dict[int, list[str]] = {}
+    for k in keys:
+        by_pattern.setdefault(w.pattern_of[k][0], []).append(k)
+    for i in range(len(conv.source_patterns)):
+        got = [tensors[k] for k in by_pattern.get(i, [])]
+        slots.append(got if conv.gathers_from(i) else got[0])
+    try:
+        out = run_chain(sh.operations or [], slots, local_ctx)
+    except ConversionError as exc:
+        raise ConversionError(f"{conv!r} on this rank's part of {w.dest_keys[0]!r}: {exc}") from exc
+    outputs = expand_outputs(targets, out, conv)
+    return [(key, outputs.pop(key).to(prep.target_dtype[key]).to(w.device), True) for key in w.dest_keys]
+
+
+def _local(shape: tuple[int, ...], region: Region) -> tuple[int, ...]:
+    return tuple(region.size if d == region.dim else n for d, n in enumerate(shape))
+
+
 def _read_placed(reader: CheckpointReader, pairs: list[tuple[str, torch.Tensor]], dest: torch.Tensor) -> None:
     """``reader.read_into(src, view)`` for every pair of views cut from ``dest``, minus the overhead.
 
@@ -219,6 +300,7 @@ def _read_placed(reader: CheckpointReader, pairs: list[tuple[str, torch.Tensor]]
             return
         try:
             source.read_spans(spans)
+            reader.record_read(sum(span[2] for span in spans))
         except SurgeryError:
             for src, view in batch:
                 reader.read_into(src, view)
@@ -244,7 +326,19 @@ def _read_placed(reader: CheckpointReader, pairs: list[tuple[str, torch.Tensor]]
     flush()
 
 
-def _set_tensor(model: nn.Module, key: str, tensor: torch.Tensor, old: torch.Tensor) -> None:
+def _set_tensor(
+    model: nn.Module, key: str, tensor: torch.Tensor, old: torch.Tensor, prep: Prepared | None = None
+) -> None:
+    placements = _placements(prep, key)
+    if placements is not None:
+        from torch.distributed.tensor import DTensor
+
+        assert prep is not None and prep.tp is not None
+        shape = tuple(old.shape)
+        stride = tuple(torch.empty(shape, device="meta").stride())
+        tensor = DTensor.from_local(
+            tensor, prep.tp.mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
+        )
     module_path, _, name = key.rpartition(".")
     module = model.get_submodule(module_path) if module_path else model
     if name in module._parameters:
@@ -253,6 +347,11 @@ def _set_tensor(model: nn.Module, key: str, tensor: torch.Tensor, old: torch.Ten
         module._buffers[name] = tensor
     else:
         raise LoadError(f"{key!r} is neither a parameter nor a buffer of {type(module).__name__}.")
+
+
+def _placements(prep: Prepared | None, key: str) -> tuple[Any, ...] | None:
+    """The placements of ``key`` under tensor parallelism (``None``: a plain tensor)."""
+    return None if prep is None or prep.tp is None else prep.placements.get(key)
 
 
 def _retie(model: nn.Module, key: str, tied: dict[str, list[str]]) -> None:
@@ -309,6 +408,10 @@ def plan_load(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    tp_plan: dict[str, Any] | str | None = None,
+    device_mesh: Any = None,
+    tp_size: int | None = None,
+    tp_rank: int | None = None,
     fusion_config: dict[str, Any] | None = None,
     allow_pickle: bool = False,
 ) -> LoadPlan:
@@ -321,6 +424,10 @@ def plan_load(
         device: where loaded tensors go (default: each parameter's device; CPU for ``meta``).
         dtype: cast floating tensors to this dtype; ``"checkpoint"`` keeps each checkpoint dtype;
             default: the model parameter's dtype.
+        tp_plan / device_mesh: plan this rank's part of a tensor-parallel load (see
+            :func:`load_checkpoint`); the plan is applied to a meta copy, never to ``model``.
+        tp_size / tp_rank: plan a ``tp_plan`` for rank ``tp_rank`` of ``tp_size`` without any
+            process group (pure arithmetic; style names only).
         fusion_config: fusions to apply first (on a meta copy of the model for the dry run).
         allow_pickle: accept ``.bin``/``.pt`` files (loaded with ``weights_only=True``).
 
@@ -333,13 +440,13 @@ def plan_load(
         >>> plan = surgery.plan_load(model, "ckpt/")  # doctest: +SKIP
         >>> print(plan.render())  # doctest: +SKIP
     """
-    refuse_dtensors(model)
+    tp = tensor_parallel(model, tp_plan=tp_plan, device_mesh=device_mesh, tp_size=tp_size, tp_rank=tp_rank)
     with _collector_paused(), _opened(path, allow_pickle) as reader:
         needs_fusion = fusion_config is not None or (
             fusion_config_of(model) is None and persisted_fusion_config(reader) is not None
         )
         target, stand_in = model, None
-        if needs_fusion:  # fuse a meta copy, never the model itself
+        if needs_fusion or (tp is not None and tp.spec is not None):  # a meta copy, never the model
             target, stand_in = meta_clone(model), model_device(model)
         prep = prepare(
             target,
@@ -349,6 +456,7 @@ def plan_load(
             fusion_config=fusion_config,
             reader=reader,
             stand_in=stand_in,
+            tp=tp,
         )
         return prep.plan
 
@@ -359,6 +467,8 @@ def load_checkpoint(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    tp_plan: dict[str, Any] | str | None = None,
+    device_mesh: Any = None,
     fusion_config: dict[str, Any] | None = None,
     strict: bool = False,
     allow_pickle: bool = False,
@@ -376,6 +486,14 @@ def load_checkpoint(
         device: where loaded tensors go (default: each parameter's device; CPU for ``meta``).
         dtype: cast floating tensors to this dtype; ``"checkpoint"`` keeps the checkpoint dtypes;
             default: the parameter's dtype (differences are reported and undone on save).
+        tp_plan: tensor parallelism: module patterns (dotted paths, ``*`` = one component) to
+            style names (``colwise``, ``rowwise``, ``colwise_gather``, ``replicate``,
+            ``packed_colwise``, ``experts``) or ``ParallelStyle`` instances; ``"auto"`` takes the
+            model's ``tp_plan`` attribute. The model is parallelized after fusions and each rank
+            reads only its part of every sharded tensor (:mod:`surgery.parallel`). A model whose
+            parameters are already DTensors loads by their placements (leave ``tp_plan`` out).
+        device_mesh: the 1-D ``DeviceMesh`` of the ranks (needed with ``tp_plan``); local tensors
+            go to its device.
         fusion_config: fusions to apply before loading, e.g. ``{"patch_embeddings": True}``; by
             default, the fusions persisted with a runtime-layout checkpoint are re-applied.
         strict: raise :class:`~surgery.LoadError` (carrying the report) when the report is not ok.
@@ -404,12 +522,14 @@ def load_checkpoint(
         True
     """
     start = time.perf_counter()
-    refuse_dtensors(model)
+    tp = tensor_parallel(model, tp_plan=tp_plan, device_mesh=device_mesh)
+    if tp is not None and tp.mesh is not None and device is None:
+        device = tp.mesh.device_type if tp.mesh.device_type == "cpu" else _mesh_device(tp.mesh)
     model.__dict__.pop(_RECORD_ATTR, None)  # a failed or interrupted load leaves no record behind
     with _collector_paused(), _opened(path, allow_pickle) as reader:
-        with _undo_fusions_on_error(model):
+        with _undo_on_error(model):
             prep = prepare(
-                model, path, device=device, dtype=dtype, fusion_config=fusion_config, reader=reader
+                model, path, device=device, dtype=dtype, fusion_config=fusion_config, reader=reader, tp=tp
             )
             if strict:  # what the headers already show fails the load before a tensor is read
                 early = _report(path, prep, [], [], list(prep.failures))
@@ -429,7 +549,7 @@ def load_checkpoint(
         def finish(w: Work, results: list[tuple[str, torch.Tensor, bool]]) -> None:
             for key, tensor, fresh in results:
                 if fresh:
-                    _set_tensor(model, key, tensor, prep.runtime[key])
+                    _set_tensor(model, key, tensor, prep.runtime[key], prep)
                     _retie(model, key, prep.tied)
                 loaded.append(key)
                 if w.entry.mode == "mmap":
@@ -455,6 +575,7 @@ def load_checkpoint(
             _run_pool(prep, num_workers or DEFAULT_WORKERS, finish, fail)
 
         report = _report(path, prep, loaded, mapped, failures)
+        report.bytes_read = reader.bytes_read
         report.transforms_used = _record(model, prep, [done[i] for i in sorted(done)], path)
         report.seconds = time.perf_counter() - start
     if strict and not report.ok:
@@ -480,18 +601,47 @@ def _report(
         conversion_errors=[f for _, f in sorted(failures, key=lambda p: p[0])],
         mapped_keys=sorted(mapped, key=order.__getitem__),
         fusions=prep.plan.fusions,
+        tp_world_size=prep.plan.tp_world_size,
+        tp_rank=prep.plan.tp_rank,
+        tp_fallbacks=[
+            TPFallback(w.dest_keys, w.sharding.fallback, _fallback_extra(prep, w))
+            for w in prep.work
+            if w.sharding is not None and w.sharding.fallback is not None
+        ],
         plan=prep.plan,
     )
 
 
+def _fallback_extra(prep: Prepared, w: Work) -> int:
+    """Bytes a fallback reads beyond the rank's part of its targets."""
+    sh = w.sharding
+    assert sh is not None
+    kept = 0
+    for key, region in zip(w.dest_keys, sh.regions):
+        t = prep.runtime[key]
+        shape = tuple(t.shape) if region is None else _local(tuple(t.shape), region)
+        kept += math.prod(shape) * t.dtype.itemsize
+    return max(0, w.entry.nbytes - kept)
+
+
+def _mesh_device(mesh: Any) -> torch.device:
+    """The device this rank's local tensors go to (``cuda:<current>`` for a CUDA mesh)."""
+    module = getattr(torch, mesh.device_type, None)
+    index = module.current_device() if module is not None and hasattr(module, "current_device") else 0
+    return torch.device(mesh.device_type, index)
+
+
 @contextlib.contextmanager
-def _undo_fusions_on_error(model: nn.Module) -> Iterator[None]:
-    """Planning applies fusions first; if planning then fails, put the original modules back.
+def _undo_on_error(model: nn.Module) -> Iterator[None]:
+    """Planning applies fusions and a tp_plan first; if planning then fails, undo both.
 
     A load that raises before reading anything must leave the model exactly as it was, fusions
-    included (a fused model would otherwise persist a fusion that never loaded).
+    and parameters included (a fused model would otherwise persist a fusion that never loaded,
+    a parallelized one keep DTensors nobody asked for).
     """
     modules = dict(model.named_modules())
+    parameters = {path: dict(m._parameters) for path, m in modules.items()}
+    hooks = {path: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for path, m in modules.items()}
     had_record = RECORD_ATTRIBUTE in model.__dict__
     record = model.__dict__.get(RECORD_ATTRIBUTE)
     try:
@@ -505,6 +655,14 @@ def _undo_fusions_on_error(model: nn.Module) -> Iterator[None]:
             parent = modules[parent_path]
             if parent._modules.get(name) is not original:
                 parent._modules[name] = original
+        for path, original in modules.items():
+            original._parameters.clear()
+            original._parameters.update(parameters[path])
+            pre, post = hooks[path]
+            original._forward_pre_hooks.clear()
+            original._forward_pre_hooks.update(pre)
+            original._forward_hooks.clear()
+            original._forward_hooks.update(post)
         if had_record:
             model.__dict__[RECORD_ATTRIBUTE] = record
         else:

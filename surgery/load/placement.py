@@ -27,21 +27,34 @@ from ..converter import WeightConverter
 from ..errors import SurgeryError
 from ..ops import Chunk, Concatenate, MergeModulelist, OpContext, Split, SplitModulelist
 
-__all__ = ["all_contiguous", "flatten_slots", "placement_views", "shape_of", "source_slot_shapes"]
+__all__ = [
+    "all_contiguous",
+    "flatten_slots",
+    "placement_views",
+    "shape_of",
+    "source_slot_shapes",
+    "stage_shapes",
+]
 
 
-def _placement_ops(converter: WeightConverter) -> list[Any] | None:
+def _placement_ops(operations: Any) -> list[Any] | None:
     """The inverse chain, if every inverse op can be taken as views (split/unbind)."""
-    inverse = [op.reverse_op for op in reversed(converter.operations)]
+    inverse = [op.reverse_op for op in reversed(operations)]
     if all(isinstance(op, (Split, Chunk, SplitModulelist)) for op in inverse):
         return inverse
     return None
 
 
-def _stage_shapes(converter: WeightConverter, slots_shapes: list[Any], ctx: OpContext) -> list[list[Any]]:
-    """Shapes of the slots before each op (and after the last one)."""
-    stages = _rule_stage_shapes(converter.operations, slots_shapes)
-    return stages if stages is not None else _meta_stage_shapes(converter, slots_shapes, ctx)
+def stage_shapes(
+    converter: WeightConverter, slots_shapes: list[Any], ctx: OpContext, *, operations: Any = None
+) -> list[list[Any]]:
+    """Shapes of the slots before each op of the chain (and after the last one).
+
+    ``operations`` replaces the converter's chain (a rank's local chain under tensor parallelism).
+    """
+    chain = tuple(converter.operations if operations is None else operations)
+    stages = _rule_stage_shapes(chain, slots_shapes)
+    return stages if stages is not None else _meta_stage_shapes(chain, slots_shapes, ctx)
 
 
 def _plain_shape(s: Any) -> bool:
@@ -106,7 +119,7 @@ def _rule_stage_shapes(operations: tuple[Any, ...], slots_shapes: list[Any]) -> 
 
 
 def _meta_stage_shapes(
-    converter: WeightConverter, slots_shapes: list[Any], ctx: OpContext
+    operations: tuple[Any, ...], slots_shapes: list[Any], ctx: OpContext
 ) -> list[list[Any]]:
     """Shapes of the slots before each op (meta run)."""
 
@@ -119,7 +132,7 @@ def _meta_stage_shapes(
 
     slots = [meta(s) for s in slots_shapes]
     stages = [[shape_of(s) for s in slots]]
-    for op in converter.operations:
+    for op in operations:
         slots = op.convert(slots, ctx)
         stages.append([shape_of(s) for s in slots])
     return stages
@@ -130,19 +143,21 @@ def placement_views(
     dest: torch.Tensor,
     slot_shapes: list[Any],
     ctx: OpContext,
+    *,
+    operations: Any = None,
 ) -> list[Any] | None:
     """Cut ``dest`` into one view per source tensor by walking the op chain backwards.
 
     ``slot_shapes`` holds, per source pattern, the source's shape (or the list of shapes of a
     gathered ``*`` source). Returns the slots of views (``None`` when the chain cannot be taken
     as views): reading each source into its view fills ``dest``, and slicing ``dest`` into them
-    undoes the converter without a copy.
+    undoes the converter without a copy. ``operations`` replaces the converter's chain.
     """
-    inverse = _placement_ops(converter)
+    inverse = _placement_ops(converter.operations if operations is None else operations)
     if inverse is None:
         return None
     try:
-        stages = _stage_shapes(converter, slot_shapes, ctx)
+        stages = stage_shapes(converter, slot_shapes, ctx, operations=operations)
     except (SurgeryError, RuntimeError):
         return None
     slots: list[Any] = [dest]

@@ -41,7 +41,10 @@ class PlanEntry:
             assigned without a copy), ``"convert"`` (read, run the chain, set) or ``"skip"``.
         status: ``"ok"``, ``"unexpected"``, ``"mismatch"``, ``"conflict"`` or ``"error"``.
         message: why, when the status is not ``"ok"``.
-        tp: per target, the rank's slice ``(dim, start, stop)`` under tensor parallelism.
+        tp: per target under tensor parallelism, ``(placements, dim, intervals)``: the
+            placements as text, and the dim and half-open intervals of this rank's part
+            (``dim=None`` for a replicated target; ``None`` for a plain tensor). A packed
+            ``_StridedShard`` has one interval per part.
     """
 
     target_keys: tuple[str, ...]
@@ -58,12 +61,16 @@ class PlanEntry:
     mode: str = "convert"
     status: str = "ok"
     message: str = ""
-    tp: tuple[tuple[int, int, int] | None, ...] = ()
+    tp: tuple[tuple[str, int | None, tuple[tuple[int, int], ...]] | None, ...] = ()
 
 
 @dataclass
 class LoadPlan:
-    """The full plan of a load, plus everything the report would flag."""
+    """The full plan of a load, plus everything the report would flag.
+
+    Under tensor parallelism the plan is one rank's (``tp_rank`` of ``tp_world_size``): entry
+    bytes are the bytes this rank reads.
+    """
 
     checkpoint: str
     entries: list[PlanEntry] = field(default_factory=list)
@@ -71,6 +78,8 @@ class LoadPlan:
     unexpected_keys: list[str] = field(default_factory=list)
     transforms: list[str] = field(default_factory=list)
     fusions: dict[str, Any] | None = None
+    tp_world_size: int | None = None
+    tp_rank: int | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -127,13 +136,16 @@ class LoadPlan:
                 len(e.source_keys),
             )
             rows.setdefault(sig, []).append(e)
+        parallel = self.tp_world_size is not None
+        rank = f" on tensor-parallel rank {self.tp_rank} of {self.tp_world_size}" if parallel else ""
         lines = [
-            f"LoadPlan for {self.checkpoint}: {len(self.entries)} targets, "
+            f"LoadPlan for {self.checkpoint}{rank}: {len(self.entries)} targets, "
             f"{_human(self.total_bytes)} to read, {len(self.problems)} problem(s)"
         ]
         if self.fusions:
             lines.append(f"fusions: {self.fusions}")
-        header = f"{'runtime key':<60} {'mode':<8} {'shape':<18} {'sources':<8} transform"
+        part = f"{'rank part':<28} " if parallel else ""
+        header = f"{'runtime key':<60} {'mode':<8} {'shape':<18} {part}{'sources':<8} transform"
         lines.append(header)
         lines.append("-" * len(header))
         for i, group in enumerate(rows.values()):
@@ -148,7 +160,10 @@ class LoadPlan:
             if e.renamings and not what:
                 what = "renamed"
             status = "" if e.status == "ok" else f"  [{e.status}: {e.message}]"
-            lines.append(f"{name + extra:<60} {e.mode:<8} {shape:<18} {len(e.source_keys):<8} {what}{status}")
+            tp = f"{_part(e.tp[0] if e.tp else None):<28} " if parallel else ""
+            lines.append(
+                f"{name + extra:<60} {e.mode:<8} {shape:<18} {tp}{len(e.source_keys):<8} {what}{status}"
+            )
         if self.missing_keys:
             lines.append(f"missing ({len(self.missing_keys)}): {fold_indices(self.missing_keys)}")
         if self.unexpected_keys:
@@ -180,6 +195,17 @@ _NUM = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 def _template(key: str) -> str:
     return _NUM.sub("#", key)
+
+
+def _part(tp: Any) -> str:
+    """``Shard(dim=0) 0:32`` for a rank's part (``-`` for a plain tensor, ``whole`` if replicated)."""
+    if tp is None:
+        return "-"
+    placement, dim, intervals = tp
+    if dim is None:
+        return "whole"
+    kind = placement.split("(")[0].lstrip("_")
+    return f"{kind}({dim}) " + ",".join(f"{a}:{b}" for a, b in intervals)
 
 
 def _shape(shape: tuple[int, ...] | None) -> str:

@@ -20,10 +20,10 @@ The result is a :class:`~surgery.load.plan.LoadPlan` plus the executable work li
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,44 +42,31 @@ from ..transforms import WeightTransform
 from .placement import all_contiguous, placement_views, source_slot_shapes
 from .plan import FUSION_METADATA_KEY, FUSION_TAG, LoadPlan, PlanEntry
 from .report import ConversionFailure, Mismatch
+from .sharding import (
+    Sharding,
+    TensorParallel,
+    apply_tp_plan,
+    direct_possible,
+    placement_text,
+    shard_work,
+    target_placements,
+)
 
 __all__ = [
     "Prepared",
     "Work",
+    "config_lookup",
     "meta_clone",
     "model_device",
     "op_context",
     "ordered_sources",
     "persisted_fusion_config",
     "prepare",
-    "refuse_dtensors",
     "tied_groups",
 ]
 
 
 # --------------------------------------------------------------------------- model helpers
-
-
-def refuse_dtensors(model: nn.Module) -> None:
-    """Refuse a model whose parameters are already ``DTensor``s, before anything is read.
-
-    Loading does not shard on read yet: reading into a DTensor's ``data_ptr()`` writes through
-    the wrapper (``OSError: Bad address``), and replacing it would silently un-parallelize the
-    model. ``torch.distributed.tensor`` is only consulted when it is already imported (importing
-    it costs about a second, and a DTensor cannot exist without it).
-    """
-    dtensor_module = sys.modules.get("torch.distributed.tensor")
-    if dtensor_module is None:
-        return
-    dtensor = dtensor_module.DTensor
-    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
-        if isinstance(t, dtensor):
-            raise ConfigurationError(
-                f"{name!r} is a DTensor (placements {tuple(t.placements)}): the model was already "
-                "parallelized, and surgery cannot load into DTensors yet. Load the checkpoint into the "
-                "plain model first, then parallelize it (torch.distributed.tensor.parallel."
-                "parallelize_module)."
-            )
 
 
 def _runtime_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -94,7 +81,8 @@ def tied_groups(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     return {k: keys for keys in by_id.values() if len(keys) > 1 for k in keys}
 
 
-def _config_lookup(model: nn.Module):
+def config_lookup(model: nn.Module):
+    """``key -> config``: the ``config`` of the nearest module above ``key`` that has one (cached)."""
     cache: dict[str, Any] = {}
 
     def config_for(key: str) -> Any:
@@ -165,9 +153,16 @@ def persisted_fusion_config(reader: CheckpointReader) -> dict[str, Any] | None:
 
 
 def _apply_fusions(
-    model: nn.Module, fusion_config: dict[str, Any] | None, reader: CheckpointReader
+    model: nn.Module,
+    fusion_config: dict[str, Any] | None,
+    reader: CheckpointReader,
+    *,
+    parallel: bool = False,
 ) -> dict | None:
-    """Apply the requested (or persisted) fusions; return the config in force."""
+    """Apply the requested (or persisted) fusions; return the config in force.
+
+    ``parallel``: the model is already parallelized, and fusions cannot rewrite DTensor modules.
+    """
     current = fusion_config_of(model)
     wanted = (
         fusion_config if fusion_config is not None else (None if current else persisted_fusion_config(reader))
@@ -176,6 +171,11 @@ def _apply_fusions(
         return current
     if current is not None and (current == wanted or not any(v is not False for v in wanted.values())):
         return current
+    if parallel and any(v is not False for v in wanted.values()):
+        raise ConfigurationError(
+            f"fusions {wanted} would rewrite a model whose parameters are already DTensors; apply the fusions "
+            "first (surgery.apply_fusions), then parallelize, or load with tp_plan= and let surgery do both."
+        )
     apply_fusions(model, wanted)
     return fusion_config_of(model)
 
@@ -196,6 +196,7 @@ class Work:
     config: Any = None
     slot_shapes: list[Any] | None = None  # per source pattern, for direct placement
     index: int = 0  # position in the plan
+    sharding: Sharding | None = None  # under tensor parallelism: what this rank reads
 
 
 @dataclass
@@ -211,6 +212,8 @@ class Prepared:
     failures: list[tuple[int, ConversionFailure]]
     conflicts: list[ConversionFailure]
     target_dtype: dict[str, torch.dtype]
+    tp: TensorParallel | None = None
+    placements: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
 
 
 def _normalize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
@@ -254,24 +257,31 @@ def prepare(
     fusion_config: dict[str, Any] | None,
     reader: CheckpointReader,
     stand_in: torch.device | None = None,
+    tp: TensorParallel | None = None,
 ) -> Prepared:
     """Route every key and decide, from headers alone, how each target will be filled.
 
     ``stand_in``: plan as if tensors on ``meta`` lived on this device (the dry run of a fused
-    model works on a meta copy of a model that really lives there).
+    model works on a meta copy of a model that really lives there). ``tp``: plan this rank's
+    part of a tensor-parallel load (the plan is applied right after fusions).
     """
     want_dtype = _normalize_dtype(dtype)
     dev = _normalize_device(device)
-    fusions = _apply_fusions(model, fusion_config, reader)
+    fusions = _apply_fusions(model, fusion_config, reader, parallel=tp is not None and tp.spec is None)
+    if tp is not None:
+        apply_tp_plan(model, tp)
     transforms = _resolve_transforms(model)
     runtime = _runtime_tensors(model)
     tied = tied_groups(runtime)
+    placements_of = target_placements(model, runtime, tp, tied) if tp is not None else {}
     base_prefix = getattr(model, "base_model_prefix", None) or None
     routing = route_keys(
         reader.keys(), transforms, runtime_keys=runtime.keys(), base_model_prefix=base_prefix
     )
-    config_for = _config_lookup(model)
+    config_for = config_lookup(model)
     plan = LoadPlan(str(path), fusions=fusions)
+    if tp is not None:
+        plan.tp_world_size, plan.tp_rank = tp.world_size, tp.rank
     plan.transforms = transform_repr = [repr(t) for t in transforms]
     mismatches: list[Mismatch] = []
     failures: list[tuple[int, ConversionFailure]] = []
@@ -389,6 +399,8 @@ def prepare(
                     Mismatch(k, "dtype", _dtype_name(od), _dtype_name(d), src_keys, loaded=True)
                 )
         entry.mode = _choose_mode(work, [where(p) for p in params], params, cast, runtime, mode_cache)
+        if tp is not None:
+            _plan_shard(work, tp, runtime, placements_of, {i.key: i for i in infos}, cast)
 
     work_list = _settle_conflicts(candidates, conflicted_groups, tied, conflicts)
     for k in list(covered):
@@ -406,7 +418,64 @@ def prepare(
         failures,
         conflicts,
         target_dtype,
+        tp,
+        placements_of,
     )
+
+
+def _plan_shard(
+    w: Work,
+    tp: TensorParallel,
+    runtime: dict[str, torch.Tensor],
+    placements_of: dict[str, tuple[Any, ...]],
+    infos: dict[str, TensorInfo],
+    cast: bool,
+) -> None:
+    """Fill ``w``'s sharding, ``entry.tp`` and this rank's bytes; pick the mode for a sharded target."""
+    entry = w.entry
+    ctx = op_context(w.converter, w.group_key, runtime, w.config) if w.converter is not None else None
+    sh, nbytes = shard_work(
+        converter=w.converter,
+        group_key=w.group_key,
+        out_keys=w.dest_keys,
+        runtime=runtime,
+        placements_of=placements_of,
+        tp=tp,
+        source_keys=entry.source_keys,
+        infos=infos,
+        pattern_of=w.pattern_of,
+        slot_shapes=w.slot_shapes,
+        ctx=ctx,
+    )
+    w.sharding = sh
+    entry.nbytes = nbytes
+    entry.tp = tuple(
+        None
+        if p is None
+        else (placement_text(p), None if r is None else r.dim, () if r is None else r.intervals)
+        for p, r in zip(sh.placements, sh.regions)
+    )
+    if not sh.sharded:
+        return
+    on_cpu = w.device.type == "cpu"
+    if w.converter is None:
+        region = sh.regions[0]
+        entry.mode = "direct" if on_cpu and not cast and region is not None and region.dim == 0 else "convert"
+        return
+    param = runtime[w.dest_keys[0]]
+    local = tuple(param.shape)
+    if sh.regions[0] is not None:
+        local = tuple(sh.regions[0].size if d == sh.regions[0].dim else n for d, n in enumerate(local))
+    assert ctx is not None
+    direct = (
+        on_cpu
+        and not cast
+        and len(w.dest_keys) == 1
+        and direct_possible(
+            w.converter, sh, local, param.dtype, OpContext(n_targets=1, target_shapes=(local,))
+        )
+    )
+    entry.mode = "direct" if direct else "convert"
 
 
 def _settle_conflicts(

@@ -17,7 +17,7 @@ from ..errors import ConfigurationError
 if TYPE_CHECKING:
     from .plan import LoadPlan
 
-__all__ = ["ConversionFailure", "LoadReport", "Mismatch"]
+__all__ = ["ConversionFailure", "LoadReport", "Mismatch", "TPFallback"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,24 @@ class ConversionFailure:
         )
 
 
+@dataclass(frozen=True)
+class TPFallback:
+    """A tensor-parallel target whose sources were read whole: an op had no slice rule.
+
+    Attributes:
+        target_keys: the runtime keys.
+        op: the op (``repr``) that has no rule for the rank's region.
+        extra_bytes: bytes read beyond what the rank keeps.
+    """
+
+    target_keys: tuple[str, ...]
+    op: str
+    extra_bytes: int
+
+    def __str__(self) -> str:
+        return f"{', '.join(self.target_keys[:2])}: read whole ({self.extra_bytes} extra bytes) because of {self.op}"
+
+
 @dataclass
 class LoadReport:
     """What :func:`surgery.load_checkpoint` did.
@@ -81,6 +99,9 @@ class LoadReport:
         mapped_keys: parameters memory-mapped from the file instead of copied.
         transforms_used: the transforms whose output was loaded.
         fusions: the fusion config applied before loading, if any.
+        bytes_read: bytes of tensor data read (or mapped) from the checkpoint by this process.
+        tp_world_size / tp_rank: the tensor-parallel mesh size and this rank (``None`` if not parallel).
+        tp_fallbacks: targets read whole because an op had no slice rule (:class:`TPFallback`).
         seconds: wall time of the load.
         plan: the :class:`~surgery.LoadPlan` that was executed (not part of the JSON form).
     """
@@ -95,6 +116,10 @@ class LoadReport:
     mapped_keys: list[str] = field(default_factory=list)
     transforms_used: list[str] = field(default_factory=list)
     fusions: dict[str, Any] | None = None
+    bytes_read: int = 0
+    tp_world_size: int | None = None
+    tp_rank: int | None = None
+    tp_fallbacks: list[TPFallback] = field(default_factory=list)
     seconds: float = 0.0
     plan: LoadPlan | None = field(default=None, repr=False, compare=False)
 
@@ -116,7 +141,7 @@ class LoadReport:
             if f.name == "plan":
                 continue
             value = getattr(self, f.name)
-            if f.name in ("mismatched", "conflicts", "conversion_errors"):
+            if f.name in ("mismatched", "conflicts", "conversion_errors", "tp_fallbacks"):
                 value = [_plain(item) for item in value]
             elif isinstance(value, list):
                 value = list(value)
@@ -149,6 +174,7 @@ class LoadReport:
         kwargs["mismatched"] = [_rebuild(Mismatch, m) for m in data.get("mismatched", [])]
         for name in ("conflicts", "conversion_errors"):
             kwargs[name] = [_rebuild(ConversionFailure, c) for c in data.get(name, [])]
+        kwargs["tp_fallbacks"] = [_rebuild(TPFallback, c) for c in data.get("tp_fallbacks", [])]
         return cls(**kwargs)
 
     @classmethod
@@ -169,6 +195,10 @@ class LoadReport:
         ]
         if self.fusions:
             lines.append(f"  fusions applied: {self.fusions}")
+        if self.tp_world_size is not None:
+            lines.append(
+                f"  tensor parallel: rank {self.tp_rank} of {self.tp_world_size}, {self.bytes_read} bytes read"
+            )
 
         def section(title: str, items: list[Any], limit: int = 20) -> None:
             if not items:
@@ -183,11 +213,12 @@ class LoadReport:
         section("mismatched", self.mismatched)
         section("conflicts (not loaded)", self.conflicts)
         section("conversion errors (not loaded)", self.conversion_errors)
+        section("tensor-parallel fallbacks (read whole, then sliced)", self.tp_fallbacks)
         section("transforms used", self.transforms_used, limit=10)
         return "\n".join(lines)
 
 
-def _plain(item: Mismatch | ConversionFailure) -> dict[str, Any]:
+def _plain(item: Mismatch | ConversionFailure | TPFallback) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(item):
         value = getattr(item, f.name)

@@ -1,0 +1,325 @@
+"""What one tensor-parallel rank reads: target placements, source regions, local chains.
+
+Planning under tensor parallelism (:func:`surgery.load_checkpoint` with ``tp_plan``/
+``device_mesh``, or a model whose parameters are already DTensors) adds three steps to a load:
+
+1. :func:`tensor_parallel` checks the options and :func:`apply_tp_plan` parallelizes the model
+   right after fusions (or, for a dry run without a process group, validates the plan for a
+   given ``tp_size``/``tp_rank``);
+2. :func:`target_placements` gives every runtime key its placements and :func:`local_region`
+   the part this rank holds;
+3. :func:`shard_work` traces each target's region back through the converter's op chain
+   (:func:`surgery.slicing.trace_regions`) to a region per checkpoint key, or marks the
+   target as a *fallback* (read whole, convert, keep the rank's part) naming the op that forced it.
+
+Every shape check stays on global shapes; only the bytes read and the tensors built are local.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..converter import WeightConverter
+from ..errors import ConfigurationError, SurgeryError
+from ..ops import ConversionOp, OpContext
+from ..parallel import (
+    ResolvedStyle,
+    check_mesh,
+    dtensor_type,
+    has_dtensors,
+    local_region,
+    parallelize,
+    param_placements,
+    resolve_tp_plan,
+)
+from ..slicing import NOT_NEEDED, Region, SlotRegion, local_shape, trace_regions
+from .placement import all_contiguous, placement_views, stage_shapes
+
+__all__ = [
+    "Sharding",
+    "TensorParallel",
+    "apply_tp_plan",
+    "direct_possible",
+    "local_context",
+    "placement_text",
+    "shard_work",
+    "target_placements",
+    "tensor_parallel",
+]
+
+
+@dataclass
+class TensorParallel:
+    """This rank's view of the tensor-parallel load.
+
+    Attributes:
+        world_size / rank: the 1-D mesh's size and this rank's coordinate on it.
+        mesh: the ``DeviceMesh`` (``None`` for a dry run planned by arithmetic).
+        spec: the ``tp_plan`` to apply, or ``None`` when the model's DTensors already say.
+        resolved: the validated plan, once :func:`apply_tp_plan` ran.
+    """
+
+    world_size: int
+    rank: int
+    mesh: Any = None
+    spec: Any = None
+    resolved: list[ResolvedStyle] = field(default_factory=list)
+
+
+def tensor_parallel(
+    model: nn.Module,
+    *,
+    tp_plan: Any,
+    device_mesh: Any,
+    tp_size: int | None = None,
+    tp_rank: int | None = None,
+) -> TensorParallel | None:
+    """Check the tensor-parallel options of a load; ``None`` when the load is not parallel.
+
+    Raises:
+        ConfigurationError: contradictory options (a ``tp_plan`` for a model that is already
+            parallelized, a plan without a mesh, a 2-D mesh, ...), before anything is read.
+    """
+    parallel_model = has_dtensors(model)
+    if tp_size is not None or tp_rank is not None:
+        if device_mesh is not None:
+            raise ConfigurationError(
+                "pass device_mesh= or tp_size=/tp_rank=, not both (tp_size plans without a mesh)."
+            )
+        if tp_plan is None:
+            raise ConfigurationError("tp_size=/tp_rank= plan a tp_plan's reads; pass tp_plan= too.")
+        size, rank = tp_size if tp_size is not None else 1, tp_rank if tp_rank is not None else 0
+        if type(size) is not int or type(rank) is not int or size < 1 or not 0 <= rank < size:
+            raise ConfigurationError(
+                f"tp_size={tp_size!r}, tp_rank={tp_rank!r}: need ints with 0 <= tp_rank < tp_size."
+            )
+        if parallel_model:
+            raise ConfigurationError(_ALREADY)
+        return TensorParallel(size, rank, None, tp_plan)
+    if parallel_model:
+        if tp_plan is not None:
+            raise ConfigurationError(_ALREADY)
+        meshes = {id(t.device_mesh): t.device_mesh for t in _dtensors(model)}
+        if len(meshes) != 1:
+            raise ConfigurationError(
+                f"the model's DTensors live on {len(meshes)} different device meshes; load into a model "
+                "parallelized over one 1-D mesh."
+            )
+        mesh = check_mesh(next(iter(meshes.values())))
+        if device_mesh is not None and device_mesh is not mesh:
+            raise ConfigurationError(
+                "device_mesh= is not the mesh the model's DTensors live on; leave it out."
+            )
+        return TensorParallel(mesh.size(), mesh.get_local_rank(), mesh, None)
+    if tp_plan is None and device_mesh is None:
+        return None
+    if device_mesh is None:
+        raise ConfigurationError(
+            "tp_plan= needs device_mesh= (e.g. init_device_mesh('cuda', (world_size,))); for a dry run "
+            "without a process group, plan_load(..., tp_size=N, tp_rank=r)."
+        )
+    if tp_plan is None:
+        raise ConfigurationError(
+            "device_mesh= without tp_plan=: nothing says what to shard. Pass tp_plan (or 'auto'), or "
+            "parallelize the model first and leave both out."
+        )
+    mesh = check_mesh(device_mesh)
+    return TensorParallel(mesh.size(), mesh.get_local_rank(), mesh, tp_plan)
+
+
+_ALREADY = (
+    "the model's parameters are already DTensors (it was parallelized); it loads according to their "
+    "placements, so pass tp_plan=None (and no tp_size)."
+)
+
+
+def _dtensors(model: nn.Module) -> list[Any]:
+    dtensor = dtensor_type()
+    if dtensor is None:
+        return []
+    return [t for t in list(model.parameters()) + list(model.buffers()) if isinstance(t, dtensor)]
+
+
+def apply_tp_plan(model: nn.Module, tp: TensorParallel) -> None:
+    """Parallelize ``model`` per ``tp.spec`` (on a mesh), or only validate it (a dry run)."""
+    if tp.spec is None:
+        return
+    if tp.mesh is not None:
+        tp.resolved = parallelize(model, tp.spec, tp.mesh)
+    else:
+        tp.resolved = resolve_tp_plan(model, tp.spec, world_size=tp.world_size)
+        custom = [r.path for r in tp.resolved if r.kind == "custom"]
+        if custom:
+            raise ConfigurationError(
+                f"tp_plan gives {custom[:3]} ParallelStyle instances whose placements are only known once "
+                "applied; a dry run with tp_size= needs style names. Plan with a device_mesh instead."
+            )
+
+
+def target_placements(
+    model: nn.Module, runtime: dict[str, torch.Tensor], tp: TensorParallel, tied: dict[str, list[str]]
+) -> dict[str, tuple[Any, ...]]:
+    """Per runtime key that is a DTensor (or would be, in a dry run), its placements."""
+    dtensor = dtensor_type()
+    out: dict[str, tuple[Any, ...]] = {}
+    if tp.mesh is not None:
+        for k, t in runtime.items():
+            if dtensor is not None and isinstance(t, dtensor):
+                out[k] = tuple(t.placements)  # type: ignore[attr-defined]
+        return out
+    for r in tp.resolved:
+        module = model.get_submodule(r.path) if r.path else model
+        for name, placements in param_placements(module, r).items():
+            key = f"{r.path}.{name}" if r.path else name
+            for alias in tied.get(key, [key]):
+                out[alias] = placements
+    return out
+
+
+def placement_text(placements: tuple[Any, ...]) -> str:
+    return ", ".join(repr(p) for p in placements)
+
+
+def local_context(ctx: OpContext, regions: tuple[Region | None, ...], targets: tuple[str, ...]) -> OpContext:
+    """``ctx`` with the local target shapes (what a rank's ops see)."""
+    if ctx.target_shapes is None:
+        return ctx
+    shapes = tuple(s if s is None else local_shape(tuple(s), r) for s, r in zip(ctx.target_shapes, regions))
+    return OpContext(n_targets=ctx.n_targets, target_shapes=shapes, config=ctx.config)
+
+
+@dataclass
+class Sharding:
+    """How one plan entry is read on this rank.
+
+    Attributes:
+        placements: per runtime key of the entry, its placements (``None``: a plain tensor).
+        regions: per runtime key, the rank's region (``None``: all of it).
+        sources: per checkpoint key, the region to read (``None``: all; ``NOT_NEEDED``: skip).
+        operations: the chain to run on the local pieces (``None``: the converter's own).
+        fallback: the op without a slice rule that forced a whole read, or ``None``.
+        local_slot_shapes: per source slot, the local shapes (direct placement on the local chain).
+    """
+
+    placements: tuple[tuple[Any, ...] | None, ...]
+    regions: tuple[Region | None, ...]
+    sources: dict[str, Any] = field(default_factory=dict)  # Region | None | NOT_NEEDED
+    operations: list[ConversionOp] | None = None
+    fallback: str | None = None
+    local_slot_shapes: list[Any] | None = None
+
+    @property
+    def sharded(self) -> bool:
+        return any(r is not None for r in self.regions)
+
+
+def _region_bytes(shape: tuple[int, ...], itemsize: int, region: SlotRegion) -> int:
+    if region is NOT_NEEDED:
+        return 0
+    return math.prod(local_shape(shape, region if isinstance(region, Region) else None)) * itemsize
+
+
+def shard_work(
+    *,
+    converter: WeightConverter | None,
+    group_key: str,
+    out_keys: tuple[str, ...],
+    runtime: dict[str, torch.Tensor],
+    placements_of: dict[str, tuple[Any, ...]],
+    tp: TensorParallel,
+    source_keys: tuple[str, ...],
+    infos: dict[str, Any],
+    pattern_of: dict[str, tuple[int, tuple[int, ...]]],
+    slot_shapes: list[Any] | None,
+    ctx: OpContext | None,
+) -> tuple[Sharding, int]:
+    """Trace one entry's target regions back to its sources; return the sharding and its bytes."""
+    placements = tuple(placements_of.get(k) for k in out_keys)
+    regions = tuple(
+        None if p is None else local_region(p, tuple(runtime[k].shape), tp.world_size, tp.rank)
+        for k, p in zip(out_keys, placements)
+    )
+    sh = Sharding(placements, regions)
+    whole = sum(infos[k].nbytes for k in source_keys)
+    if not sh.sharded:
+        return sh, whole
+    if converter is None:
+        (src,) = source_keys
+        sh.sources = {src: regions[0]}
+        return sh, _region_bytes(tuple(infos[src].shape), infos[src].dtype.itemsize, regions[0])
+    assert ctx is not None
+    blocked: str | None = None
+    traced = None
+    if slot_shapes is None:
+        blocked = "(source shapes unknown)"
+    else:
+        try:
+            stages = stage_shapes(converter, slot_shapes, ctx)
+            targets = _target_slot_regions(converter, group_key, stages[-1], dict(zip(out_keys, regions)))
+            traced = trace_regions(converter.operations, stages, targets, ctx)
+        except (SurgeryError, RuntimeError, KeyError) as exc:
+            blocked = f"(tracing failed: {exc})"
+        else:
+            if traced.blocked_by is not None:
+                blocked = repr(traced.blocked_by)
+    if blocked is not None or traced is None:
+        sh.fallback = blocked
+        sh.sources = dict.fromkeys(source_keys)
+        return sh, whole
+    by_pattern: dict[int, list[str]] = {}
+    for src in source_keys:
+        by_pattern.setdefault(pattern_of[src][0], []).append(src)
+    local_slots: list[Any] = []
+    for i, slot_region in enumerate(traced.sources):
+        keys = sorted(by_pattern.get(i, []), key=lambda k: pattern_of[k][1])
+        if converter.gathers_from(i):
+            items = slot_region if isinstance(slot_region, list) else [slot_region] * len(keys)
+            shapes = []
+            for k, r in zip(keys, items):
+                sh.sources[k] = r
+                if r is not NOT_NEEDED:
+                    shapes.append(local_shape(tuple(infos[k].shape), r if isinstance(r, Region) else None))
+            local_slots.append(shapes)
+        else:
+            (k,) = keys
+            sh.sources[k] = slot_region
+            local_slots.append(
+                local_shape(tuple(infos[k].shape), slot_region if isinstance(slot_region, Region) else None)
+            )
+    sh.operations = list(traced.operations)
+    sh.local_slot_shapes = local_slots
+    nbytes = sum(
+        _region_bytes(tuple(infos[k].shape), infos[k].dtype.itemsize, r) for k, r in sh.sources.items()
+    )
+    return sh, nbytes
+
+
+def _target_slot_regions(
+    converter: WeightConverter, group_key: str, last_stage: list[Any], region_of: dict[str, Region | None]
+) -> list[SlotRegion]:
+    """Per output slot of the chain, the rank's region (a list slot: one per ``*`` index)."""
+    out: list[SlotRegion] = []
+    for target, shape in zip(converter.expand_target_keys(group_key), last_stage):
+        if isinstance(shape, list):
+            out.append([region_of[target.replace("*", str(i), 1)] for i in range(len(shape))])
+        else:
+            out.append(region_of[target])
+    return out
+
+
+def direct_possible(
+    converter: WeightConverter, sh: Sharding, dest_shape: tuple[int, ...], dtype: torch.dtype, ctx: OpContext
+) -> bool:
+    """Whether the local chain can be read straight into views of the local destination."""
+    if sh.fallback is not None or sh.local_slot_shapes is None:
+        return False
+    if any(isinstance(r, Region) and r.dim != 0 for r in sh.sources.values()):
+        return False
+    dest = torch.empty(dest_shape, dtype=dtype, device="meta")
+    views = placement_views(converter, dest, sh.local_slot_shapes, ctx, operations=sh.operations)
+    return views is not None and all_contiguous(views)

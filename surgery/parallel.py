@@ -1,0 +1,593 @@
+"""Tensor parallelism on ``torch.distributed``: plans, styles, placements, parallelizing.
+
+A *tensor-parallel plan* maps module paths to styles. Paths are dotted from the root, and ``*``
+matches exactly one path component (the rule :func:`torch.distributed.tensor.parallel.parallelize_module`
+uses, so one plan works in both). A style is a name or a torch ``ParallelStyle`` instance:
+
+=================  ==================================================================================
+``colwise``        ``ColwiseParallel``: Linear weight and bias ``Shard(0)``; Embedding ``Shard(1)``
+``rowwise``        ``RowwiseParallel``: Linear weight ``Shard(1)``, bias replicated; Embedding ``Shard(0)``
+``colwise_gather`` ``ColwiseParallel(output_layouts=Replicate())``: an ``lm_head`` with whole logits
+``replicate``      parameters stay plain tensors; every rank reads them whole
+``packed_colwise`` a fused ``gate_up_proj`` (or ``qkv`` of equal parts): ``_StridedShard(0, 2)``, so
+                   rank r holds ``[G_r | U_r]`` (:class:`PackedColwiseParallel`)
+``experts``        3-D expert tensors: ``gate_up_proj (E, 2I, H)`` ``_StridedShard(1, 2)``,
+                   ``down_proj (E, H, I)`` ``Shard(2)`` (:class:`ExpertsParallel`)
+=================  ==================================================================================
+
+:func:`resolve_tp_plan` validates a plan against a model before anything is read: unknown styles,
+patterns that match nothing, unsupported module types, dims the world size does not divide,
+head counts, grouped-query q/k/v under ``packed_colwise`` and tied parameters with different
+placements are each a :class:`~surgery.ConfigurationError` naming the fix. :func:`parallelize`
+then calls ``parallelize_module(..., src_data_rank=None)``: parameters become DTensors with their
+placements and no data moves (on ``meta`` too). :func:`param_placements` gives the same
+placements by arithmetic, without a process group, for planning a rank's reads.
+
+``torch.distributed.tensor`` is imported lazily (about a second); ``_StridedShard`` is private
+torch API (documented for FSDP2 + TP) and every use of it lives in this module.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ConfigurationError
+from .slicing import Region
+
+__all__ = [
+    "STYLE_NAMES",
+    "ExpertsParallel",
+    "PackedColwiseParallel",
+    "ResolvedStyle",
+    "check_mesh",
+    "dtensor_type",
+    "has_dtensors",
+    "local_region",
+    "parallelize",
+    "param_placements",
+    "resolve_tp_plan",
+    "strided_shard",
+]
+
+STYLE_NAMES = ("colwise", "rowwise", "colwise_gather", "replicate", "packed_colwise", "experts")
+
+
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """torch's private ``_StridedShard(dim, split_factor=...)`` (imported here, and only here)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def _placements_module() -> Any:
+    import torch.distributed.tensor as dt
+
+    return dt
+
+
+# --------------------------------------------------------------------------- styles
+
+
+def _style_classes() -> tuple[type, type]:
+    """``PackedColwiseParallel`` and ``ExpertsParallel``, built on first use (torch import is lazy)."""
+    global _PACKED, _EXPERTS
+    if _PACKED is not None and _EXPERTS is not None:
+        return _PACKED, _EXPERTS
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
+    class _Packed(ColwiseParallel):
+        """``ColwiseParallel`` for a fused projection of ``split_factor`` equal parts.
+
+        Weight and bias are ``_StridedShard(0, split_factor)``: each rank holds its share of every
+        part, side by side (``[G_r | U_r]`` for a ``gate_up_proj``). The output stays local: the
+        inherited output hook would redistribute ``_StridedShard(-1)`` to ``Shard(-1)`` and
+        reorder the features, which gives silently wrong results.
+        """
+
+        def __init__(self, *, split_factor: int = 2, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.split_factor = split_factor
+
+        def _partition_linear_fn(self, name, module, device_mesh):
+            for pname, param in list(module.named_parameters(recurse=False)):
+                placement = strided_shard(0, self.split_factor)
+                dist_param = nn.Parameter(
+                    distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank),
+                    requires_grad=param.requires_grad,
+                )
+                module.register_parameter(pname, dist_param)
+
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            if not isinstance(module, nn.Linear):
+                raise ConfigurationError(f"packed_colwise applies to nn.Linear, not {type(module).__name__}.")
+            return super()._apply(module, device_mesh)
+
+        def __repr__(self) -> str:
+            return f"PackedColwiseParallel(split_factor={self.split_factor})"
+
+    class _Experts(ParallelStyle):
+        """Expert tensors sharded on their intermediate dim; the output is all-reduced.
+
+        ``gate_up_proj (E, 2I, H)`` is ``_StridedShard(1, 2)`` (each rank holds its share of the
+        gate and the up rows of every expert) and ``down_proj (E, H, I)`` is ``Shard(2)``. A
+        forward pre-hook swaps in the local shards so the module's own forward runs unchanged on
+        them, and a forward hook puts the DTensors back and sums the partial outputs.
+        """
+
+        def __init__(self, *, split_factor: int = 2) -> None:
+            super().__init__()
+            self.split_factor = split_factor
+
+        def _partition(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+            for pname, param in list(module.named_parameters(recurse=False)):
+                placements = _expert_placements(pname, self.split_factor, Shard)
+                module.register_parameter(
+                    pname,
+                    nn.Parameter(
+                        distribute_tensor(param, device_mesh, placements, src_data_rank=self.src_data_rank),
+                        requires_grad=param.requires_grad,
+                    ),
+                )
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            distribute_module(module, device_mesh, self._partition)
+            group = device_mesh.get_group()
+            names = [n for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
+
+            def swap_in(mod: nn.Module, args: Any) -> None:
+                stash = {n: mod._parameters[n] for n in names}
+                mod.__dict__["_surgery_dtensors"] = stash
+                for n, p in stash.items():
+                    mod._parameters[n] = p.to_local()  # type: ignore[assignment, union-attr]
+
+            def swap_out(mod: nn.Module, args: Any, output: Any) -> Any:
+                stash = mod.__dict__.pop("_surgery_dtensors", {})
+                for n, p in stash.items():
+                    mod._parameters[n] = p
+                if isinstance(output, torch.Tensor):
+                    dist.all_reduce(output, group=group)
+                return output
+
+            module.register_forward_pre_hook(swap_in)
+            module.register_forward_hook(swap_out)
+            return module
+
+        def __repr__(self) -> str:
+            return f"ExpertsParallel(split_factor={self.split_factor})"
+
+    _PACKED, _EXPERTS = _Packed, _Experts
+    return _PACKED, _EXPERTS
+
+
+_PACKED: type | None = None
+_EXPERTS: type | None = None
+
+
+def PackedColwiseParallel(*, split_factor: int = 2, **kwargs: Any) -> Any:
+    """The ``packed_colwise`` style: a ``ColwiseParallel`` whose weight is ``_StridedShard(0, k)``."""
+    cls, _ = _style_classes()
+    return cls(split_factor=split_factor, **kwargs)
+
+
+def ExpertsParallel(*, split_factor: int = 2) -> Any:
+    """The ``experts`` style: 3-D expert tensors sharded on the intermediate dim."""
+    _, cls = _style_classes()
+    return cls(split_factor=split_factor)
+
+
+def _expert_placements(name: str, split_factor: int, shard: Any) -> list[Any]:
+    if name == "gate_up_proj":
+        return [strided_shard(1, split_factor)]
+    if name == "down_proj":
+        return [shard(2)]
+    raise ConfigurationError(
+        f"the experts style shards 'gate_up_proj' (E, 2I, H) and 'down_proj' (E, H, I); {name!r} has no "
+        "placement. Keep this module replicated, or give it a style of its own."
+    )
+
+
+def _torch_style(name: str, module: nn.Module) -> Any:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":  # an embedding takes whole token ids; a Linear the colwise output's shards
+        return (
+            RowwiseParallel(input_layouts=Replicate())
+            if isinstance(module, nn.Embedding)
+            else RowwiseParallel()
+        )
+    if name == "colwise_gather":
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "packed_colwise":
+        return PackedColwiseParallel()
+    if name == "experts":
+        return ExpertsParallel()
+    raise AssertionError(name)
+
+
+# --------------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True)
+class ResolvedStyle:
+    """One module of a validated plan.
+
+    Attributes:
+        path: the module's dotted path.
+        pattern: the plan key that matched it.
+        kind: the style name (``"custom"`` for a ``ParallelStyle`` this module does not know).
+        style: what was given (a name or a ``ParallelStyle``).
+        split_factor: parts of a packed style (1 otherwise).
+    """
+
+    path: str
+    pattern: str
+    kind: str
+    style: Any
+    split_factor: int = 1
+
+
+def _kind_of(style: Any, key: str) -> tuple[str, int]:
+    if isinstance(style, str):
+        if style not in STYLE_NAMES:
+            raise ConfigurationError(
+                f"tp_plan[{key!r}] = {style!r} is not a style; use one of {', '.join(STYLE_NAMES)} "
+                "or a torch.distributed.tensor.parallel.ParallelStyle instance."
+            )
+        return style, 2 if style in ("packed_colwise", "experts") else 1
+    try:
+        from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        raise ConfigurationError("tensor parallelism needs torch.distributed") from None
+    packed, experts = _style_classes()
+    if isinstance(style, (packed, experts)):
+        return ("packed_colwise" if isinstance(style, packed) else "experts"), int(
+            getattr(style, "split_factor", 2)
+        )
+    if isinstance(style, ColwiseParallel):
+        return "colwise", 1
+    if isinstance(style, RowwiseParallel):
+        return "rowwise", 1
+    if isinstance(style, ParallelStyle):
+        return "custom", 1
+    raise ConfigurationError(
+        f"tp_plan[{key!r}] = {style!r} is neither a style name ({', '.join(STYLE_NAMES)}) nor a ParallelStyle."
+    )
+
+
+def _match(model: nn.Module, pattern: str) -> list[str]:
+    """Module paths matching ``pattern`` component by component (``*`` = one component)."""
+    if pattern == "":
+        return [""]
+    atoms = pattern.split(".")
+    found: list[str] = []
+
+    def walk(module: nn.Module, prefix: str, depth: int) -> None:
+        for name, child in module.named_children():
+            if fnmatch.fnmatchcase(name, atoms[depth]):
+                path = f"{prefix}{name}"
+                if depth + 1 == len(atoms):
+                    found.append(path)
+                else:
+                    walk(child, path + ".", depth + 1)
+
+    walk(model, "", 0)
+    return found
+
+
+def resolve_tp_plan(
+    model: nn.Module,
+    tp_plan: Mapping[str, Any] | str,
+    *,
+    world_size: int,
+) -> list[ResolvedStyle]:
+    """Validate ``tp_plan`` against ``model`` for ``world_size`` ranks; nothing is changed or read.
+
+    ``tp_plan="auto"`` takes the model's ``tp_plan`` attribute.
+
+    Raises:
+        ConfigurationError: see the module docstring; the message names the plan key, module,
+            parameter or dim and what to change.
+    """
+    if isinstance(tp_plan, str):
+        if tp_plan != "auto":
+            raise ConfigurationError(
+                f"tp_plan={tp_plan!r}: pass a dict of module patterns to styles, or 'auto'."
+            )
+        declared = getattr(model, "tp_plan", None)
+        if not isinstance(declared, Mapping) or not declared:
+            raise ConfigurationError(
+                f"tp_plan='auto': {type(model).__name__} declares no tp_plan attribute; pass the plan as a "
+                "dict of module patterns to styles."
+            )
+        tp_plan = declared
+    if not isinstance(tp_plan, Mapping):
+        raise ConfigurationError(
+            f"tp_plan must be a dict of module patterns to styles, got {type(tp_plan).__name__}."
+        )
+    if not tp_plan:
+        raise ConfigurationError("tp_plan is empty: give at least one module pattern, or pass tp_plan=None.")
+    if type(world_size) is not int or world_size < 1:
+        raise ConfigurationError(f"world_size={world_size!r} must be a positive int.")
+    resolved: dict[str, ResolvedStyle] = {}
+    for pattern, style in tp_plan.items():
+        if not isinstance(pattern, str):
+            raise ConfigurationError(f"tp_plan key {pattern!r} is not a module path pattern (a str).")
+        kind, split = _kind_of(style, pattern)
+        paths = _match(model, pattern)
+        if not paths:
+            raise ConfigurationError(
+                f"tp_plan pattern {pattern!r} matches no module of {type(model).__name__} (parallelize_module "
+                "would only warn and skip it). Patterns are dotted paths from the root and '*' stands for one "
+                f"component, e.g. 'model.layers.*.self_attn.q_proj'; top-level modules: "
+                f"{[n for n, _ in model.named_children()]}."
+            )
+        for path in paths:
+            if path in resolved:
+                raise ConfigurationError(
+                    f"module {path!r} is matched by tp_plan keys {resolved[path].pattern!r} and {pattern!r}; "
+                    "give each module one style."
+                )
+            resolved[path] = ResolvedStyle(path, pattern, kind, style, split)
+    for r in resolved.values():
+        _check_module(model, r, world_size)
+    _check_tied(model, list(resolved.values()))
+    return list(resolved.values())
+
+
+def _check_module(model: nn.Module, r: ResolvedStyle, world: int) -> None:
+    module = model.get_submodule(r.path)
+    where = f"tp_plan[{r.pattern!r}] on {r.path!r} ({type(module).__name__})"
+    if r.kind in ("colwise", "rowwise", "colwise_gather") and not isinstance(
+        module, (nn.Linear, nn.Embedding)
+    ):
+        raise ConfigurationError(f"{where}: {r.kind} applies to nn.Linear and nn.Embedding only.")
+    if r.kind == "packed_colwise":
+        if not isinstance(module, nn.Linear):
+            raise ConfigurationError(f"{where}: packed_colwise applies to nn.Linear only.")
+        _check_gqa(model, r, where)
+    if r.kind == "experts":
+        names = sorted(n for n, _ in module.named_parameters(recurse=False))
+        if (
+            names != ["down_proj", "gate_up_proj"]
+            or module.gate_up_proj.ndim != 3
+            or module.down_proj.ndim != 3
+        ):
+            raise ConfigurationError(
+                f"{where}: the experts style needs 3-D 'gate_up_proj' (E, 2I, H) and 'down_proj' (E, H, I) "
+                f"parameters and no others; this module has {names}."
+            )
+    for pname, placements in param_placements(module, r).items():
+        param = getattr(module, pname)
+        for p in placements:
+            sharded = _sharded_dim(p)
+            if sharded is None:
+                continue
+            dim, split = sharded
+            size = param.shape[dim]
+            if size % (world * split):
+                factor = f" x split factor {split}" if split > 1 else ""
+                raise ConfigurationError(
+                    f"{where}: parameter {r.path + '.' + pname!r} of shape {tuple(param.shape)} is sharded on "
+                    f"dim {dim} of size {size}, which world size {world}{factor} does not divide. Use a "
+                    "world size that divides it, or keep this module replicated."
+                )
+    if r.kind in ("colwise", "packed_colwise") and r.path.rsplit(".", 1)[-1] in _QKV_NAMES:
+        cfg = _config_near(model, r.path)
+        for attr in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(cfg, attr, None)
+            if isinstance(heads, int) and heads % world:
+                raise ConfigurationError(
+                    f"{where}: {attr}={heads} is not divisible by world size {world}, so the heads cannot be "
+                    "split evenly across ranks; use a world size that divides it."
+                )
+
+
+_QKV_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "qkv", "query_key_value", "c_attn"})
+
+
+def _config_near(model: nn.Module, path: str) -> Any:
+    parts = path.split(".")
+    while True:
+        mod = model.get_submodule(".".join(parts)) if parts else model
+        cfg = getattr(mod, "config", None)
+        if cfg is not None or not parts:
+            return cfg
+        parts.pop()
+
+
+def _check_gqa(model: nn.Module, r: ResolvedStyle, where: str) -> None:
+    name = r.path.rsplit(".", 1)[-1]
+    if "qkv" not in name and name not in ("query_key_value", "c_attn"):
+        return
+    cfg = _config_near(model, r.path)
+    heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv, int) and heads != kv:
+        raise ConfigurationError(
+            f"{where}: a fused q/k/v with grouped-query attention ({heads} query heads, {kv} key/value heads) "
+            "has parts of unequal size, which no DTensor placement describes. Keep q/k/v unfused under tensor "
+            "parallelism (colwise q_proj, k_proj, v_proj)."
+        )
+
+
+def param_placements(module: nn.Module, r: ResolvedStyle) -> dict[str, tuple[Any, ...]]:
+    """Per direct parameter of ``module``, the placements style ``r`` gives it (arithmetic).
+
+    Replicated parameters are left out. A ``custom`` style has no arithmetic: its placements
+    are read from the DTensors after :func:`parallelize`.
+    """
+    if r.kind in ("replicate", "custom"):
+        return {}
+    dt = _placements_module()
+    shard = dt.Shard
+    names = [n for n, _ in module.named_parameters(recurse=False)]
+    out: dict[str, tuple[Any, ...]] = {}
+    embedding = isinstance(module, nn.Embedding)
+    for n in names:
+        if r.kind in ("colwise", "colwise_gather"):
+            out[n] = (shard(1 if embedding else 0),)
+        elif r.kind == "rowwise":
+            if embedding:
+                out[n] = (shard(0),)
+            elif n == "weight":
+                out[n] = (shard(1),)
+        elif r.kind == "packed_colwise":
+            out[n] = (strided_shard(0, r.split_factor),)
+        elif r.kind == "experts":
+            out[n] = tuple(_expert_placements(n, r.split_factor, shard))
+    return out
+
+
+def _sharded_dim(placement: Any) -> tuple[int, int] | None:
+    """``(dim, split_factor)`` of a ``Shard``/``_StridedShard`` (``None`` for anything else)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(placement, _StridedShard):
+        return placement.dim, int(placement.split_factor)
+    if placement.is_shard():
+        return placement.dim, 1
+    return None
+
+
+def _check_tied(model: nn.Module, resolved: list[ResolvedStyle]) -> None:
+    by_module = {r.path: r for r in resolved}
+    placements: dict[str, tuple[Any, ...]] = {}
+    for path, r in by_module.items():
+        for n, p in param_placements(model.get_submodule(path), r).items():
+            placements[f"{path}.{n}" if path else n] = p
+    by_id: dict[int, list[str]] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(t), []).append(name)
+    for names in by_id.values():
+        if len(names) < 2:
+            continue
+        seen = {tuple(map(repr, placements.get(n, ()))) for n in names}
+        if len(seen) > 1:
+            shown = ", ".join(
+                f"{n}: {[repr(p) for p in placements.get(n, ())] or 'replicated'}" for n in names
+            )
+            raise ConfigurationError(
+                f"tied parameters get different placements under tp_plan ({shown}); a tied parameter is one "
+                "tensor. Give both modules styles with the same placement (e.g. embedding rowwise with "
+                "lm_head colwise, both Shard(0)), or untie them."
+            )
+
+
+def check_mesh(device_mesh: Any) -> Any:
+    """A 1-D ``DeviceMesh`` (a 2-D mesh is an error naming the dim to slice)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(device_mesh, DeviceMesh):
+        raise ConfigurationError(
+            f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(device_mesh).__name__}; "
+            "build one with init_device_mesh(device_type, (world_size,))."
+        )
+    if device_mesh.ndim != 1:
+        names = device_mesh.mesh_dim_names or ()
+        hint = f'mesh["{names[0]}"]' if "tp" not in names and names else 'mesh["tp"]'
+        raise ConfigurationError(
+            f"device_mesh has {device_mesh.ndim} dims {tuple(names) or ''}; tensor parallelism here takes the 1-D "
+            f"mesh of its dim: pass {hint}."
+        )
+    return device_mesh
+
+
+def parallelize(model: nn.Module, tp_plan: Mapping[str, Any] | str, device_mesh: Any) -> list[ResolvedStyle]:
+    """Validate ``tp_plan`` and apply it: parameters become DTensors, no data moves.
+
+    Works on a model built on ``meta`` (nothing to move) or on any device. Tied parameters stay
+    tied. Returns the resolved plan.
+
+    Raises:
+        ConfigurationError: the plan does not fit the model (before anything changes).
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = check_mesh(device_mesh)
+    resolved = resolve_tp_plan(model, tp_plan, world_size=mesh.size())
+    tied = _tied_names(model)
+    plan = {
+        r.path: (_torch_style(r.kind, model.get_submodule(r.path)) if isinstance(r.style, str) else r.style)
+        for r in resolved
+        if r.kind != "replicate"
+    }
+    for path, style in plan.items():
+        parallelize_module(model.get_submodule(path) if path else model, mesh, style, src_data_rank=None)
+    for names in tied:
+        first = model.get_parameter(names[0])
+        for alias in names[1:]:
+            mp, _, n = alias.rpartition(".")
+            (model.get_submodule(mp) if mp else model)._parameters[n] = first
+    return resolved
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(t), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def local_region(
+    placements: tuple[Any, ...], shape: tuple[int, ...], world_size: int, rank: int
+) -> Region | None:
+    """The part of a tensor of global ``shape`` that ``rank`` holds (``None``: all of it).
+
+    Follows torch's chunk rules (``Shard.local_shard_size_and_offset``); a ``_StridedShard``
+    gives one interval per part.
+
+    Raises:
+        ConfigurationError: a placement that is not a shard or replicate, or more than one shard.
+    """
+    dt = _placements_module()
+    from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
+
+    region = None
+    for p in placements:
+        if isinstance(p, dt.Replicate):
+            continue
+        if _sharded_dim(p) is None or region is not None:
+            raise ConfigurationError(
+                f"placements {tuple(placements)} cannot be read shard by shard; use Shard, _StridedShard or Replicate on a 1-D mesh."
+            )
+        dim = p.dim % len(shape)
+        if isinstance(p, _StridedShard):
+            _, offsets = p.local_shard_size_and_offset(
+                shape[dim], world_size, rank, _StridedShardOffsetMode.ALL
+            )
+            region = Region.indices(dim, list(offsets))  # type: ignore[arg-type]
+        else:
+            size, offset = dt.Shard.local_shard_size_and_offset(shape[dim], world_size, rank)
+            region = Region.of(dim, [(offset, offset + size)])
+    return region
+
+
+def dtensor_type() -> type | None:
+    """``DTensor`` when ``torch.distributed.tensor`` is already imported, else ``None`` (no import)."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def has_dtensors(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is a DTensor."""
+    dtensor = dtensor_type()
+    if dtensor is None:
+        return False
+    return any(isinstance(t, dtensor) for t in itertools.chain(model.parameters(), model.buffers()))

@@ -1,0 +1,307 @@
+"""Tensor-parallel scenarios run by every rank of a real 2-process gloo group.
+
+:func:`run` is the body each rank executes (spawned by ``tests/test_parallel_loading.py`` with
+``torch.multiprocessing.spawn``, or launched by ``torchrun`` through ``python tests/tp_scenarios.py``);
+it records facts per rank in ``<workdir>/rank<r>.json``, and the tests assert on them. The
+checkpoints are written by the test process beforehand (:func:`write_checkpoints`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import surgery
+from surgery import WeightConverter, ops
+from surgery.checkpoint import write_checkpoint
+from surgery.examples import dense, moe
+
+DENSE = dense.ExampleDenseConfig()
+MOE = moe.ExampleMoEConfig(num_attention_heads=4, num_key_value_heads=2)
+INPUT_IDS = torch.tensor([[1, 5, 9, 3, 7], [2, 4, 6, 8, 10]])
+
+
+class Doubled(ops.ConversionOp):
+    """A custom op without a slice rule (its inverse halves): forces the tensor-parallel fallback."""
+
+    def __init__(self, factor: float = 2.0) -> None:
+        self.factor = factor
+
+    def convert(self, slots, ctx):
+        return [s * self.factor for s in slots]
+
+    @property
+    def reverse_op(self) -> ops.ConversionOp:
+        return Doubled(1 / self.factor)
+
+    def __repr__(self) -> str:
+        return f"Doubled({self.factor})"
+
+
+class FallbackModel(nn.Module):
+    """One Linear whose checkpoint weight is stored halved (undone by :class:`Doubled`)."""
+
+    tp_plan = {"proj": "colwise"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 6, bias=False)
+
+
+def register_fallback_mapping() -> None:
+    surgery.register_checkpoint_conversion_mapping(
+        "FallbackModel",
+        [WeightConverter("proj.weight", "proj.weight", [Doubled()])],
+        overwrite=True,
+    )
+
+
+def write_checkpoints(work: Path) -> None:
+    """The checkpoints every scenario reads (original layouts, written by hand)."""
+    write_checkpoint(dense.original_state_dict(dense.build_dense_model(DENSE, seed=1)), work / "dense")
+    write_checkpoint(moe.original_state_dict(moe.build_moe_model(MOE, seed=2)), work / "moe")
+    torch.manual_seed(3)
+    write_checkpoint({"proj.weight": torch.randn(6, 8) / 2}, work / "fallback")
+
+
+def _single(build, path: Path) -> nn.Module:
+    model = build(device="meta")
+    report = surgery.load_checkpoint(model, path)
+    assert report.ok, report
+    return model
+
+
+def _compare(tp_model: nn.Module, ref: nn.Module) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    ref_state = ref.state_dict()
+    unequal, kinds = [], {}
+    for key, value in tp_model.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        kinds[key] = [repr(p) for p in value.placements] if isinstance(value, DTensor) else None
+        if full.shape != ref_state[key].shape or not torch.equal(full, ref_state[key]):
+            unequal.append(key)
+    with torch.no_grad():
+        out, expected = tp_model(INPUT_IDS), ref(INPUT_IDS)
+    return {
+        "unequal": unequal,
+        "placements": kinds,
+        "max_abs_diff": float((out - expected).abs().max()),
+        "output_shape": list(out.shape),
+    }
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def _family(name: str, build, original_state_dict, work: Path, rank: int, mesh: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    ckpt = work / name
+    ref = _single(build, ckpt)
+    model = build(device="meta")
+    report = surgery.load_checkpoint(model, ckpt, tp_plan="auto", device_mesh=mesh)
+    facts: dict[str, Any] = {
+        "ok": report.ok,
+        "report": str(report),
+        "bytes_read": report.bytes_read,
+        "tp": [report.tp_world_size, report.tp_rank],
+        "fallbacks": [str(f) for f in report.tp_fallbacks],
+        "modes": {e.target_keys[0]: e.mode for e in report.plan.entries},
+        "entry_tp": {e.target_keys[0]: e.tp for e in report.plan.entries},
+        "single_bytes": sum(p.stat().st_size for p in ckpt.iterdir()),
+        "plan_bytes": report.plan.total_bytes,
+    }
+    dry = surgery.plan_load(build(device="meta"), ckpt, tp_plan="auto", tp_size=2, tp_rank=rank)
+    facts["dry_run_matches"] = [(e.target_keys, e.tp, e.nbytes) for e in dry.entries] == [
+        (e.target_keys, e.tp, e.nbytes) for e in report.plan.entries
+    ]
+    facts.update(_compare(model, ref))
+    reverted = surgery.revert_state_dict(model)
+    original = original_state_dict(ref)
+    facts["reverted_equal"] = sorted(reverted) == sorted(original) and all(
+        torch.equal(reverted[k], original[k]) for k in original
+    )
+    out = work / f"{name}-saved"
+    files = surgery.save_checkpoint(model, out)
+    dist.barrier()
+    facts["saved_files"] = [Path(f).name for f in files]
+    if rank == 0:
+        facts["saved_identical"] = _files(out) == _files(ckpt)
+    return facts
+
+
+def dense_build(**kwargs: Any) -> nn.Module:
+    return dense.build_dense_model(DENSE, seed=None, **kwargs)
+
+
+def moe_build(**kwargs: Any) -> nn.Module:
+    return moe.build_moe_model(MOE, seed=None, **kwargs)
+
+
+def _oracle(work: Path, mesh: Any) -> dict[str, Any]:
+    """torch.distributed.checkpoint's HuggingFaceStorageReader reads the same slices of 1:1 keys."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    ckpt = work / "dense"
+    model = dense_build(device="meta")
+    surgery.load_checkpoint(model, ckpt, tp_plan="auto", device_mesh=mesh)
+    state = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, DTensor) and (
+            "v_proj" in key or "o_proj" in key or "down_proj" in key or "embed" in key
+        ):
+            state[key] = distribute_tensor(
+                torch.zeros(value.shape), mesh, value.placements, src_data_rank=None
+            )
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(ckpt)))
+    ours = model.state_dict()
+    return {
+        "keys": sorted(state),
+        "placements": sorted({repr(v.placements) for v in state.values()}),
+        "equal": all(torch.equal(state[k].to_local(), ours[k].to_local()) for k in state),
+    }
+
+
+def _fallback(work: Path, mesh: Any) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    register_fallback_mapping()
+    ref = FallbackModel().to("meta")
+    surgery.load_checkpoint(ref, work / "fallback")
+    model = FallbackModel().to("meta")
+    report = surgery.load_checkpoint(model, work / "fallback", tp_plan="auto", device_mesh=mesh)
+    w = model.proj.weight
+    return {
+        "ok": report.ok,
+        "fallbacks": [[list(f.target_keys), f.op, f.extra_bytes] for f in report.tp_fallbacks],
+        "bytes_read": report.bytes_read,
+        "equal": isinstance(w, DTensor) and torch.equal(w.full_tensor(), ref.proj.weight),
+        "local_rows": list(w.to_local().shape) if isinstance(w, DTensor) else None,
+    }
+
+
+def _cpu_model(work: Path, mesh: Any) -> dict[str, Any]:
+    """A model built on CPU (random weights) is parallelized without communication, then loaded."""
+    ref = _single(dense_build, work / "dense")
+    model = dense_build()
+    report = surgery.load_checkpoint(model, work / "dense", tp_plan="auto", device_mesh=mesh)
+    facts = _compare(model, ref)
+    facts["ok"] = report.ok
+    return facts
+
+
+def _already_parallel(work: Path, mesh: Any) -> dict[str, Any]:
+    from surgery.parallel import parallelize
+
+    ref = _single(dense_build, work / "dense")
+    model = dense_build(device="meta")
+    parallelize(model, "auto", mesh)
+    report = surgery.load_checkpoint(model, work / "dense")
+    facts = _compare(model, ref)
+    facts["ok"] = report.ok
+    try:
+        surgery.load_checkpoint(model, work / "dense", tp_plan="auto", device_mesh=mesh)
+        facts["with_plan"] = "returned"
+    except surgery.ConfigurationError as exc:
+        facts["with_plan"] = str(exc)
+    return facts
+
+
+def _errors(work: Path, mesh: Any) -> dict[str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out: dict[str, str] = {}
+    two_d = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    cases = {
+        "two_d_mesh": dict(tp_plan="auto", device_mesh=two_d),
+        "unknown_style": dict(tp_plan={"lm_head": "diagonal"}, device_mesh=mesh),
+        "no_match": dict(tp_plan={"model.layer.*.mlp": "colwise"}, device_mesh=mesh),
+        "mesh_without_plan": dict(device_mesh=mesh),
+    }
+    for name, kwargs in cases.items():
+        model = dense_build(device="meta")
+        before = {k: type(v).__name__ for k, v in model.state_dict().items()}
+        try:
+            surgery.load_checkpoint(model, work / "dense", **kwargs)
+            out[name] = "returned"
+        except surgery.ConfigurationError as exc:
+            unchanged = before == {k: type(v).__name__ for k, v in model.state_dict().items()}
+            out[name] = f"ConfigurationError unchanged={unchanged}: {exc}"
+    # strict refuses what the headers show after parallelizing: the parallelization is undone
+    model = dense_build()
+    before = {k: (type(v).__name__, v.clone()) for k, v in model.state_dict().items()}
+    try:
+        surgery.load_checkpoint(model, work / "moe", tp_plan="auto", device_mesh=mesh, strict=True)
+        out["strict"] = "returned"
+    except surgery.LoadError:
+        after = model.state_dict()
+        same = all(type(after[k]).__name__ == t and torch.equal(after[k], v) for k, (t, v) in before.items())
+        out["strict"] = f"LoadError unchanged={same} hooks={sum(len(m._forward_hooks) for m in model.modules())}"
+    return out
+
+
+def _packed_guard(mesh: Any) -> dict[str, Any]:
+    """``_StridedShard`` still exists, and packed_colwise keeps [G_r | U_r] per rank in forward."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from surgery.parallel import PackedColwiseParallel
+
+    torch.manual_seed(0)
+    full = nn.Linear(4, 8)
+    x = torch.randn(3, 4)
+    expected = full(x)
+    local = nn.Linear(4, 8)
+    local.load_state_dict(full.state_dict())
+    parallelize_module(local, mesh, PackedColwiseParallel(), src_data_rank=None)
+    out = local(x)
+    rank = mesh.get_local_rank()
+    gate, up = expected.chunk(2, dim=-1)
+    want = torch.cat([gate.chunk(2, dim=-1)[rank], up.chunk(2, dim=-1)[rank]], dim=-1)
+    return {"type": type(out).__name__, "max_abs_diff": float((out - want).abs().max())}
+
+
+def run(rank: int, world: int, workdir: str, torchrun: bool = False) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    work = Path(workdir)
+    torch.set_num_threads(1)
+    if torchrun:
+        mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+        rank = dist.get_rank()
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+    facts: dict[str, Any] = {}
+    try:
+        facts["dense"] = _family("dense", dense_build, dense.original_state_dict, work, rank, mesh)
+        if not torchrun:
+            facts["moe"] = _family("moe", moe_build, moe.original_state_dict, work, rank, mesh)
+            facts["oracle"] = _oracle(work, mesh)
+            facts["fallback"] = _fallback(work, mesh)
+            facts["already_parallel"] = _already_parallel(work, mesh)
+            facts["cpu_model"] = _cpu_model(work, mesh)
+            facts["errors"] = _errors(work, mesh)
+            facts["packed"] = _packed_guard(mesh)
+    except Exception:
+        facts["crash"] = traceback.format_exc()
+    (work / f"rank{rank}.json").write_text(json.dumps(facts, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if (
+    __name__ == "__main__"
+):  # torchrun entry: python -m torch.distributed.run ... tests/tp_scenarios.py WORKDIR
+    run(-1, -1, sys.argv[1], torchrun=True)
