@@ -27,10 +27,13 @@ from . import (
     vit,
 )
 
-__all__ = ["FAMILIES", "register_catalog", "register_family"]
+__all__ = ["EXAMPLE_FAMILIES", "FAMILIES", "register_catalog", "register_family"]
 
-FAMILIES = (mixtral, qwen2_moe, llava, qwen2_vl, clip, vit, dinov2, detr, ernie4_5_vl_moe, dense_example)
-"""Checkpoint-conversion families, registered in this order."""
+FAMILIES = (mixtral, qwen2_moe, llava, qwen2_vl, clip, vit, dinov2, detr, ernie4_5_vl_moe)
+"""Checkpoint-conversion families of transformers model types and classes, registered in this order."""
+
+EXAMPLE_FAMILIES = (dense_example,)
+"""Families of the built-in example models only (``surgery.examples``), registered after them."""
 
 
 def register_family(family: ModuleType) -> None:
@@ -45,6 +48,6 @@ def register_catalog() -> None:
     """Register every built-in family through the public API."""
     # The entries below were written for transformers' model classes and our own examples.
     register_catalog_modules("transformers", "surgery.examples")
-    for family in FAMILIES:
+    for family in (*FAMILIES, *EXAMPLE_FAMILIES):
         register_family(family)
     patch_embeddings.register()

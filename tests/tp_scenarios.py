@@ -247,7 +247,9 @@ def _errors(work: Path, mesh: Any) -> dict[str, str]:
     except surgery.LoadError:
         after = model.state_dict()
         same = all(type(after[k]).__name__ == t and torch.equal(after[k], v) for k, (t, v) in before.items())
-        out["strict"] = f"LoadError unchanged={same} hooks={sum(len(m._forward_hooks) for m in model.modules())}"
+        out["strict"] = (
+            f"LoadError unchanged={same} hooks={sum(len(m._forward_hooks) for m in model.modules())}"
+        )
     return out
 
 

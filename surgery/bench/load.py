@@ -14,6 +14,9 @@ Run ``python -m surgery bench load`` (or ``python -m surgery.bench.load``) with
   of the same file, which touches every key once (its ``mmap`` backend is shown for reference).
 * **C** (saving): :func:`surgery.save_checkpoint` in the original layout against ``save_file`` of
   the runtime tensors; time and peak memory on top of the loaded model.
+* **D** (tensor parallelism): checkpoint A loaded by two gloo ranks with ``tp_plan="auto"``
+  against the single-process load: wall time (slowest rank), bytes read and peak RSS growth per
+  rank (:mod:`surgery.bench.parallel`; not run by default: ``--only D``).
 
 Every run is a fresh process forked from a server that has only imported the modules (so start-up
 and imports stay out of the time, while the loader's own one-time work such as catalog discovery
@@ -678,6 +681,22 @@ def _bench_c(workdir: Path, size_gb: float, repeat: int) -> tuple[str, list[str]
     return "\n".join([title, _table(rows, "save_floor", mb)]), verdicts, {"rows": rows, "info": info}
 
 
+def _bench_d(workdir: Path, size_gb: float, repeat: int) -> tuple[str, list[str], dict[str, Any]]:
+    from .parallel import run_tp_benchmark
+
+    cfg = config_for_size(size_gb)
+    info = _prepare(workdir, "A", cfg, runtime_file=True)
+    original = workdir / "A" / "original"
+    _warm([original])
+    file_bytes = sum(f.stat().st_size for f in original.glob("*.safetensors"))
+    table, notes, data = run_tp_benchmark(asdict(cfg), original, info["model_bytes"], file_bytes, repeat)
+    title = (
+        f"D: tensor-parallel load of checkpoint A ({info['model_bytes'] / 2**30:.2f} GiB bf16), TP=2 on gloo "
+        f"vs one process; best of {repeat} runs"
+    )
+    return f"{title}\n{table}", notes, data
+
+
 def run(
     *,
     size_gb: float = 1.0,
@@ -708,6 +727,8 @@ def run(
             results["B"] = _bench_b(work, repeat, transformers, transformers_b_repeat)
         if "C" in only:
             results["C"] = _bench_c(work, size_gb, repeat)
+        if "D" in only:
+            results["D"] = _bench_d(work, size_gb, repeat)
     finally:
         _SERVERS.close()
         if tmp is not None:
@@ -759,7 +780,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=1,
         help="runs of transformers on B (slow; default 1, 0 skips it)",
     )
-    p.add_argument("--only", choices=("A", "B", "C"), action="append", help="run only these (repeatable)")
+    p.add_argument(
+        "--only",
+        choices=("A", "B", "C", "D"),
+        action="append",
+        help="run only these (repeatable; D only on request)",
+    )
     p.add_argument("--workdir", default=None, help="keep and reuse checkpoints here (default: a temp dir)")
     p.add_argument("--profile", action="store_true", help="instead: cProfile one sequential load for A and B")
     p.add_argument("--top", type=int, default=25, help="rows per profile listing")
@@ -790,7 +816,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workdir=args.workdir,
     )
     verdicts: list[str] = []
-    for key in ("A", "B", "C"):
+    for key in ("A", "B", "C", "D"):
         if key in results:
             table, v, _ = results[key]
             print(table)

@@ -348,6 +348,43 @@ class SafetensorsFile:
         flat = torch.frombuffer(region, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
         return flat.view(shape)
 
+    def gather_into(
+        self,
+        offset: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        dim: int,
+        spans: list[tuple[int, int]],
+        out: torch.Tensor,
+    ) -> None:
+        """Copy the ``spans`` of ``dim`` of the stored tensor at ``offset`` into ``out``.
+
+        Maps only the tensor's pages (privately) for the duration of the copy: the touched pages
+        leave the process with the mapping (the shared mapping behind :meth:`view` would keep
+        them resident as long as any zero-copy tensor lives).
+        """
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            fd = self._handle.fileno()
+        except ValueError:
+            raise CheckpointError(f"'{self.path}' is closed; open the checkpoint again.") from None
+        region = mmap.mmap(fd, offset + nbytes - start, access=mmap.ACCESS_COPY, offset=start)
+        try:
+            whole = torch.frombuffer(
+                region, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset - start
+            )
+            whole = whole.view(shape)
+            pos = 0
+            for a, b in spans:
+                out.narrow(dim, pos, b - a).copy_(whole.narrow(dim, a, b - a))
+                pos += b - a
+            del whole
+        finally:
+            region.close()
+
     def read_into(self, offset: int, out: torch.Tensor, key: str) -> None:
         """Fill the contiguous CPU tensor ``out`` with the ``out.nbytes`` bytes at ``offset``."""
         nbytes = out.nbytes

@@ -1,0 +1,125 @@
+"""Benchmark D: a tensor-parallel (TP=2, gloo on CPU) load against the single-process load.
+
+Part of ``surgery bench load`` (``--only D``). Checkpoint A (the ~1 GB Mixtral-style per-expert
+checkpoint) is loaded into a ``meta``-built model three ways, each in fresh processes:
+
+* ``single``: one process, no process group (the floor of this variant);
+* ``tp2``: two ranks of a gloo group (``torch.multiprocessing.spawn``), ``tp_plan="auto"``;
+  each rank reads its slice only.
+
+Reported per rank: wall time of the load (the slowest rank counts; process start-up and
+``init_process_group`` are outside it), ``LoadReport.bytes_read`` and the peak RSS growth
+(``VmHWM`` reset before the load). On the 2-core machine both ranks share the cores, so the win
+to expect is bytes and memory per rank, not wall time; ranks run with one intra-op thread each
+(what ``torchrun`` sets through ``OMP_NUM_THREADS=1``) and the loader's default 4 reader threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["run_tp_benchmark"]
+
+_MB = 2**20
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> int:
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmRSS:")
+
+
+def _rank(rank: int, world: int, spec: dict[str, Any]) -> None:
+    """One rank's load (``world == 1``: the single-process load, no process group)."""
+    import torch.distributed as dist
+
+    import surgery
+    from surgery.examples.moe import ExampleMoEConfig, build_moe_model
+
+    torch.set_num_threads(spec["threads"])
+    cfg = ExampleMoEConfig(**spec["config"])
+    kwargs: dict[str, Any] = {}
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{spec['store']}", rank=rank, world_size=world)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs = {"tp_plan": "auto", "device_mesh": init_device_mesh("cpu", (world,))}
+        dist.barrier()
+    model = build_moe_model(cfg, seed=None, device="meta", dtype=torch.bfloat16)
+    base = _reset_peak()
+    start = time.perf_counter()
+    report = surgery.load_checkpoint(model, spec["path"], progress=False, **kwargs)
+    seconds = time.perf_counter() - start
+    result = {
+        "rank": rank,
+        "ok": report.ok,
+        "seconds": seconds,
+        "bytes_read": report.bytes_read,
+        "delta": _status("VmHWM:") - base,
+        "fallbacks": len(report.tp_fallbacks),
+    }
+    Path(spec["out"], f"rank{rank}-{world}.json").write_text(json.dumps(result))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _launch(world: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="surgery-bench-tp-") as tmp:
+        run = {**spec, "store": f"{tmp}/store", "out": tmp}
+        mp.spawn(_rank, args=(world, run), nprocs=world, join=True)
+        return [json.loads(Path(tmp, f"rank{r}-{world}.json").read_text()) for r in range(world)]
+
+
+def run_tp_benchmark(
+    config: dict[str, Any], path: Path, model_bytes: int, file_bytes: int, repeat: int
+) -> tuple[str, list[str], dict[str, Any]]:
+    """Run variant D; return its table, notes and raw results (best of ``repeat`` per variant)."""
+    spec = {"config": config, "path": str(path)}
+    results: dict[str, list[dict[str, Any]]] = {}
+    for name, world, threads in (("single", 1, torch.get_num_threads()), ("tp2", 2, 1)):
+        runs = [_launch(world, {**spec, "threads": threads}) for _ in range(max(1, repeat))]
+        best = min(runs, key=lambda ranks: max(r["seconds"] for r in ranks))
+        for r in best:
+            r["threads"] = threads
+            r["delta"] = max(run[r["rank"]]["delta"] for run in runs)
+        results[name] = best
+    head = f"  {'variant':<36} {'rank':>4} {'load s':>7} {'read MiB':>9} {'read/file':>9} {'+RSS MiB':>9} {'+/model':>7}"
+    lines = [head, "  " + "-" * len(head)]
+    labels = {"single": "single process (meta model)", "tp2": "TP=2 gloo, tp_plan='auto'"}
+    for name, ranks in results.items():
+        for r in ranks:
+            lines.append(
+                f"  {labels[name]:<36} {r['rank']:>4} {r['seconds']:>7.3f} {r['bytes_read'] / _MB:>9.0f} "
+                f"{r['bytes_read'] / file_bytes:>9.2f} {r['delta'] / _MB:>9.0f} {r['delta'] / model_bytes:>7.2f}"
+            )
+    single, tp = results["single"][0], results["tp2"]
+    slowest = max(r["seconds"] for r in tp)
+    notes = [
+        f"  [info] D wall time, slowest TP rank vs single process: {slowest:.3f} s vs {single['seconds']:.3f} s "
+        f"({slowest / single['seconds']:.2f}x; both ranks share {os.cpu_count()} cores)",
+        f"  [info] D bytes read per rank vs single process: "
+        f"{max(r['bytes_read'] for r in tp) / single['bytes_read']:.2f}x; peak RSS growth per rank: "
+        f"{max(r['delta'] for r in tp) / max(single['delta'], 1):.2f}x",
+        f"  [info] D all loads ok: {all(r['ok'] for rs in results.values() for r in rs)}; "
+        f"fallbacks per rank: {[r['fallbacks'] for r in tp]}; threads: single {single['threads']} intra-op, "
+        "ranks 1 intra-op each (OMP_NUM_THREADS=1, as torchrun sets); 4 reader threads everywhere",
+    ]
+    return "\n".join(lines), notes, results
