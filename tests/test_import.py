@@ -56,3 +56,14 @@ def test_public_names_are_exported() -> None:
     ):
         assert name in surgery.__all__
         assert getattr(surgery, name) is not None
+
+
+def test_import_does_not_import_torch_distributed_tensor() -> None:
+    """DTensor support is imported on first tensor-parallel use (it costs about a second)."""
+    out = _run(
+        """
+        import sys, surgery, surgery.parallel, surgery.load
+        print('torch.distributed.tensor' in sys.modules)
+        """
+    )
+    assert out == "False"
