@@ -124,7 +124,8 @@ def _style_classes() -> tuple[type, type]:
         ``gate_up_proj (E, 2I, H)`` is ``_StridedShard(1, 2)`` (each rank holds its share of the
         gate and the up rows of every expert) and ``down_proj (E, H, I)`` is ``Shard(2)``. A
         forward pre-hook swaps in the local shards so the module's own forward runs unchanged on
-        them, and a forward hook puts the DTensors back and sums the partial outputs.
+        them, and a forward hook puts the DTensors back and sums the partial outputs (an in-place
+        ``all_reduce``: for loading and inference; it does not carry gradients).
         """
 
         def __init__(self, *, split_factor: int = 2) -> None:
@@ -470,12 +471,7 @@ def _check_tied(model: nn.Module, resolved: list[ResolvedStyle]) -> None:
     for path, r in by_module.items():
         for n, p in param_placements(model.get_submodule(path), r).items():
             placements[f"{path}.{n}" if path else n] = p
-    by_id: dict[int, list[str]] = {}
-    for name, t in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(t), []).append(name)
-    for names in by_id.values():
-        if len(names) < 2:
-            continue
+    for names in _tied_names(model):
         seen = {tuple(map(repr, placements.get(n, ()))) for n in names}
         if len(seen) > 1:
             shown = ", ".join(

@@ -39,7 +39,7 @@ from ..errors import ConversionError, LoadError, SurgeryError
 from ..fusion import RECORD_ATTRIBUTE, fusion_config_of
 from ..ops import run_chain
 from ..parallel import dtensor_type
-from ..slicing import NOT_NEEDED, Region
+from ..slicing import NOT_NEEDED, Region, local_shape
 from ..transforms import PrefixChange, WeightTransform
 from .placement import all_contiguous, flatten_slots, placement_views
 from .plan import LoadPlan
@@ -217,10 +217,7 @@ def _execute_shard(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, boo
     """Run one entry of a tensor-parallel load: read this rank's regions, build the local tensors."""
     reader, entry, sh = prep.reader, w.entry, w.sharding
     assert sh is not None
-    local_shapes = [
-        tuple(prep.runtime[k].shape) if r is None else _local(tuple(prep.runtime[k].shape), r)
-        for k, r in zip(w.dest_keys, sh.regions)
-    ]
+    local_shapes = [local_shape(tuple(prep.runtime[k].shape), r) for k, r in zip(w.dest_keys, sh.regions)]
     if w.converter is None:
         (src,) = entry.source_keys
         key = w.dest_keys[0]
@@ -270,10 +267,6 @@ def _execute_shard(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, boo
         raise ConversionError(f"{conv!r} on this rank's part of {w.dest_keys[0]!r}: {exc}") from exc
     outputs = expand_outputs(targets, out, conv)
     return [(key, outputs.pop(key).to(prep.target_dtype[key]).to(w.device), True) for key in w.dest_keys]
-
-
-def _local(shape: tuple[int, ...], region: Region) -> tuple[int, ...]:
-    return tuple(region.size if d == region.dim else n for d, n in enumerate(shape))
 
 
 def _read_placed(reader: CheckpointReader, pairs: list[tuple[str, torch.Tensor]], dest: torch.Tensor) -> None:
@@ -619,8 +612,7 @@ def _fallback_extra(prep: Prepared, w: Work) -> int:
     kept = 0
     for key, region in zip(w.dest_keys, sh.regions):
         t = prep.runtime[key]
-        shape = tuple(t.shape) if region is None else _local(tuple(t.shape), region)
-        kept += math.prod(shape) * t.dtype.itemsize
+        kept += math.prod(local_shape(tuple(t.shape), region)) * t.dtype.itemsize
     return max(0, w.entry.nbytes - kept)
 
 

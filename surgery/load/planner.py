@@ -38,6 +38,7 @@ from ..fusion import apply_fusions, fusion_config_of, fusion_transforms
 from ..ops import OpContext
 from ..resolution import get_model_conversion_mapping
 from ..routing import Routing, route_keys
+from ..slicing import local_shape
 from ..transforms import WeightTransform
 from .placement import all_contiguous, placement_views, source_slot_shapes
 from .plan import FUSION_METADATA_KEY, FUSION_TAG, LoadPlan, PlanEntry
@@ -463,9 +464,7 @@ def _plan_shard(
         entry.mode = "direct" if on_cpu and not cast and region is not None and region.dim == 0 else "convert"
         return
     param = runtime[w.dest_keys[0]]
-    local = tuple(param.shape)
-    if sh.regions[0] is not None:
-        local = tuple(sh.regions[0].size if d == sh.regions[0].dim else n for d, n in enumerate(local))
+    local = local_shape(tuple(param.shape), sh.regions[0])
     assert ctx is not None
     direct = (
         on_cpu
