@@ -310,6 +310,38 @@ def test_writing_to_a_mapped_parameter_never_touches_the_file(tmp_path: Path) ->
     assert (tmp_path / SAFE_WEIGHTS_NAME).read_bytes() == before
 
 
+def _overwrite_in_place(path: Path, key: str, value: float) -> None:
+    """Rewrite ``key``'s bytes in the file without replacing the file (same inode)."""
+    from surgery.checkpoint import open_checkpoint
+
+    with open_checkpoint(path) as reader:
+        info = reader.info(key)
+    data = torch.full(info.shape, value, dtype=info.dtype).numpy().tobytes()
+    with open(path / SAFE_WEIGHTS_NAME, "r+b") as f:
+        f.seek(info.offset)
+        f.write(data)
+
+
+def test_a_mapped_parameter_follows_later_in_place_writes_to_the_file(tmp_path: Path) -> None:
+    """The documented hazard of the mmap mode: untouched pages still read the file."""
+    write_checkpoint(reference(), tmp_path)
+    model = build_moe_model(CFG, device="meta")
+    surgery.load_checkpoint(model, tmp_path)
+    _overwrite_in_place(tmp_path, "lm_head.weight", 7.0)
+    assert torch.all(model.lm_head.weight == 7.0)
+
+
+def test_mmap_false_reads_into_owned_memory_that_later_writes_do_not_reach(tmp_path: Path) -> None:
+    write_checkpoint(reference(), tmp_path)
+    model = build_moe_model(CFG, device="meta")
+    plan = surgery.plan_load(model, tmp_path, mmap=False)
+    assert {e.mode for e in plan.entries} == {"direct"}
+    report = surgery.load_checkpoint(model, tmp_path, mmap=False)
+    assert report.ok and report.mapped_keys == []
+    _overwrite_in_place(tmp_path, "lm_head.weight", 7.0)
+    assert_same(model.state_dict(), reference())
+
+
 def test_cpu_model_is_filled_in_place(tmp_path: Path, write_original: WriteOriginal) -> None:
     write_original(tmp_path)
     model = build_moe_model(CFG, seed=3)

@@ -407,6 +407,7 @@ def plan_load(
     tp_rank: int | None = None,
     fusion_config: dict[str, Any] | None = None,
     allow_pickle: bool = False,
+    mmap: bool = True,
 ) -> LoadPlan:
     """Plan a load without reading tensor data (headers only) and without changing ``model``.
 
@@ -423,6 +424,7 @@ def plan_load(
             process group (pure arithmetic; style names only).
         fusion_config: fusions to apply first (on a meta copy of the model for the dry run).
         allow_pickle: accept ``.bin``/``.pt`` files (loaded with ``weights_only=True``).
+        mmap: as in :func:`load_checkpoint`.
 
     Returns:
         The :class:`~surgery.LoadPlan`: per runtime target its checkpoint keys, transform and op
@@ -450,6 +452,7 @@ def plan_load(
             reader=reader,
             stand_in=stand_in,
             tp=tp,
+            mmap=mmap,
         )
         return prep.plan
 
@@ -465,6 +468,7 @@ def load_checkpoint(
     fusion_config: dict[str, Any] | None = None,
     strict: bool = False,
     allow_pickle: bool = False,
+    mmap: bool = True,
     num_workers: int | None = None,
     sync: bool | None = None,
     progress: bool | None = None,
@@ -494,6 +498,10 @@ def load_checkpoint(
             conflicting keys, failed conversions) raise before any tensor is read, leaving the
             model unchanged; problems found while reading raise after the load.
         allow_pickle: accept ``.bin``/``.pt`` files (loaded with ``weights_only=True``).
+        mmap: allow the ``mmap`` mode (default). A memory-mapped parameter is a private
+            copy-on-write mapping of the file: pages not yet touched follow later in-place writes
+            to the file, and a file truncated afterwards kills the process with ``SIGBUS`` on
+            access. ``mmap=False`` reads every tensor into owned memory instead (``direct``).
         num_workers: reader threads (default 4).
         sync: load sequentially (also ``SURGERY_SYNC_LOAD=1``).
         progress: show a progress bar on stderr (default: when stderr is a terminal).
@@ -522,7 +530,14 @@ def load_checkpoint(
     with _collector_paused(), _opened(path, allow_pickle) as reader:
         with _undo_on_error(model):
             prep = prepare(
-                model, path, device=device, dtype=dtype, fusion_config=fusion_config, reader=reader, tp=tp
+                model,
+                path,
+                device=device,
+                dtype=dtype,
+                fusion_config=fusion_config,
+                reader=reader,
+                tp=tp,
+                mmap=mmap,
             )
             if strict:  # what the headers already show fails the load before a tensor is read
                 early = _report(path, prep, [], [], list(prep.failures))

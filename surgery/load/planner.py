@@ -259,12 +259,14 @@ def prepare(
     reader: CheckpointReader,
     stand_in: torch.device | None = None,
     tp: TensorParallel | None = None,
+    mmap: bool = True,
 ) -> Prepared:
     """Route every key and decide, from headers alone, how each target will be filled.
 
     ``stand_in``: plan as if tensors on ``meta`` lived on this device (the dry run of a fused
     model works on a meta copy of a model that really lives there). ``tp``: plan this rank's
-    part of a tensor-parallel load (the plan is applied right after fusions).
+    part of a tensor-parallel load (the plan is applied right after fusions). ``mmap=False``:
+    never memory-map, read into owned memory instead.
     """
     want_dtype = _normalize_dtype(dtype)
     dev = _normalize_device(device)
@@ -400,6 +402,8 @@ def prepare(
                     Mismatch(k, "dtype", _dtype_name(od), _dtype_name(d), src_keys, loaded=True)
                 )
         entry.mode = _choose_mode(work, [where(p) for p in params], params, cast, runtime, mode_cache)
+        if entry.mode == "mmap" and not mmap:
+            entry.mode = "direct"
         if tp is not None:
             _plan_shard(work, tp, runtime, placements_of, {i.key: i for i in infos}, cast)
 
