@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import Attention, RMSNorm
+from .layers import ATTENTION_TP_PLAN, Decoder
 
 __all__ = [
     "ExampleDenseConfig",
@@ -65,53 +65,20 @@ class _MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class _DecoderLayer(nn.Module):
-    def __init__(self, cfg: ExampleDenseConfig) -> None:
-        super().__init__()
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads)
-        self.mlp = _MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class _DenseModel(nn.Module):
-    def __init__(self, cfg: ExampleDenseConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(_DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.norm(x)
-
-
 class ExampleDenseForCausalLM(nn.Module):
     """Decoder plus a language-model head; ``base_model_prefix = "model"``."""
 
     base_model_prefix = "model"
     tp_plan = {
-        "model.embed_tokens": "rowwise",
-        "model.layers.*.self_attn.q_proj": "colwise",
-        "model.layers.*.self_attn.k_proj": "colwise",
-        "model.layers.*.self_attn.v_proj": "colwise",
-        "model.layers.*.self_attn.o_proj": "rowwise",
+        **ATTENTION_TP_PLAN,
         "model.layers.*.mlp.gate_up_proj": "packed_colwise",
         "model.layers.*.mlp.down_proj": "rowwise",
-        "lm_head": "colwise_gather",
     }
 
     def __init__(self, cfg: ExampleDenseConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = _DenseModel(cfg)
+        self.model = Decoder(cfg, _MLP)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import Attention, RMSNorm
+from .layers import ATTENTION_TP_PLAN, Decoder
 
 __all__ = [
     "ExampleMoEConfig",
@@ -97,20 +97,7 @@ class _MoEBlock(nn.Module):
         return self.experts(flat, top_idx, top_w.to(x.dtype)).reshape(shape)
 
 
-class _DecoderLayer(nn.Module):
-    def __init__(self, cfg: ExampleMoEConfig) -> None:
-        super().__init__()
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads)
-        self.mlp = _MoEBlock(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class ExampleMoEModel(nn.Module):
+class ExampleMoEModel(Decoder):
     """The decoder stack (the base model).
 
     ``base_model_prefix = "model"`` follows the transformers convention: a checkpoint saved from
@@ -120,17 +107,7 @@ class ExampleMoEModel(nn.Module):
     base_model_prefix = "model"
 
     def __init__(self, cfg: ExampleMoEConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(_DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.norm(x)
+        super().__init__(cfg, _MoEBlock)
 
 
 class ExampleMoEForCausalLM(nn.Module):
@@ -142,15 +119,7 @@ class ExampleMoEForCausalLM(nn.Module):
     """
 
     base_model_prefix = "model"
-    tp_plan = {
-        "model.embed_tokens": "rowwise",
-        "model.layers.*.self_attn.q_proj": "colwise",
-        "model.layers.*.self_attn.k_proj": "colwise",
-        "model.layers.*.self_attn.v_proj": "colwise",
-        "model.layers.*.self_attn.o_proj": "rowwise",
-        "model.layers.*.mlp.experts": "experts",
-        "lm_head": "colwise_gather",
-    }
+    tp_plan = {**ATTENTION_TP_PLAN, "model.layers.*.mlp.experts": "experts"}
 
     def __init__(self, cfg: ExampleMoEConfig) -> None:
         super().__init__()
