@@ -47,7 +47,7 @@ import torch
 
 from ..examples.moe import ExampleMoEConfig, ExampleMoEForCausalLM, build_moe_model, original_state_dict
 
-__all__ = ["config_for_size", "main", "per_key_config", "run"]
+__all__ = ["config_for_size", "main", "peak_rss", "per_key_config", "reset_peak_rss", "run"]
 
 _MB = 2**20
 _STAMP = "bench-stamp.json"
@@ -203,16 +203,16 @@ def _status(field: str) -> int:
     raise OSError(f"/proc/self/status has no {field}")
 
 
-def _reset_peak() -> int:
+def reset_peak_rss() -> int:
     """Reset the peak-RSS mark to the current RSS (Linux) and return the mark."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
         return _status("VmRSS:")
     except OSError:
-        return _maxrss()
+        return peak_rss()
 
 
-def _maxrss() -> int:
+def peak_rss() -> int:
     """Peak RSS of this process.
 
     ``ru_maxrss`` survives ``fork`` + ``exec`` (a child starts with its parent's peak), so on Linux
@@ -231,9 +231,9 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         return _child_save(spec, cfg)
     run_once = _runner(spec, cfg)
     gc.collect()
-    base = _reset_peak()
+    base = reset_peak_rss()
     res = run_once()
-    res["delta"], res["peak"] = _maxrss() - base, _maxrss()
+    res["delta"], res["peak"] = peak_rss() - base, peak_rss()
     return res
 
 
@@ -409,16 +409,16 @@ def _child_save(spec: dict[str, Any], cfg: ExampleMoEConfig) -> dict[str, Any]:
             shutil.rmtree(target, ignore_errors=True)
             target.mkdir(parents=True)
             gc.collect()
-            before = _reset_peak()
+            before = reset_peak_rss()
             start = time.perf_counter()
             save(target)
             runs.append(time.perf_counter() - start)
-            extras.append(_maxrss() - before)
+            extras.append(peak_rss() - before)
         results[name] = {
             "load_s": min(runs),
             "total_s": min(runs),
             "extra": min(extras),
-            "peak": _maxrss(),
+            "peak": peak_rss(),
             "runs": [round(r, 3) for r in runs],
             "notes": "",
         }

@@ -16,7 +16,6 @@ to expect is bytes and memory per rank, not wall time; ranks run with one intra-
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tempfile
@@ -26,22 +25,11 @@ from typing import Any
 
 import torch
 
+from .load import peak_rss, reset_peak_rss
+
 __all__ = ["run_tp_benchmark"]
 
 _MB = 2**20
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak() -> int:
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
-    return _status("VmRSS:")
 
 
 def _rank(rank: int, world: int, spec: dict[str, Any]) -> None:
@@ -61,7 +49,7 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> None:
         kwargs = {"tp_plan": "auto", "device_mesh": init_device_mesh("cpu", (world,))}
         dist.barrier()
     model = build_moe_model(cfg, seed=None, device="meta", dtype=torch.bfloat16)
-    base = _reset_peak()
+    base = reset_peak_rss()
     start = time.perf_counter()
     report = surgery.load_checkpoint(model, spec["path"], progress=False, **kwargs)
     seconds = time.perf_counter() - start
@@ -70,7 +58,7 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> None:
         "ok": report.ok,
         "seconds": seconds,
         "bytes_read": report.bytes_read,
-        "delta": _status("VmHWM:") - base,
+        "delta": peak_rss() - base,
         "fallbacks": len(report.tp_fallbacks),
     }
     Path(spec["out"], f"rank{rank}-{world}.json").write_text(json.dumps(result))
