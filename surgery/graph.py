@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from .registry import registered_keys
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["ModuleGraph", "TensorInfo", "submodels_of"]
+__all__ = ["ModuleGraph", "TensorInfo", "match_modules", "submodels_of", "swap_module"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,49 @@ class TensorInfo:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def match_modules(model: nn.Module, pattern: str) -> list[str]:
+    """Module paths matching ``pattern`` component by component (``*`` = one component).
+
+    The pattern language of a ``tp_plan`` and of a quantizer's ``targets``: each dotted component
+    is an :func:`fnmatch.fnmatchcase` pattern for one attribute name; ``""`` is the root.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> match_modules(m, "*")
+        ['0', '1']
+    """
+    if pattern == "":
+        return [""]
+    atoms = pattern.split(".")
+    found: list[str] = []
+
+    def walk(module: nn.Module, prefix: str, depth: int) -> None:
+        for name, child in module.named_children():
+            if fnmatch.fnmatchcase(name, atoms[depth]):
+                path = f"{prefix}{name}"
+                if depth + 1 == len(atoms):
+                    found.append(path)
+                else:
+                    walk(child, path + ".", depth + 1)
+
+    walk(model, "", 0)
+    return found
+
+
+def swap_module(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
+    """Put ``new`` at ``path`` (a child of its parent instance, never a class change); return the old module."""
+    if not path:
+        raise ConfigurationError("cannot swap the root module; pass its parent and the child's path.")
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    if name not in parent._modules:
+        raise ConfigurationError(f"{path!r} is not a submodule of {type(model).__name__}.")
+    old = parent._modules[name]
+    parent._modules[name] = new
+    return old  # type: ignore[return-value]
 
 
 def _join(path: str, name: str) -> str:

@@ -29,7 +29,6 @@ torch API (documented for FSDP2 + TP) and every use of it lives in this module.
 
 from __future__ import annotations
 
-import fnmatch
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ import torch
 from torch import nn
 
 from .errors import ConfigurationError
+from .graph import match_modules
 from .slicing import Region
 
 __all__ = [
@@ -271,26 +271,6 @@ def _kind_of(style: Any, key: str) -> tuple[str, int]:
     )
 
 
-def _match(model: nn.Module, pattern: str) -> list[str]:
-    """Module paths matching ``pattern`` component by component (``*`` = one component)."""
-    if pattern == "":
-        return [""]
-    atoms = pattern.split(".")
-    found: list[str] = []
-
-    def walk(module: nn.Module, prefix: str, depth: int) -> None:
-        for name, child in module.named_children():
-            if fnmatch.fnmatchcase(name, atoms[depth]):
-                path = f"{prefix}{name}"
-                if depth + 1 == len(atoms):
-                    found.append(path)
-                else:
-                    walk(child, path + ".", depth + 1)
-
-    walk(model, "", 0)
-    return found
-
-
 def resolve_tp_plan(
     model: nn.Module,
     tp_plan: Mapping[str, Any] | str,
@@ -330,7 +310,7 @@ def resolve_tp_plan(
         if not isinstance(pattern, str):
             raise ConfigurationError(f"tp_plan key {pattern!r} is not a module path pattern (a str).")
         kind, split = _kind_of(style, pattern)
-        paths = _match(model, pattern)
+        paths = match_modules(model, pattern)
         if not paths:
             raise ConfigurationError(
                 f"tp_plan pattern {pattern!r} matches no module of {type(model).__name__} (parallelize_module "

@@ -15,6 +15,13 @@ them and writes each value as soon as it is computed, so a save holds at most on
 outputs beyond the model itself. Where the reversed chain only slices
 (``Split``/``Chunk``/``SplitModulelist``, e.g. fused experts back to per-expert weights) the
 outputs are views of the parameter and cost no memory at all.
+
+Quantized models: an original-layout save first turns every quantized module
+(:class:`~surgery.quantization.QuantizedModule`, e.g. an int8 linear quantized on the fly) back
+into floats, one group at a time, and writes them in the checkpoint's dtypes (lossy: the
+quantization error stays). Weights that were *stored* quantized and decoded at load (FP8 block
+scales) are re-encoded with the scales recorded at load (``quantization="as_loaded"``, bit for bit
+when the weights are unchanged) or written as floats (``quantization="dequantized"``).
 """
 
 from __future__ import annotations
@@ -40,11 +47,13 @@ from .load.plan import FUSION_METADATA_KEY, FUSION_TAG, fold_indices
 from .load.planner import config_lookup, tied_groups
 from .ops import OpContext, run_chain
 from .parallel import dtensor_type
+from .quantization import QuantizerHooks
 from .resolution import get_model_conversion_mapping
 from .routing import route_keys
 from .transforms import PrefixChange, WeightTransform
 
 __all__ = [
+    "QUANTIZATION_MODES",
     "RevertedState",
     "TensorSpec",
     "iter_reverted",
@@ -52,6 +61,10 @@ __all__ = [
     "reverting_transforms",
     "save_checkpoint",
 ]
+
+
+QUANTIZATION_MODES = ("as_loaded", "dequantized")
+"""``save_checkpoint(quantization=...)``: re-encode weights decoded at load, or write them as floats."""
 
 
 class TensorSpec(NamedTuple):
@@ -74,6 +87,48 @@ def _dedup_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: t.detach() for k, t in state.items() if k not in drop}
 
 
+class _Dequantized:
+    """A float tensor an original-layout save computes from a quantized module, when its group is computed."""
+
+    def __init__(self, module: nn.Module, name: str, meta: torch.Tensor, device: torch.device) -> None:
+        self.module, self.name = module, name
+        self.shape, self.dtype, self.device = meta.shape, meta.dtype, device
+
+    def compute(self) -> torch.Tensor:
+        return self.module.dequantized()[self.name]  # type: ignore[operator]
+
+    def is_contiguous(self) -> bool:
+        return True  # computed fresh
+
+
+def _dequantize_stage(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every quantized module's tensors replaced by the float ones it stands for."""
+    replaced: dict[str, list[tuple[str, Any]]] = {}
+    dropped: set[str] = set()
+    for path, module in model.named_modules():
+        names = getattr(module, "quantized_names", None)
+        dequantized = getattr(module, "dequantized", None)
+        if names is None or not callable(dequantized):
+            continue
+        prefix = f"{path}." if path else ""
+        keys = [prefix + n for n in names if prefix + n in state]
+        if not keys:
+            continue
+        device = state[keys[0]].device
+        floats = [(prefix + n, _Dequantized(module, n, m, device)) for n, m in dequantized(meta=True).items()]
+        replaced[keys[0]] = floats
+        dropped.update(keys)
+    if not replaced:
+        return state
+    out: dict[str, Any] = {}
+    for k, t in state.items():
+        if k in replaced:
+            out.update(replaced[k])
+        elif k not in dropped:
+            out[k] = t
+    return out
+
+
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
     """A ``meta`` tensor of ``t``'s global shape and dtype (a DTensor's global shape, not its shard)."""
     return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
@@ -84,8 +139,10 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return dtensor is not None and isinstance(t, dtensor)
 
 
-def _value(t: torch.Tensor) -> torch.Tensor:
+def _value(t: Any) -> torch.Tensor:
     """The whole tensor: a DTensor is gathered (collective: every rank must ask, in the same order)."""
+    if isinstance(t, _Dequantized):
+        return t.compute()
     return t.full_tensor() if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
@@ -138,6 +195,8 @@ class _Group:
     ctx: OpContext | None = None
     slot_shapes: list[Any] | None = None  # set when the outputs can be taken as views of the source
     chain_order: tuple[str, ...] = ()  # outputs in the order the reversed chain produces them
+    encoded: dict[str, dict[str, torch.Tensor]] | None = None  # name -> scales recorded at load
+    companion_of: dict[str, str] | None = None  # companion name -> the name whose encode writes it
 
 
 class RevertedState(Mapping[str, torch.Tensor]):
@@ -153,6 +212,8 @@ class RevertedState(Mapping[str, torch.Tensor]):
     Args:
         model: the module tree.
         original_format: reverse the transforms (``True``) or keep the runtime layout.
+        quantization: for weights stored quantized and decoded at load, ``"as_loaded"`` re-encodes
+            them with the recorded scales (original layout only), ``"dequantized"`` writes floats.
 
     Raises:
         CheckpointError: a tensor is still on ``meta`` (never loaded).
@@ -164,9 +225,24 @@ class RevertedState(Mapping[str, torch.Tensor]):
         TensorSpec(shape=(32, 16), dtype=torch.float32)
     """
 
-    def __init__(self, model: nn.Module, *, original_format: bool = True) -> None:
-        self._state = _dedup_state(model)
+    def __init__(
+        self, model: nn.Module, *, original_format: bool = True, quantization: str = "as_loaded"
+    ) -> None:
+        if quantization not in QUANTIZATION_MODES:
+            raise ConfigurationError(
+                f"quantization={quantization!r}; valid: {', '.join(QUANTIZATION_MODES)}."
+            )
+        self._state: dict[str, Any] = _dedup_state(model)
         _refuse_meta(self._state)
+        if original_format:
+            self._state = _dequantize_stage(model, self._state)
+        self._quantization = quantization
+        record = load_record(model)
+        self._encoder = (
+            QuantizerHooks(record.quantizer)
+            if record is not None and record.quantizer is not None and record.companions
+            else None
+        )
         self._converters: list[WeightConverter] = []
         self._forward: list[WeightConverter] = []
         self._routes: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -233,17 +309,60 @@ class RevertedState(Mapping[str, torch.Tensor]):
                 group, metas = self._plan_converter(tg.converter, tg.key, tuple(tg.source_keys), shapes)
             names = tuple(rename(k) for k in group.outputs)
             group.names = names
-            group.dtypes = tuple(dtypes.get(n, metas[o].dtype) for n, o in zip(names, group.outputs))
-            for n, o, d in zip(names, group.outputs, group.dtypes):
+            recorded = record.companions if record is not None else {}
+            group.dtypes = tuple(
+                self._dtype(group, n, metas[o].dtype, dtypes, recorded) for n, o in zip(names, group.outputs)
+            )
+            if self._quantization == "as_loaded" and any(n in recorded for n in names):
+                self._plan_encoding(group, recorded, metas)
+            for n, o, d in zip(group.names, group.outputs, group.dtypes):
                 if n in self._specs:
                     raise ConversionError(
                         f"saving: two tensors would be written as {n!r} (one from {o!r}); the reversed "
                         "mapping is not one-to-one. Check the renamings of the model's mapping."
                     )
                 self._specs[n] = TensorSpec(tuple(metas[o].shape), d)
+                if group.companion_of and n in group.companion_of:
+                    scale = recorded[group.companion_of[n]][n]
+                    self._specs[n] = TensorSpec(tuple(scale.shape), scale.dtype)
             groups.append(group)
         self._specs = self._write_order(groups, record, position, runtime_order)
         return groups
+
+    def _dtype(
+        self,
+        group: _Group,
+        name: str,
+        computed: torch.dtype,
+        dtypes: dict[str, torch.dtype],
+        recorded: dict[str, Any],
+    ) -> torch.dtype:
+        """The dtype to write ``name`` in: the checkpoint's, except where that was a quantized storage dtype."""
+        if name in recorded and self._quantization == "dequantized":
+            return computed  # floats, not the FP8 storage dtype
+        want = dtypes.get(name, computed)
+        if not want.is_floating_point and any(
+            isinstance(self._state[k], _Dequantized) for k in group.sources
+        ):
+            return computed  # loaded from a quantized runtime layout: the export is float
+        return want
+
+    def _plan_encoding(
+        self, group: _Group, recorded: dict[str, dict[str, torch.Tensor]], metas: dict[str, torch.Tensor]
+    ) -> None:
+        """Weights decoded at load get their recorded companions back: encode writes both."""
+        group.encoded, group.companion_of = {}, {}
+        extra: list[str] = []
+        for n in group.names:
+            if n in recorded:
+                group.encoded[n] = recorded[n]
+                for c in recorded[n]:
+                    group.companion_of[c] = n
+                    extra.append(c)
+                    metas[c] = torch.empty(0, device="meta")  # its spec is the recorded tensor's
+        group.outputs += tuple(extra)
+        group.names += tuple(extra)
+        group.dtypes += tuple(recorded[group.companion_of[c]][c].dtype for c in extra)
 
     def _write_order(
         self,
@@ -322,7 +441,10 @@ class RevertedState(Mapping[str, torch.Tensor]):
     # ------------------------------------------------------------------ values
     def _compute(self, g: _Group) -> dict[str, torch.Tensor]:
         if g.converter is None:
-            raw = {g.outputs[0]: _value(self._state[g.sources[0]])}
+            (output,) = (
+                o for o, n in zip(g.outputs, g.names) if not (g.companion_of and n in g.companion_of)
+            )
+            raw = {output: _value(self._state[g.sources[0]])}
         elif g.slot_shapes is not None:
             src = _value(self._state[g.sources[0]])
             ctx = OpContext(n_targets=1, target_shapes=(tuple(src.shape),))
@@ -340,9 +462,33 @@ class RevertedState(Mapping[str, torch.Tensor]):
             raw = conv.convert(g.key, g.ctx)
         out: dict[str, torch.Tensor] = {}
         for o, n, d in zip(g.outputs, g.names, g.dtypes):
+            if g.companion_of and n in g.companion_of:
+                continue  # written by its weight's encode
             t = raw[o]
+            if g.encoded and n in g.encoded:
+                out.update(self._encode(n, t, g.encoded[n]))
+                continue
             out[n] = t if t.dtype == d else t.to(d)
         return out
+
+    def _encode(
+        self, name: str, t: torch.Tensor, recorded: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        if self._encoder is None:
+            raise ConversionError(
+                f"saving {name!r}: the load recorded its companions but no quantizer; this is a bug."
+            )
+        encoded = self._encoder.encode(name, t, recorded)
+        for k in (name, *recorded):
+            spec = self._specs[k]
+            got = encoded.get(k)
+            if got is None or (tuple(got.shape), got.dtype) != (spec.shape, spec.dtype):
+                found = "nothing" if got is None else f"{tuple(got.shape)} {got.dtype}"
+                raise ConversionError(
+                    f"saving {name!r}: {self._encoder.name}.encode gave {found} for {k!r}, but the checkpoint "
+                    f"had {spec.shape} {spec.dtype}; save with quantization='dequantized' to write floats."
+                )
+        return {k: encoded[k] for k in (name, *recorded)}
 
     def __getitem__(self, key: str) -> torch.Tensor:
         i = self._group_of.get(key)
@@ -398,17 +544,21 @@ class RevertedState(Mapping[str, torch.Tensor]):
             yield self._compute(g)
 
 
-def iter_reverted(model: nn.Module, *, original_format: bool = True) -> Iterator[dict[str, torch.Tensor]]:
+def iter_reverted(
+    model: nn.Module, *, original_format: bool = True, quantization: str = "as_loaded"
+) -> Iterator[dict[str, torch.Tensor]]:
     """Yield the model's tensors in the requested layout, one converter group at a time.
 
     Raises:
         CheckpointError: a tensor is still on ``meta``.
         ConversionError: a reversed op chain failed, or two tensors would be written under one key.
     """
-    yield from RevertedState(model, original_format=original_format).groups()
+    yield from RevertedState(model, original_format=original_format, quantization=quantization).groups()
 
 
-def revert_state_dict(model: nn.Module, *, original_format: bool = True) -> dict[str, torch.Tensor]:
+def revert_state_dict(
+    model: nn.Module, *, original_format: bool = True, quantization: str = "as_loaded"
+) -> dict[str, torch.Tensor]:
     """The model's tensors in the original checkpoint layout, in memory (every group at once).
 
     Tensors that need no computation (plain keys, experts cut out of a fused parameter) share
@@ -420,7 +570,7 @@ def revert_state_dict(model: nn.Module, *, original_format: bool = True) -> dict
         >>> sd = surgery.revert_state_dict(model)  # doctest: +SKIP
     """
     out: dict[str, torch.Tensor] = {}
-    for part in iter_reverted(model, original_format=original_format):
+    for part in iter_reverted(model, original_format=original_format, quantization=quantization):
         out.update(part)
     return out
 
@@ -432,6 +582,7 @@ def save_checkpoint(
     original_format: bool = True,
     max_shard_size: int | str = "5GB",
     metadata: dict[str, str] | None = None,
+    quantization: str = "as_loaded",
 ) -> list[Path]:
     """Save ``model`` as safetensors, atomically.
 
@@ -447,6 +598,14 @@ def save_checkpoint(
             persists the fusion config so a later load re-applies the fusions.
         max_shard_size: e.g. ``"5GB"``, ``"500MiB"`` or a byte count.
         metadata: extra safetensors metadata (string to string).
+        quantization: weights that were stored quantized and decoded at load (FP8 with block
+            scales): ``"as_loaded"`` (default) re-encodes them with the scales recorded at load, so
+            an unchanged model writes its FP8 files back bit for bit (a block whose values
+            outgrew its scale gets a fresh one); ``"dequantized"`` writes floats. Applies to the
+            original layout; a runtime-layout save writes the decoded floats. A model quantized
+            on the fly writes its quantized layout with ``original_format=False`` (and the
+            quantizer's metadata, so a later load rebuilds it) and dequantized floats with
+            ``original_format=True`` (lossy).
 
     Returns:
         The files written.
@@ -463,7 +622,10 @@ def save_checkpoint(
     fusion = fusion_config_of(model)
     if not original_format and fusion:
         meta[FUSION_METADATA_KEY] = json.dumps(fusion, sort_keys=True)
-    state = RevertedState(model, original_format=original_format)
+    state = RevertedState(model, original_format=original_format, quantization=quantization)
+    record = load_record(model)
+    if not original_format and record is not None and record.quantizer is not None and _has_quantized(model):
+        meta.update(QuantizerHooks(record.quantizer).metadata())
     group = _gathering_group(state)
     if group is not None:
         import torch.distributed as dist
@@ -484,6 +646,10 @@ def save_checkpoint(
     files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
     _update_config_json(Path(path), None if original_format else fusion)
     return files
+
+
+def _has_quantized(model: nn.Module) -> bool:
+    return any(getattr(m, "quantized_names", None) is not None for m in model.modules())
 
 
 def _gathering_group(state: RevertedState) -> Any:

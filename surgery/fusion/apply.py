@@ -28,6 +28,7 @@ from torch import nn
 
 from ..converter import WeightConverter
 from ..errors import FusionError
+from ..graph import swap_module
 from ..transforms import WeightTransform
 from .config import EnabledFusion, FusionConfig, validate_fusion_config
 from .plan import EXCLUDED, FUSED, SKIPPED, FusionCandidate, FusionPlan
@@ -249,14 +250,6 @@ def _nothing_found(fusion: EnabledFusion, n_candidates: int) -> str:
     )
 
 
-def _swap(model: nn.Module, path: str, new: nn.Module) -> tuple[nn.Module, str, nn.Module]:
-    parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    old = parent._modules[name]
-    parent._modules[name] = new
-    return parent, name, old  # type: ignore[return-value]
-
-
 def _run(
     model: nn.Module,
     fusion_config: Mapping[str, Any] | FusionConfig | None,
@@ -268,7 +261,7 @@ def _run(
         raise FusionError(f"Fusions rewrite torch.nn.Module instances, got {type(model).__name__}.")
     cfg = validate_fusion_config(fusion_config)
     plan = FusionPlan(config=cfg.to_dict(), applied=apply, fusions=cfg.names)
-    swaps: list[tuple[nn.Module, str, nn.Module]] = []
+    swaps: list[tuple[str, nn.Module]] = []
     entries: list[FusionEntry] = []
     try:
         for fusion in cfg.fusions:
@@ -310,7 +303,7 @@ def _run(
                     continue
                 fused_paths.append(path)
                 if apply:
-                    swaps.append(_swap(model, path, replacement))
+                    swaps.append((path, swap_module(model, path, replacement)))
                     candidate.status = FUSED
                 entries.append(
                     FusionEntry(
@@ -333,8 +326,8 @@ def _run(
         if apply and entries:
             _record(model, cfg, entries)
     except BaseException:
-        for parent, name, old in reversed(swaps):
-            parent._modules[name] = old
+        for path, old in reversed(swaps):
+            swap_module(model, path, old)
         raise
     return plan
 

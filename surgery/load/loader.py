@@ -39,6 +39,7 @@ from ..errors import ConversionError, LoadError, SurgeryError
 from ..fusion import RECORD_ATTRIBUTE, fusion_config_of
 from ..ops import run_chain
 from ..parallel import dtensor_type
+from ..quantization import QUANTIZATION_METADATA_KEY, Quantizer
 from ..slicing import NOT_NEEDED, Region, local_shape
 from ..transforms import PrefixChange, WeightTransform
 from .placement import all_contiguous, flatten_slots, placement_views
@@ -80,6 +81,9 @@ class LoadRecord:
             with the same ``max_shard_size`` puts every key back into the same shard.
         loaded_keys: runtime keys that were loaded.
         checkpoint: the path loaded.
+        companions: per checkpoint key decoded by a quantizer, the companion tensors read with
+            it (FP8 block scales), kept so that a save re-encodes with exactly these.
+        quantizer: the quantizer of the load (``None`` without one).
     """
 
     transforms: list[WeightTransform] = field(default_factory=list)
@@ -88,6 +92,8 @@ class LoadRecord:
     source_shards: dict[str, int] = field(default_factory=dict)
     loaded_keys: set[str] = field(default_factory=set)
     checkpoint: str = ""
+    companions: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    quantizer: Any = None
 
 
 def load_record(model: nn.Module) -> LoadRecord | None:
@@ -179,7 +185,7 @@ def _execute(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, bool]]:
             dest, fresh = _alloc(param, dtype, w.device)
             reader.read_into(src, dest)
             return [(key, dest, fresh)]
-        return [(key, *_place(param, reader.get_tensor(src).to(dtype), w.device))]
+        return _targets(prep, w, key, _source(prep, w, src))
     conv = w.converter
     ctx = op_context(conv, w.group_key, prep.runtime, w.config)
     if entry.mode == "direct":
@@ -195,13 +201,40 @@ def _execute(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, bool]]:
         return [(key, dest, fresh)]
     for src in entry.source_keys:
         pat, idx = w.pattern_of[src]
-        conv.add_tensor(w.group_key, src, pat, reader.get_tensor(src), index=idx)
+        conv.add_tensor(w.group_key, src, pat, _source(prep, w, src), index=idx)
     outputs = conv.convert(w.group_key, ctx)
     result = []
     for key in w.dest_keys:
-        param = prep.runtime[key]
-        result.append((key, *_place(param, outputs.pop(key).to(prep.target_dtype[key]), w.device)))
+        result.extend(_targets(prep, w, key, outputs.pop(key)))
     return result
+
+
+def _source(prep: Prepared, w: Work, key: str, region: Any = None) -> torch.Tensor:
+    """``key`` (its ``region``) as the op chain takes it: read, and decoded if stored quantized."""
+    t = _read(prep.reader, key, region)
+    names = w.companions.get(key)
+    if not names:
+        return t
+    assert prep.quantizer is not None
+    companions = {c: prep.reader.get_tensor(c) for c in names}
+    prep.companion_values[key] = companions
+    return prep.quantizer.decode(key, t, companions, region if isinstance(region, Region) else None)
+
+
+def _targets(prep: Prepared, w: Work, key: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor, bool]]:
+    """What to set for the chain output ``t`` of ``key``: cast, or quantized into its runtime keys."""
+    produced = w.quantized.get(key)
+    if produced is None:
+        return [(key, *_place(prep.runtime[key], t.to(prep.target_dtype[key]), w.device))]
+    assert prep.quantizer is not None
+    out = prep.quantizer.quantize(key, t)
+    missing = [k for k in produced if k not in out]
+    if missing:
+        raise ConversionError(
+            f"{prep.quantizer.name}.quantize({key!r}) returned {sorted(out)}; planning on meta tensors gave "
+            f"{list(produced)} (missing {missing})."
+        )
+    return [(k, *_place(prep.runtime[k], out[k].to(prep.target_dtype[k]), w.device)) for k in produced]
 
 
 def _read(reader: CheckpointReader, key: str, region: Any, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,14 +258,14 @@ def _execute_shard(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, boo
         if entry.mode == "direct":
             dest = torch.empty(local_shapes[0], dtype=dtype, device=w.device)
             return [(key, _read(reader, src, sh.sources[src], dest), True)]
-        return [(key, _read(reader, src, sh.sources[src]).to(dtype).to(w.device), True)]
+        return [(key, _source(prep, w, src, sh.sources[src]).to(dtype).to(w.device), True)]
     conv = w.converter
     ctx = op_context(conv, w.group_key, prep.runtime, w.config)
     targets = conv.expand_target_keys(w.group_key)
     if sh.fallback is not None:  # read whole, run the global chain, keep this rank's part
         for src in entry.source_keys:
             pat, idx = w.pattern_of[src]
-            conv.add_tensor(w.group_key, src, pat, reader.get_tensor(src), index=idx)
+            conv.add_tensor(w.group_key, src, pat, _source(prep, w, src), index=idx)
         outputs = conv.convert(w.group_key, ctx)
         result = []
         for key, region in zip(w.dest_keys, sh.regions):
@@ -253,7 +286,7 @@ def _execute_shard(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, boo
         for src, view in zip(keys, flatten_slots(views)):
             _read(reader, src, sh.sources[src], view)
         return [(key, dest, True)]
-    tensors = {k: _read(reader, k, sh.sources[k]) for k in keys}
+    tensors = {k: _source(prep, w, k, sh.sources[k]) for k in keys}
     slots: list[Any] = []
     by_pattern: dict[int, list[str]] = {}
     for k in keys:
@@ -406,6 +439,7 @@ def plan_load(
     tp_size: int | None = None,
     tp_rank: int | None = None,
     fusion_config: dict[str, Any] | None = None,
+    quantizer: Quantizer | None = None,
     allow_pickle: bool = False,
     mmap: bool = True,
 ) -> LoadPlan:
@@ -423,6 +457,7 @@ def plan_load(
         tp_size / tp_rank: plan a ``tp_plan`` for rank ``tp_rank`` of ``tp_size`` without any
             process group (pure arithmetic; style names only).
         fusion_config: fusions to apply first (on a meta copy of the model for the dry run).
+        quantizer: as in :func:`load_checkpoint` (applied to a meta copy for the dry run).
         allow_pickle: accept ``.bin``/``.pt`` files (loaded with ``weights_only=True``).
         mmap: as in :func:`load_checkpoint`.
 
@@ -440,8 +475,11 @@ def plan_load(
         needs_fusion = fusion_config is not None or (
             fusion_config_of(model) is None and persisted_fusion_config(reader) is not None
         )
+        quantized = quantizer is not None or QUANTIZATION_METADATA_KEY in reader.metadata
         target, stand_in = model, None
-        if needs_fusion or (tp is not None and tp.spec is not None):  # a meta copy, never the model
+        if (
+            needs_fusion or quantized or (tp is not None and tp.spec is not None)
+        ):  # a meta copy, never the model
             target, stand_in = meta_clone(model), model_device(model)
         prep = prepare(
             target,
@@ -453,6 +491,7 @@ def plan_load(
             stand_in=stand_in,
             tp=tp,
             mmap=mmap,
+            quantizer=quantizer,
         )
         return prep.plan
 
@@ -465,6 +504,7 @@ def load_checkpoint(
     dtype: torch.dtype | str | None = None,
     tp_plan: dict[str, Any] | str | None = None,
     device_mesh: Any = None,
+    quantizer: Quantizer | None = None,
     fusion_config: dict[str, Any] | None = None,
     strict: bool = False,
     allow_pickle: bool = False,
@@ -491,6 +531,11 @@ def load_checkpoint(
             parameters are already DTensors loads by their placements (leave ``tp_plan`` out).
         device_mesh: the 1-D ``DeviceMesh`` of the ranks (needed with ``tp_plan``); local tensors
             go to its device.
+        quantizer: a :class:`~surgery.quantization.Quantizer`: decodes a checkpoint quantized on
+            disk before the op chains (:class:`~surgery.quantization.FP8BlockQuantizer`) and/or
+            quantizes after them (:class:`~surgery.quantization.Int8WeightOnlyQuantizer`, which
+            swaps the targeted ``nn.Linear`` modules first). By default, the quantizer a
+            runtime-layout save persisted is rebuilt. Quantizing on the fly loads sequentially.
         fusion_config: fusions to apply before loading, e.g. ``{"patch_embeddings": True}``; by
             default, the fusions persisted with a runtime-layout checkpoint are re-applied.
         strict: raise :class:`~surgery.LoadError` (carrying the report) when the report is not ok.
@@ -538,6 +583,7 @@ def load_checkpoint(
                 reader=reader,
                 tp=tp,
                 mmap=mmap,
+                quantizer=quantizer,
             )
             if strict:  # what the headers already show fails the load before a tensor is read
                 early = _report(path, prep, [], [], list(prep.failures))
@@ -571,7 +617,7 @@ def load_checkpoint(
                 (w.index, ConversionFailure(transform, w.entry.source_keys, w.entry.target_keys, str(exc)))
             )
 
-        if _sync_requested(sync):
+        if _sync_requested(sync) or any(w.quantized for w in prep.work):
             for w in prep.work:
                 try:
                     results = _execute(prep, w)
@@ -735,6 +781,7 @@ def _record(model: nn.Module, prep: Prepared, done: list[Work], path: str | os.P
     base_changes: set[str] = set()
     sources: set[str] = set()
     for w in done:
+        sources.update(w.entry.companions)
         for src in w.entry.source_keys:
             sources.add(src)
             r = prep.routing.routes[src]
@@ -768,8 +815,10 @@ def _record(model: nn.Module, prep: Prepared, done: list[Work], path: str | os.P
         source_dtypes={k: i.dtype for k, i in zip(in_order, infos)},
         source_shapes={k: tuple(i.shape) for k, i in zip(in_order, infos)},
         source_shards={k: file_index.get(i.file, 0) for k, i in zip(in_order, infos)},
-        loaded_keys={k for w in done for k in w.dest_keys},
+        loaded_keys={k for w in done for k in (*w.dest_keys, *w.entry.quantized)},
         checkpoint=str(path),
+        companions={k: v for k, v in prep.companion_values.items() if k in sources},
+        quantizer=None if prep.quantizer is None else prep.quantizer.quantizer,
     )
     model.__dict__[_RECORD_ATTR] = record
     return [repr(t) for t in transforms]

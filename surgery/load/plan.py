@@ -45,6 +45,10 @@ class PlanEntry:
             placements as text, and the dim and half-open intervals of this rank's part
             (``dim=None`` for a replicated target; ``None`` for a plain tensor). A packed
             ``_StridedShard`` has one interval per part.
+        companions: checkpoint keys read to decode quantized sources (their block scales);
+            their bytes are in ``nbytes``.
+        quantized: runtime keys a quantizer produces from the targets (``X.weight``,
+            ``X.weight_scale``), quantized after the op chain.
     """
 
     target_keys: tuple[str, ...]
@@ -62,6 +66,8 @@ class PlanEntry:
     status: str = "ok"
     message: str = ""
     tp: tuple[tuple[str, int | None, tuple[tuple[int, int], ...]] | None, ...] = ()
+    companions: tuple[str, ...] = ()
+    quantized: tuple[str, ...] = ()
 
 
 @dataclass
@@ -159,6 +165,10 @@ class LoadPlan:
             what = "" if e.transform is None else f"{e.transform.split('(')[0]} {', '.join(e.operations)}"
             if e.renamings and not what:
                 what = "renamed"
+            if e.companions:
+                what = f"{what} +dequantize".lstrip()
+            if e.quantized:
+                what = f"{what} +quantize".lstrip()
             status = "" if e.status == "ok" else f"  [{e.status}: {e.message}]"
             tp = f"{_part(e.tp[0] if e.tp else None):<28} " if parallel else ""
             lines.append(

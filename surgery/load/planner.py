@@ -33,9 +33,10 @@ from torch import nn
 from .. import ops
 from ..checkpoint import CheckpointReader, TensorInfo
 from ..converter import WeightConverter, expand_outputs
-from ..errors import ConfigurationError, LoadError, SurgeryError
+from ..errors import ConfigurationError, ConversionError, LoadError, SurgeryError
 from ..fusion import apply_fusions, fusion_config_of, fusion_transforms
 from ..ops import OpContext
+from ..quantization import QuantizerHooks, quantizer_from_metadata
 from ..resolution import get_model_conversion_mapping
 from ..routing import Routing, route_keys
 from ..slicing import local_shape
@@ -122,8 +123,8 @@ def meta_clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _resolve_transforms(model: nn.Module) -> list[WeightTransform]:
-    transforms = list(get_model_conversion_mapping(model))
+def _resolve_transforms(model: nn.Module, quantizer: object | None = None) -> list[WeightTransform]:
+    transforms = list(get_model_conversion_mapping(model, quantizer=quantizer))
     for t in fusion_transforms(model):
         t.__dict__[FUSION_TAG] = True  # saving reverses fusions whether or not they fired
         transforms.append(t)
@@ -198,6 +199,12 @@ class Work:
     slot_shapes: list[Any] | None = None  # per source pattern, for direct placement
     index: int = 0  # position in the plan
     sharding: Sharding | None = None  # under tensor parallelism: what this rank reads
+    companions: dict[str, tuple[str, ...]] = dataclasses.field(
+        default_factory=dict
+    )  # source -> keys to decode it
+    quantized: dict[str, tuple[str, ...]] = dataclasses.field(
+        default_factory=dict
+    )  # target -> keys quantize makes
 
 
 @dataclass
@@ -215,6 +222,8 @@ class Prepared:
     target_dtype: dict[str, torch.dtype]
     tp: TensorParallel | None = None
     placements: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+    quantizer: QuantizerHooks | None = None
+    companion_values: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
 
 def _normalize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
@@ -260,27 +269,42 @@ def prepare(
     stand_in: torch.device | None = None,
     tp: TensorParallel | None = None,
     mmap: bool = True,
+    quantizer: object | None = None,
 ) -> Prepared:
     """Route every key and decide, from headers alone, how each target will be filled.
 
     ``stand_in``: plan as if tensors on ``meta`` lived on this device (the dry run of a fused
     model works on a meta copy of a model that really lives there). ``tp``: plan this rank's
     part of a tensor-parallel load (the plan is applied right after fusions). ``mmap=False``:
-    never memory-map, read into owned memory instead.
+    never memory-map, read into owned memory instead. ``quantizer``: see
+    :mod:`surgery.quantization` (``None``: the one a runtime-layout save persisted, if any).
     """
     want_dtype = _normalize_dtype(dtype)
     dev = _normalize_device(device)
+    if quantizer is None:
+        quantizer = quantizer_from_metadata(reader.metadata, source=str(path))
+    hooks = QuantizerHooks(quantizer) if quantizer is not None else None
     fusions = _apply_fusions(model, fusion_config, reader, parallel=tp is not None and tp.spec is None)
+    if hooks is not None:
+        if tp is not None and hooks.quantizes_on_the_fly:
+            raise ConfigurationError(
+                f"{hooks.name} quantizes on the fly, which tensor parallelism does not support: the parallel "
+                "styles shard float weights. Load with tp_plan or with the quantizer, not both."
+            )
+        hooks.prepare(model)
     if tp is not None:
         apply_tp_plan(model, tp)
-    transforms = _resolve_transforms(model)
+    transforms = _resolve_transforms(model, quantizer)
     runtime = _runtime_tensors(model)
     tied = tied_groups(runtime)
     placements_of = target_placements(model, runtime, tp, tied) if tp is not None else {}
     base_prefix = getattr(model, "base_model_prefix", None) or None
-    routing = route_keys(
-        reader.keys(), transforms, runtime_keys=runtime.keys(), base_model_prefix=base_prefix
-    )
+    keys = reader.keys()
+    companions_of: dict[str, tuple[str, ...]] = {}
+    key_errors: dict[str, str] = {}
+    if hooks is not None and hooks.decodes:
+        keys, companions_of, key_errors = _claim_companions(keys, reader, hooks)
+    routing = route_keys(keys, transforms, runtime_keys=runtime.keys(), base_model_prefix=base_prefix)
     config_for = config_lookup(model)
     plan = LoadPlan(str(path), fusions=fusions)
     if tp is not None:
@@ -303,6 +327,7 @@ def prepare(
     covered: set[str] = set()
     infer_cache: dict[Any, list[Any]] = {}
     mode_cache: dict[Any, bool] = {}
+    decode_cache: dict[Any, torch.dtype] = {}
 
     def where(t: torch.Tensor) -> torch.device:
         return stand_in if stand_in is not None and t.device.type == "meta" else t.device
@@ -338,7 +363,22 @@ def prepare(
         )
         index = len(plan.entries)
         plan.entries.append(entry)
-        quantized = _prequantized_sources(infos, reader)
+        bad_keys = [key_errors[k] for k in src_keys if k in key_errors]
+        if bad_keys:
+            fail(entry, index, "dequantize", bad_keys[0])
+            continue
+        decoded = {k: companions_of[k] for k in src_keys if k in companions_of}
+        stored = {i.key: i for i in infos}  # as on disk (what a rank's bytes are counted from)
+        if decoded:
+            assert hooks is not None
+            entry.companions = tuple(c for k in src_keys for c in decoded.get(k, ()))
+            entry.nbytes += sum(reader.info(c).nbytes for c in entry.companions)
+            try:
+                infos = [_decoded_info(hooks, i, decoded, reader, decode_cache) for i in infos]
+            except SurgeryError as exc:
+                fail(entry, index, f"{hooks.name}.decode", str(exc))
+                continue
+        quantized = _prequantized_sources([i for i in infos if i.key not in decoded], reader, hooks)
         if quantized:
             fail(entry, index, "dequantize", quantized)
             continue
@@ -392,12 +432,27 @@ def prepare(
             for k, s, m in bad_shape:
                 mismatches.append(Mismatch(k, "shape", str(s), str(m), src_keys, loaded=False))
             continue
-        dts = [dest_dtype(k, d) for k, d in zip(out_keys, out_dtypes)]
+        if hooks is not None and hooks.quantizes_on_the_fly:
+            try:
+                work.quantized = _plan_quantize(hooks, model, out_keys, out_shapes, out_dtypes, runtime)
+            except SurgeryError as exc:
+                fail(entry, index, f"{hooks.name}.quantize", str(exc))
+                continue
+            entry.quantized = tuple(k for ks in work.quantized.values() for k in ks)
+            covered.update(entry.quantized)
+        work.companions = decoded
+        dts = [
+            runtime[k].dtype if k in work.quantized else dest_dtype(k, d)
+            for k, d in zip(out_keys, out_dtypes)
+        ]
         entry.target_dtype = _dtype_name(dts[0])
         cast = any(d != od for d, od in zip(dts, out_dtypes))
         for k, od, d in zip(out_keys, out_dtypes, dts):
             target_dtype[k] = d
-            if od != d and d != want_dtype:  # a cast nobody asked for: report it (saving undoes it)
+            for produced in work.quantized.get(k, ()):
+                target_dtype[produced] = runtime[produced].dtype
+            if od != d and d != want_dtype and not decoded and k not in work.quantized:
+                # a cast nobody asked for: report it (saving undoes it)
                 mismatches.append(
                     Mismatch(k, "dtype", _dtype_name(od), _dtype_name(d), src_keys, loaded=True)
                 )
@@ -405,7 +460,9 @@ def prepare(
         if entry.mode == "mmap" and not mmap:
             entry.mode = "direct"
         if tp is not None:
-            _plan_shard(work, tp, runtime, placements_of, {i.key: i for i in infos}, cast)
+            _plan_shard(work, tp, runtime, placements_of, stored, cast)
+        if decoded or work.quantized:
+            entry.mode = "convert"  # decoding and quantizing compute new tensors: never in place
 
     work_list = _settle_conflicts(candidates, conflicted_groups, tied, conflicts)
     for k in list(covered):
@@ -425,6 +482,7 @@ def prepare(
         target_dtype,
         tp,
         placements_of,
+        hooks,
     )
 
 
@@ -525,22 +583,113 @@ def _settle_conflicts(
     return out
 
 
-def _prequantized_sources(infos: list[TensorInfo], reader: CheckpointReader) -> str:
+def _prequantized_sources(
+    infos: list[TensorInfo], reader: CheckpointReader, hooks: QuantizerHooks | None
+) -> str:
     """Why these sources cannot be cast as they are (``""`` when they can).
 
     A float8 tensor stored with a ``<key>_scale_inv`` companion holds quantized values
     (block-wise FP8, the DeepSeek-V3 layout): casting them to a float dtype ignores the scales
-    and gives wrong numbers, so such a source is an error until a quantizer decodes it.
+    and gives wrong numbers, so such a source is an error unless a quantizer decodes it.
     """
     for info in infos:
         if info.dtype.is_floating_point and info.dtype.itemsize == 1 and f"{info.key}_scale_inv" in reader:
+            which = f"{hooks.name} does not decode it" if hooks is not None else "no quantizer was given"
             return (
                 f"{info.key!r} is {_dtype_name(info.dtype)} with the scales {info.key + '_scale_inv'!r}: the "
-                "checkpoint is pre-quantized, and casting its values without the scales would load wrong "
-                "weights. surgery has no quantizer for this layout yet: dequantize the checkpoint to a "
-                "float dtype first (each weight block times its scale)."
+                f"checkpoint is pre-quantized, and casting its values without the scales would load wrong "
+                f"weights ({which}). Pass quantizer=surgery.quantization.FP8BlockQuantizer() (block size "
+                "from the config's weight_block_size, or FP8BlockQuantizer.from_config(config.json))."
             )
     return ""
+
+
+def _claim_companions(
+    keys: list[str], reader: CheckpointReader, hooks: QuantizerHooks
+) -> tuple[list[str], dict[str, tuple[str, ...]], dict[str, str]]:
+    """Take the quantizer's companion keys out of ``keys``.
+
+    Returns the keys left to route, ``key -> companions`` of every key to decode, and ``key ->
+    message`` for keys that cannot be decoded (a missing companion, or a key the quantizer
+    refuses); those keys are still routed, so their entries fail with the message.
+    """
+    companions_of: dict[str, tuple[str, ...]] = {}
+    errors: dict[str, str] = {}
+    for key in keys:
+        try:
+            found = hooks.companions(key, reader.info(key))
+        except SurgeryError as exc:
+            errors[key] = str(exc)
+            continue
+        if not found:
+            continue
+        missing = [c for c in found if c not in reader]
+        if missing:
+            errors[key] = (
+                f"{key!r} is stored quantized ({_dtype_name(reader.info(key).dtype)}), and {hooks.name} needs "
+                f"{', '.join(repr(m) for m in missing)} to decode it, which the checkpoint lacks."
+            )
+        companions_of[key] = found
+    claimed = {c for found in companions_of.values() for c in found}
+    return [k for k in keys if k not in claimed], companions_of, errors
+
+
+def _decoded_info(
+    hooks: QuantizerHooks,
+    info: TensorInfo,
+    decoded: dict[str, tuple[str, ...]],
+    reader: CheckpointReader,
+    cache: dict[Any, torch.dtype],
+) -> TensorInfo:
+    """``info`` as the op chain sees it after decoding (checked by a ``meta`` run of ``decode``)."""
+    names = decoded.get(info.key)
+    if not names:
+        return info
+    companions = {c: reader.info(c) for c in names}
+    key = (
+        info.shape,
+        info.dtype,
+        tuple((c.removeprefix(info.key), i.shape, i.dtype) for c, i in companions.items()),
+    )
+    dtype = cache.get(key)
+    if dtype is None:
+        dtype = cache[key] = hooks.decode_meta(info.key, info, companions)
+    return dataclasses.replace(info, dtype=dtype)
+
+
+def _plan_quantize(
+    hooks: QuantizerHooks,
+    model: nn.Module,
+    out_keys: tuple[str, ...],
+    out_shapes: list[tuple[int, ...]],
+    out_dtypes: list[torch.dtype],
+    runtime: dict[str, torch.Tensor],
+) -> dict[str, tuple[str, ...]]:
+    """Per target the quantizer takes, the runtime keys its ``quantize`` produces (checked on ``meta``).
+
+    A target whose checkpoint tensor already has the runtime dtype (a checkpoint saved quantized)
+    is read as it is.
+    """
+    out: dict[str, tuple[str, ...]] = {}
+    for key, shape, dtype in zip(out_keys, out_shapes, out_dtypes):
+        path = key.rpartition(".")[0]
+        module = model.get_submodule(path) if path else model
+        if dtype == runtime[key].dtype or not hooks.quantizes(key, module):
+            continue
+        produced = hooks.quantize_meta(key, shape, dtype)
+        for k, t in produced.items():
+            if k not in runtime:
+                raise ConversionError(
+                    f"{hooks.name}.quantize({key!r}) produced {k!r}, which the model does not have."
+                )
+            want = runtime[k]
+            if (tuple(t.shape), t.dtype) != (tuple(want.shape), want.dtype):
+                raise ConversionError(
+                    f"{hooks.name}.quantize({key!r}) produced {k!r} as {tuple(t.shape)} {_dtype_name(t.dtype)}; "
+                    f"the model holds {tuple(want.shape)} {_dtype_name(want.dtype)}."
+                )
+        out[key] = tuple(produced)
+    return out
 
 
 def _converter_at(transforms: list[WeightTransform], index: int | None) -> WeightConverter | None:

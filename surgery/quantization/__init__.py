@@ -1,0 +1,71 @@
+"""Quantizers on the load and save paths.
+
+* :mod:`~surgery.quantization.protocol`: the :class:`Quantizer` hooks the loader and the save
+  call (dequantize per source tensor before the op chain, quantize after it), checked.
+* :mod:`~surgery.quantization.fp8`: :class:`FP8BlockQuantizer`, block-wise FP8 checkpoints
+  (DeepSeek-V3 layout) decoded on read and re-encoded bit for bit on save.
+* :mod:`~surgery.quantization.int8`: :class:`Int8WeightOnlyQuantizer`, int8 weight-only
+  quantization on the fly into :class:`Int8WeightOnlyLinear`.
+
+A runtime-layout save of a model quantized on the fly records its quantizer in the metadata
+(:data:`QUANTIZATION_METADATA_KEY`); loading that checkpoint without a quantizer rebuilds it
+(:func:`quantizer_from_metadata`), the way persisted fusions are re-applied.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import LoadError
+from .fp8 import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize, expand_block_scales
+from .int8 import Int8WeightOnlyLinear, Int8WeightOnlyQuantizer, int8_kernel_usable, quantize_per_channel
+from .protocol import QUANTIZATION_METADATA_KEY, QuantizedModule, Quantizer, QuantizerHooks, config_metadata
+
+__all__ = [
+    "BUILTIN_QUANTIZERS",
+    "QUANTIZATION_METADATA_KEY",
+    "FP8BlockQuantizer",
+    "Int8WeightOnlyLinear",
+    "Int8WeightOnlyQuantizer",
+    "QuantizedModule",
+    "Quantizer",
+    "QuantizerHooks",
+    "blockwise_dequantize",
+    "blockwise_quantize",
+    "config_metadata",
+    "expand_block_scales",
+    "int8_kernel_usable",
+    "quantize_per_channel",
+    "quantizer_from_metadata",
+]
+
+BUILTIN_QUANTIZERS: dict[str, Any] = {Int8WeightOnlyQuantizer.method: Int8WeightOnlyQuantizer}
+"""``quant_method`` → quantizer class with ``from_config``, for checkpoints that persisted one."""
+
+
+def quantizer_from_metadata(metadata: Mapping[str, str], *, source: str = "checkpoint") -> Any | None:
+    """The quantizer a runtime-layout save persisted in ``metadata``, rebuilt; ``None`` if there is none.
+
+    Raises:
+        LoadError: the entry is not valid JSON or names a method no built-in quantizer has
+            (the message says to pass ``quantizer=`` explicitly).
+    """
+    raw = metadata.get(QUANTIZATION_METADATA_KEY)
+    if raw is None:
+        return None
+    try:
+        config = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise LoadError(
+            f"{source}: metadata {QUANTIZATION_METADATA_KEY!r} is not valid JSON ({exc}); pass quantizer= explicitly."
+        ) from None
+    method = config.get("quant_method") if isinstance(config, dict) else None
+    cls = BUILTIN_QUANTIZERS.get(method) if isinstance(method, str) else None
+    if cls is None:
+        raise LoadError(
+            f"{source} was saved quantized with quant_method={method!r}, which no built-in quantizer reads "
+            f"({', '.join(sorted(BUILTIN_QUANTIZERS))}); pass quantizer= with the quantizer that wrote it."
+        )
+    return cls.from_config(config)

@@ -1,0 +1,295 @@
+"""Block-wise FP8 checkpoints (the DeepSeek-V3 / Qwen3-FP8 layout): decoded on read, re-encoded on save.
+
+Layout: ``X.weight`` is ``float8_e4m3fn`` of shape ``(..., N, K)`` and ``X.weight_scale_inv`` holds
+one float scale per ``B0 x B1`` block (``(..., ceil(N/B0), ceil(K/B1))``, partial edge blocks
+included; default ``128 x 128``). The stored value times its block's scale is the weight.
+Power-of-two scales (``ue8m0``) are accepted stored as ``float8_e8m0fnu`` or as ``float32``.
+
+Decoding is one elementwise pass per tensor, ``q.float() * scale`` with the scale expanded to the
+weight's shape, and it works on any part of a weight (a tensor-parallel slice reads only the
+scale rows it covers). A load keeps the scale tensors (1/16,384 of the weight), so a save with
+``quantization="as_loaded"`` re-encodes every weight with the scales it was loaded with and
+writes the FP8 files back bit for bit; recomputing the scales would not reproduce them after a
+bf16 or fp16 round trip. A block whose values no longer fit its recorded scale (the model was
+trained after loading) gets a fresh scale instead of being clipped: float → ``e4m3fn``
+saturates at ±448 without a NaN, so an overflow would otherwise go unnoticed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import TensorInfo
+from ..errors import ConfigurationError, ConversionError
+from ..slicing import Region
+
+__all__ = ["FP8BlockQuantizer", "blockwise_dequantize", "blockwise_quantize", "expand_block_scales"]
+
+_STORED = tuple(
+    getattr(torch, name)
+    for name in (
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+    )
+    if hasattr(torch, name)
+)
+"""Low-precision dtypes a stored weight may have: such a weight needs its scales (or is an error)."""
+
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu)
+_FORMATS = {"e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def expand_block_scales(
+    scale: torch.Tensor,
+    shape: Sequence[int],
+    block_size: tuple[int, int],
+    region: Region | None = None,
+) -> torch.Tensor:
+    """``scale`` (one per block) expanded to one per element of ``shape`` (or of its ``region``), as float32.
+
+    ``region`` selects a part of the weight along one dim (the part a tensor-parallel rank
+    reads); the result then has the part's shape.
+    """
+    s = scale.to(torch.float32)
+    nd = len(shape)
+    for d in range(nd):
+        in_region = region is not None and d == region.dim % nd
+        block = block_size[d - (nd - 2)] if d >= nd - 2 else 1
+        if not in_region and block == 1:
+            continue  # a leading (expert) dim: one scale slab per index already
+        if in_region:
+            assert region is not None
+            pieces = [torch.arange(a, b, device=s.device) for a, b in region.intervals]
+            idx = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=s.device)
+        else:
+            idx = torch.arange(shape[d], device=s.device)
+        s = s.index_select(d, idx // block if block > 1 else idx)
+    return s
+
+
+def _block_amax(x: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
+    """Per ``B0 x B1`` block of the last two dims, the maximum of ``x`` (edge blocks padded with 0)."""
+    b0, b1 = block_size
+    n, k = x.shape[-2:]
+    nb, kb = math.ceil(n / b0), math.ceil(k / b1)
+    padded = F.pad(x, (0, kb * b1 - k, 0, nb * b0 - n))
+    return padded.reshape(*x.shape[:-2], nb, b0, kb, b1).amax(dim=(-3, -1))
+
+
+def blockwise_dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: tuple[int, int] = (128, 128),
+    region: Region | None = None,
+) -> torch.Tensor:
+    """``q * scale`` per block, in float32 (``region``: ``q`` is that part of the weight)."""
+    out = q.to(torch.float32)  # the region's dim is indexed by its intervals, the others are whole
+    return out.mul_(expand_block_scales(scale, tuple(q.shape), block_size, region))
+
+
+def blockwise_quantize(
+    w: torch.Tensor,
+    block_size: tuple[int, int] = (128, 128),
+    *,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    power_of_two: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh block scales for ``w`` (``amax / max(dtype)``, rounded up to a power of two if asked) and the values.
+
+    Returns ``(q, scale)`` with ``scale`` float32 of shape ``(..., ceil(N/B0), ceil(K/B1))``; an
+    all-zero block gets scale 1.
+    """
+    x = w.to(torch.float32)
+    scale = _fresh_scales(_block_amax(x.abs(), block_size), dtype, power_of_two)
+    return (x / expand_block_scales(scale, x.shape, block_size)).to(dtype), scale
+
+
+def _overflow_threshold(dtype: torch.dtype) -> float:
+    """The magnitude above which a value no longer rounds to the dtype's largest finite value.
+
+    The largest value plus half a step there: a value that decoded from ``max`` and was rounded
+    to bf16 on the way (448 * (1 + 2**-8) for e4m3) still encodes as ``max``.
+    """
+    info = torch.finfo(dtype)
+    return info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
+
+
+def _fresh_scales(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool) -> torch.Tensor:
+    scale = amax / torch.finfo(dtype).max
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+class FP8BlockQuantizer:
+    """Decode block-wise FP8 checkpoints on read; re-encode them with their recorded scales on save.
+
+    Args:
+        block_size: rows and columns of one scale block (``weight_block_size``).
+        weight_format: the stored weight dtype, ``"e4m3"`` (default) or ``"e5m2"``.
+        scale_suffix: the companion key of ``X.weight`` is ``X.weight`` + this.
+        power_of_two: give blocks that need a fresh scale on save a power-of-two one (``ue8m0``);
+            by default, whenever the recorded scales all are powers of two.
+
+    Example:
+        >>> q = FP8BlockQuantizer(block_size=(128, 128))
+        >>> report = surgery.load_checkpoint(model, "deepseek-fp8/", quantizer=q)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: Sequence[int] = (128, 128),
+        weight_format: str = "e4m3",
+        scale_suffix: str = "_scale_inv",
+        power_of_two: bool | None = None,
+    ) -> None:
+        block = tuple(block_size)
+        if len(block) != 2 or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block
+        ):
+            raise ConfigurationError(
+                f"block_size={block_size!r}: give two positive ints (rows, columns), e.g. (128, 128)."
+            )
+        if weight_format not in _FORMATS:
+            raise ConfigurationError(f"weight_format={weight_format!r}; valid: {sorted(_FORMATS)}.")
+        if not scale_suffix:
+            raise ConfigurationError("scale_suffix must be a non-empty string such as '_scale_inv'.")
+        self.block_size: tuple[int, int] = (block[0], block[1])
+        self.weight_dtype = _FORMATS[weight_format]
+        self.scale_suffix = scale_suffix
+        self.power_of_two = power_of_two
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | str | os.PathLike[str]) -> FP8BlockQuantizer:
+        """Build from a transformers ``quantization_config`` (a dict, a full config dict, or a ``config.json`` path).
+
+        Reads ``quant_method`` (must be ``"fp8"``), ``weight_block_size``, ``activation_scheme``
+        (``"dynamic"`` only), ``fmt`` and ``scale_fmt`` (``"ue8m0"``: power-of-two scales).
+
+        Raises:
+            ConfigurationError: not an FP8 block-wise config, or a feature this quantizer lacks.
+        """
+        if isinstance(config, (str, os.PathLike)):
+            path = Path(config)
+            path = path / "config.json" if path.is_dir() else path
+            try:
+                config = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                raise ConfigurationError(f"{path}: cannot read a JSON config ({exc}).") from None
+        if not isinstance(config, Mapping):
+            raise ConfigurationError(f"expected a quantization_config dict, got {type(config).__name__}.")
+        cfg = config.get("quantization_config", config)
+        if not isinstance(cfg, Mapping):
+            raise ConfigurationError(f"quantization_config is {cfg!r}, not a dict.")
+        method = cfg.get("quant_method")
+        if method != "fp8":
+            raise ConfigurationError(f"quant_method={method!r}: FP8BlockQuantizer reads 'fp8' configs only.")
+        block = cfg.get("weight_block_size")
+        if block is None:
+            raise ConfigurationError(
+                "weight_block_size is missing or null (per-tensor FP8); FP8BlockQuantizer decodes block-wise "
+                "scales only."
+            )
+        scheme = cfg.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ConfigurationError(
+                f"activation_scheme={scheme!r}: static activation scales are not supported; only 'dynamic'."
+            )
+        fmt = cfg.get("fmt", "e4m3")
+        return cls(
+            block_size=tuple(block),
+            weight_format=fmt,
+            power_of_two=True if cfg.get("scale_fmt") == "ue8m0" else None,
+        )
+
+    def __repr__(self) -> str:
+        return f"FP8BlockQuantizer(block_size={self.block_size}, weight_format={self.weight_dtype})"
+
+    # ------------------------------------------------------------------ hooks
+    def companions(self, key: str, info: TensorInfo) -> tuple[str, ...]:
+        if key.endswith(self.scale_suffix):
+            return ()
+        if key.rpartition(".")[2] == "activation_scale":
+            raise ConversionError(
+                f"{key!r} is a static activation scale; FP8BlockQuantizer supports dynamic activation "
+                "quantization only (activation_scheme='dynamic'), so this checkpoint cannot be loaded with it."
+            )
+        return (key + self.scale_suffix,) if info.dtype in _STORED else ()
+
+    def _scale(self, key: str, companions: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        name = key + self.scale_suffix
+        scale = companions.get(name)
+        if scale is None:
+            raise ConversionError(f"{key!r}: its block scales {name!r} are missing from the checkpoint.")
+        if scale.dtype not in _SCALE_DTYPES:
+            raise ConversionError(
+                f"{name!r} is {scale.dtype}; scales must be float32, bfloat16, float16 or float8_e8m0fnu."
+            )
+        return scale
+
+    def _check(self, key: str, shape: tuple[int, ...], scale: torch.Tensor, region: Region | None) -> None:
+        if len(shape) < 2:
+            raise ConversionError(f"{key!r} has shape {shape}; block scales need a weight of 2 or more dims.")
+        if scale.dim() != len(shape):
+            raise ConversionError(
+                f"{key + self.scale_suffix!r} has shape {tuple(scale.shape)} for a weight of shape {shape}; "
+                f"expected {len(shape)} dims."
+            )
+        if region is not None:
+            return  # the part's shape says nothing about the whole; planning checked the whole
+        b0, b1 = self.block_size
+        expected = (*shape[:-2], math.ceil(shape[-2] / b0), math.ceil(shape[-1] / b1))
+        if tuple(scale.shape) != expected:
+            raise ConversionError(
+                f"{key + self.scale_suffix!r} has shape {tuple(scale.shape)}; a {shape} weight in "
+                f"{b0}x{b1} blocks needs {expected} (is weight_block_size right?)."
+            )
+
+    def decode(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        companions: dict[str, torch.Tensor],
+        region: Region | None = None,
+    ) -> torch.Tensor:
+        if tensor.dtype != self.weight_dtype:
+            raise ConversionError(
+                f"{key!r} is stored as {tensor.dtype}; this FP8BlockQuantizer decodes {self.weight_dtype} "
+                "(weight_format='e4m3' or 'e5m2')."
+            )
+        scale = self._scale(key, companions)
+        self._check(key, tuple(tensor.shape), scale, region)
+        return blockwise_dequantize(tensor, scale, self.block_size, region)
+
+    def encode(
+        self, key: str, tensor: torch.Tensor, recorded: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """``tensor`` as stored values with the recorded scales; blocks that outgrew theirs get fresh ones."""
+        scale = self._scale(key, recorded)
+        self._check(key, tuple(tensor.shape), scale, None)
+        w = tensor.to(torch.float32)
+        s = scale.to(torch.float32)
+        q = w / expand_block_scales(s, w.shape, self.block_size)
+        over = _block_amax(q.abs(), self.block_size) > _overflow_threshold(self.weight_dtype)
+        if w.device.type != "meta" and bool(over.any()):
+            pow2 = self.power_of_two
+            if pow2 is None:
+                pow2 = scale.dtype == torch.float8_e8m0fnu or bool((torch.frexp(s)[0].abs() == 0.5).all())
+            fresh = _fresh_scales(_block_amax(w.abs(), self.block_size), self.weight_dtype, pow2)
+            s = torch.where(over, fresh, s)
+            q = w / expand_block_scales(s, w.shape, self.block_size)
+            scale = s.to(scale.dtype)
+        return {key: q.to(self.weight_dtype), key + self.scale_suffix: scale}

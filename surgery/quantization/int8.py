@@ -1,0 +1,285 @@
+"""Int8 weight-only quantization on the fly: ``nn.Linear`` → :class:`Int8WeightOnlyLinear` at load.
+
+The weight is stored as int8 ``(N, K)`` with one float32 scale per output channel
+(``amax / 127``, symmetric), a quarter of the float32 memory. The forward runs PyTorch's own
+``aten._weight_int8pack_mm`` kernel on bfloat16 activations where it is correct, and otherwise
+dequantizes and calls ``F.linear``:
+
+* the CPU kernel (torch 2.13) is used only when ``in_features % 16 == 0``: for other ``K`` it
+  returns wrong numbers or crashes the process (pytorch #136709, #158341);
+* whether the kernel runs on a device is probed once per device (a tiny call compared with
+  the dequantized product), and decided once per module and device, never per call;
+* activations go to the kernel as bfloat16: with float32 ones it takes a slow path.
+
+The kernel beats a float32 ``F.linear`` at every batch size on CPU and a bfloat16 one only at
+decode-sized batches (memory bound); see ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigurationError, ConversionError
+from ..graph import match_modules, swap_module
+from .protocol import config_metadata
+
+__all__ = ["Int8WeightOnlyLinear", "Int8WeightOnlyQuantizer", "int8_kernel_usable", "quantize_per_channel"]
+
+_KERNEL_K_MULTIPLE = 16
+_probed: dict[tuple[str, int | None], bool] = {}
+_probe_lock = threading.Lock()
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: ``(q, scale)`` with ``weight ≈ q * scale[:, None]``.
+
+    ``scale = amax / 127`` per row, in float32; an all-zero row gets scale 0 and values 0.
+    Works on ``meta`` tensors (shapes and dtypes only).
+    """
+    if weight.dim() != 2:
+        raise ConversionError(
+            f"int8 weight-only quantization takes a 2-D weight, got shape {tuple(weight.shape)}."
+        )
+    x = weight.to(torch.float32)
+    scale = x.abs().amax(dim=1) / 127
+    q = torch.round(x / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp_(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def int8_kernel_usable(device: torch.device | str, in_features: int) -> bool:
+    """Whether ``aten._weight_int8pack_mm`` computes a correct product for ``in_features`` on ``device``.
+
+    ``False`` for ``in_features`` not a multiple of 16 (the CPU kernel is wrong or crashes
+    there) without calling it; otherwise one probe per device, cached.
+    """
+    device = torch.device(device)
+    if in_features % _KERNEL_K_MULTIPLE or device.type == "meta":
+        return False
+    key = (device.type, device.index)
+    with _probe_lock:
+        if key not in _probed:
+            _probed[key] = _probe(device)
+        return _probed[key]
+
+
+def _probe(device: torch.device) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (8, 32), generator=gen, dtype=torch.int8)
+    s = torch.rand(8, generator=gen) + 0.5
+    x = torch.randn(3, 32, generator=gen).to(torch.bfloat16)
+    want = x.float() @ (w.float() * s[:, None]).T
+    try:
+        got = (
+            torch.ops.aten._weight_int8pack_mm(x.to(device), w.to(device), s.to(torch.bfloat16).to(device))
+            .float()
+            .cpu()
+        )
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool(torch.allclose(got, want, rtol=2e-2, atol=0.5))
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """A linear layer with an int8 weight and a float32 scale per output channel.
+
+    Args:
+        in_features / out_features / bias: as for ``nn.Linear``.
+        device: where the (empty) tensors are allocated.
+        dtype: the float dtype of the layer it stands for: the bias dtype, and the dtype an
+            original-layout save dequantizes the weight to.
+
+    Attributes:
+        weight: ``int8`` ``(out_features, in_features)``, a ``Parameter`` without grad.
+        weight_scale: ``float32`` ``(out_features,)``, a ``Parameter`` without grad.
+    """
+
+    quantized_names = ("weight", "weight_scale")
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.float_dtype = dtype
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=torch.int8, device=device), requires_grad=False
+        )
+        self.weight_scale = nn.Parameter(
+            torch.empty(out_features, dtype=torch.float32, device=device), requires_grad=False
+        )
+        if bias:
+            self.bias: nn.Parameter | None = nn.Parameter(
+                torch.empty(out_features, dtype=dtype, device=device)
+            )
+        else:
+            self.register_parameter("bias", None)
+        self._kernel: tuple[torch.device, bool] | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
+        """The quantized counterpart of ``linear`` on its device; its values are quantized unless on ``meta``."""
+        w = linear.weight
+        new = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, device=w.device, dtype=w.dtype
+        )
+        if w.device.type != "meta":
+            q, s = quantize_per_channel(w.detach())
+            with torch.no_grad():
+                new.weight.copy_(q)
+                new.weight_scale.copy_(s)
+                if linear.bias is not None:
+                    assert new.bias is not None
+                    new.bias.copy_(linear.bias)
+        if linear.bias is not None:
+            assert new.bias is not None
+            new.bias.requires_grad_(linear.bias.requires_grad)
+        return new
+
+    @property
+    def uses_kernel(self) -> bool:
+        """Whether the forward on the weight's current device runs the int8 kernel."""
+        return self._decide()
+
+    def _decide(self) -> bool:
+        device = self.weight.device
+        if self._kernel is None or self._kernel[0] != device:
+            self._kernel = (device, int8_kernel_usable(device, self.in_features))
+        return self._kernel[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)  # the kernel takes 2-D input only
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self._decide():
+            out = torch.ops.aten._weight_int8pack_mm(
+                flat.to(torch.bfloat16), self.weight, self.weight_scale.to(torch.bfloat16)
+            ).to(x.dtype)
+            if bias is not None:
+                out = out + bias
+        else:
+            w = self.weight.to(x.dtype) * self.weight_scale.to(x.dtype)[:, None]
+            out = F.linear(flat, w, bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self, *, meta: bool = False) -> dict[str, torch.Tensor]:
+        """``{"weight": q * scale}`` in :attr:`float_dtype` (``meta=True``: its shape and dtype only)."""
+        w: torch.Tensor = self.weight
+        s: torch.Tensor = self.weight_scale
+        if meta:
+            w = torch.empty(tuple(w.shape), dtype=w.dtype, device="meta")
+            s = torch.empty(tuple(s.shape), dtype=s.dtype, device="meta")
+        return {"weight": (w.to(torch.float32) * s.to(torch.float32)[:, None]).to(self.float_dtype)}
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+
+class Int8WeightOnlyQuantizer:
+    """Swap ``nn.Linear`` modules for :class:`Int8WeightOnlyLinear` and quantize their weights at load.
+
+    Args:
+        targets: module-path patterns (dotted, ``*`` = one component, as in a ``tp_plan``);
+            ``None`` (default) targets every ``nn.Linear``. Each pattern must match at least
+            one ``nn.Linear``.
+        exclude: patterns of modules to leave in float (e.g. ``["lm_head"]``).
+
+    A checkpoint saved in the runtime layout (``original_format=False``) holds the int8 weights
+    and scales; loading it again with this quantizer reads them as they are (no re-quantization).
+    The original-layout export dequantizes, which is lossy.
+
+    Example:
+        >>> q = Int8WeightOnlyQuantizer(targets=["model.layers.*.mlp.*"])
+        >>> report = surgery.load_checkpoint(model, "ckpt/", quantizer=q)  # doctest: +SKIP
+    """
+
+    method = "int8_weight_only"
+
+    def __init__(self, *, targets: Sequence[str] | None = None, exclude: Sequence[str] = ()) -> None:
+        for name, value in (("targets", targets), ("exclude", exclude)):
+            if value is None and name == "targets":
+                continue
+            if isinstance(value, str) or not all(isinstance(p, str) for p in value or ()):
+                raise ConfigurationError(
+                    f"{name}={value!r}: give a list of module-path patterns, e.g. ['lm_head']."
+                )
+        self.targets = None if targets is None else tuple(targets)
+        self.exclude = tuple(exclude)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Int8WeightOnlyQuantizer:
+        """Rebuild from :meth:`metadata`'s JSON (``{"quant_method": "int8_weight_only", ...}``)."""
+        if config.get("quant_method") != cls.method:
+            raise ConfigurationError(f"quant_method={config.get('quant_method')!r}, expected {cls.method!r}.")
+        return cls(targets=config.get("targets"), exclude=config.get("exclude", ()))
+
+    def __repr__(self) -> str:
+        return f"Int8WeightOnlyQuantizer(targets={self.targets}, exclude={self.exclude})"
+
+    def target_paths(self, model: nn.Module) -> list[str]:
+        """The module paths :meth:`prepare` swaps (already swapped ones included).
+
+        Raises:
+            ConfigurationError: a pattern matches nothing, or matches a module that is not an ``nn.Linear``.
+        """
+        kinds = (nn.Linear, Int8WeightOnlyLinear)
+        if self.targets is None:
+            paths = [p for p, m in model.named_modules() if isinstance(m, kinds)]
+        else:
+            paths = []
+            for pattern in self.targets:
+                found = match_modules(model, pattern)
+                if not found:
+                    raise ConfigurationError(
+                        f"Int8WeightOnlyQuantizer: targets pattern {pattern!r} matches no module of "
+                        f"{type(model).__name__}; patterns are dotted paths with '*' for one component."
+                    )
+                for path in found:
+                    module = model.get_submodule(path)
+                    if not isinstance(module, kinds):
+                        raise ConfigurationError(
+                            f"Int8WeightOnlyQuantizer: {path!r} (pattern {pattern!r}) is a "
+                            f"{type(module).__name__}; only nn.Linear modules can be quantized."
+                        )
+                    paths.append(path)
+        excluded: set[str] = set()
+        for pattern in self.exclude:
+            found = match_modules(model, pattern)
+            if not found:
+                raise ConfigurationError(
+                    f"Int8WeightOnlyQuantizer: exclude pattern {pattern!r} matches no module of {type(model).__name__}."
+                )
+            excluded.update(found)
+        return [p for p in dict.fromkeys(paths) if p not in excluded and p != ""]
+
+    # ------------------------------------------------------------------ hooks
+    def prepare(self, model: nn.Module) -> None:
+        """Swap every target ``nn.Linear`` (an instance swap; on ``meta`` nothing is computed)."""
+        for path in self.target_paths(model):
+            module = model.get_submodule(path)
+            if isinstance(module, nn.Linear):
+                swap_module(model, path, Int8WeightOnlyLinear.from_linear(module))
+
+    def quantizes(self, key: str, module: nn.Module) -> bool:
+        return isinstance(module, Int8WeightOnlyLinear) and key.rpartition(".")[2] == "weight"
+
+    def quantize(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scale = quantize_per_channel(tensor)
+        return {key: q, key.removesuffix("weight") + "weight_scale": scale}
+
+    def metadata(self) -> dict[str, str]:
+        targets = None if self.targets is None else list(self.targets)
+        return config_metadata(self.method, {"targets": targets, "exclude": list(self.exclude)})

@@ -1,0 +1,258 @@
+"""The quantizer protocol and the checked calls the load and save paths make through it.
+
+A quantizer is any object; the loader looks up each hook by name and uses the ones it finds
+(every hook is optional, except where a quantizer needs it):
+
+* ``prepare(model)``: swap the targeted modules for their quantized counterparts, per instance,
+  right after fusions and before anything is resolved (a failed load puts the originals back).
+* ``update_weight_conversions(transforms[, model]) -> list``: rewrite the resolved transform list.
+* ``companions(key, info) -> tuple[str, ...]`` and ``decode(key, tensor, companions, region=None)``:
+  the checkpoint is quantized on disk. ``companions`` names the keys stored next to ``key`` that
+  decoding needs (``X.weight_scale_inv``); they are taken out of routing and read with ``key``.
+  ``decode`` turns the stored values into floats **per source tensor, before the op chain**, so
+  plain weights, expert merges and tensor-parallel slices all decode the same way. ``region``
+  is the part of ``key`` that was read (a :class:`~surgery.slicing.Region`), ``None`` for all.
+* ``quantizes(key, module) -> bool`` and ``quantize(key, tensor) -> dict[str, Tensor]``:
+  quantize on the fly, **after the op chain**; the result may name more runtime keys than the
+  one it was given (``X.weight`` → ``X.weight``, ``X.weight_scale``).
+* ``metadata() -> dict[str, str]``: persisted with a runtime-layout save of a quantized model.
+* ``encode(key, tensor, recorded) -> dict[str, Tensor]``: re-encode an original-layout tensor
+  for a save, given the companion tensors recorded when it was loaded.
+
+Every hook is called on ``meta`` tensors during planning (nothing is read yet), so shapes,
+dtypes and key names are checked before a byte of data moves; the built-in quantizers are
+written with plain tensor ops, which ``meta`` supports. A hook that returns the wrong type, or
+raises something other than a :class:`~surgery.SurgeryError`, is reported naming the method.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..checkpoint import TensorInfo
+from ..errors import ConfigurationError, ConversionError, SurgeryError
+from ..slicing import Region
+
+__all__ = ["QUANTIZATION_METADATA_KEY", "QuantizedModule", "Quantizer", "QuantizerHooks", "config_metadata"]
+
+QUANTIZATION_METADATA_KEY = "surgery.quantization"
+"""Safetensors metadata key of a quantized runtime-layout save: JSON with ``quant_method``."""
+
+
+class Quantizer(Protocol):
+    """What the load and save paths call on a quantizer (see the module docstring).
+
+    Implement only the methods the format needs; the loader checks what it finds.
+    """
+
+    def prepare(self, model: nn.Module) -> None: ...
+
+    def companions(self, key: str, info: TensorInfo) -> tuple[str, ...]: ...
+
+    def decode(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        companions: dict[str, torch.Tensor],
+        region: Region | None = None,
+    ) -> torch.Tensor: ...
+
+    def quantizes(self, key: str, module: nn.Module) -> bool: ...
+
+    def quantize(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+    def metadata(self) -> dict[str, str]: ...
+
+    def encode(
+        self, key: str, tensor: torch.Tensor, recorded: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]: ...
+
+
+class QuantizedModule(Protocol):
+    """A module holding quantized tensors that an original-layout save turns back into floats.
+
+    ``dequantized()`` returns the module's float tensors by local name (``{"weight": ...}``);
+    ``quantized_names`` are the local names it replaces (``("weight", "weight_scale")``). With
+    ``meta=True`` it returns ``meta`` tensors of the same shapes and dtypes, computing nothing.
+    """
+
+    quantized_names: tuple[str, ...]
+
+    def dequantized(self, *, meta: bool = False) -> dict[str, torch.Tensor]: ...
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+
+
+class QuantizerHooks:
+    """A quantizer's hooks, looked up once and called with their results checked.
+
+    Args:
+        quantizer: any object implementing part of :class:`Quantizer`.
+
+    Raises:
+        ConfigurationError: an attribute named like a hook is not callable.
+    """
+
+    _HOOKS = ("prepare", "companions", "decode", "quantizes", "quantize", "metadata", "encode")
+
+    def __init__(self, quantizer: object) -> None:
+        self.quantizer = quantizer
+        self.name = type(quantizer).__name__
+        self._hooks: dict[str, Callable[..., Any]] = {}
+        for hook in self._HOOKS:
+            fn = getattr(quantizer, hook, None)
+            if fn is None:
+                continue
+            if not callable(fn):
+                raise ConfigurationError(
+                    f"{self.name}.{hook} is {fn!r}, not a method; define it as a method."
+                )
+            self._hooks[hook] = fn
+        if ("companions" in self._hooks) != ("decode" in self._hooks):
+            raise ConfigurationError(
+                f"{self.name} defines only one of companions/decode; a checkpoint quantized on disk needs both."
+            )
+        if ("quantizes" in self._hooks) != ("quantize" in self._hooks):
+            raise ConfigurationError(
+                f"{self.name} defines only one of quantizes/quantize; quantizing on the fly needs both."
+            )
+
+    @property
+    def decodes(self) -> bool:
+        return "decode" in self._hooks
+
+    @property
+    def quantizes_on_the_fly(self) -> bool:
+        return "quantize" in self._hooks
+
+    def has(self, hook: str) -> bool:
+        return hook in self._hooks
+
+    def _call(self, hook: str, key: str, *args: Any) -> Any:
+        try:
+            return self._hooks[hook](*args)
+        except SurgeryError:
+            raise
+        except Exception as exc:
+            raise ConversionError(f"{self.name}.{hook}({key!r}) failed: {type(exc).__name__}: {exc}") from exc
+
+    # ------------------------------------------------------------------ model
+    def prepare(self, model: nn.Module) -> None:
+        if "prepare" in self._hooks:
+            result = self._hooks["prepare"](model)
+            if result is not None and result is not model:
+                raise ConfigurationError(
+                    f"{self.name}.prepare returned {type(result).__name__}; it must change the model in place "
+                    "and return None."
+                )
+
+    # ------------------------------------------------------------------ quantized on disk
+    def companions(self, key: str, info: TensorInfo) -> tuple[str, ...]:
+        if "companions" not in self._hooks:
+            return ()
+        result = self._call("companions", key, key, info)
+        if isinstance(result, str) or not isinstance(result, (tuple, list)):
+            raise ConfigurationError(
+                f"{self.name}.companions({key!r}) returned {result!r}; return a tuple of checkpoint keys."
+            )
+        if not all(isinstance(k, str) and k != key for k in result):
+            raise ConfigurationError(
+                f"{self.name}.companions({key!r}) returned {result!r}; every companion is another checkpoint key."
+            )
+        return tuple(result)
+
+    def decode(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        companions: dict[str, torch.Tensor],
+        region: Region | None = None,
+    ) -> torch.Tensor:
+        result = self._call("decode", key, key, tensor, companions, region)
+        if not isinstance(result, torch.Tensor):
+            raise ConfigurationError(
+                f"{self.name}.decode({key!r}) returned {type(result).__name__}, not a Tensor."
+            )
+        if tuple(result.shape) != tuple(tensor.shape):
+            raise ConversionError(
+                f"{self.name}.decode({key!r}) turned shape {tuple(tensor.shape)} into {tuple(result.shape)}; "
+                "decoding keeps the stored shape."
+            )
+        if not result.is_floating_point():
+            raise ConversionError(
+                f"{self.name}.decode({key!r}) returned {result.dtype}; decoding yields floats."
+            )
+        return result
+
+    def decode_meta(self, key: str, info: TensorInfo, companions: Mapping[str, TensorInfo]) -> torch.dtype:
+        """Run ``decode`` on ``meta`` tensors of the stored shapes: checks it, returns the decoded dtype."""
+        metas = {k: torch.empty(i.shape, dtype=i.dtype, device="meta") for k, i in companions.items()}
+        return self.decode(key, torch.empty(info.shape, dtype=info.dtype, device="meta"), metas).dtype
+
+    def encode(
+        self, key: str, tensor: torch.Tensor, recorded: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        if "encode" not in self._hooks:
+            raise ConfigurationError(
+                f"{self.name} has no encode method, so {key!r} cannot be written quantized as loaded; save with "
+                "quantization='dequantized' to write floats."
+            )
+        return self._tensors("encode", key, self._call("encode", key, key, tensor, recorded))
+
+    # ------------------------------------------------------------------ quantized on the fly
+    def quantizes(self, key: str, module: nn.Module) -> bool:
+        if "quantizes" not in self._hooks:
+            return False
+        result = self._call("quantizes", key, key, module)
+        if not isinstance(result, bool):
+            raise ConfigurationError(
+                f"{self.name}.quantizes({key!r}) returned {result!r}, not True or False."
+            )
+        return result
+
+    def quantize(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self._tensors("quantize", key, self._call("quantize", key, key, tensor))
+
+    def quantize_meta(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """``quantize`` on a ``meta`` tensor: the runtime keys, shapes and dtypes it will produce."""
+        return {
+            k: _meta(t) for k, t in self.quantize(key, torch.empty(shape, dtype=dtype, device="meta")).items()
+        }
+
+    def _tensors(self, hook: str, key: str, result: Any) -> dict[str, torch.Tensor]:
+        if not isinstance(result, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in result.items()
+        ):
+            raise ConfigurationError(
+                f"{self.name}.{hook}({key!r}) returned {type(result).__name__}; return a dict of key -> Tensor."
+            )
+        if key not in result:
+            raise ConfigurationError(
+                f"{self.name}.{hook}({key!r}) returned {sorted(result)}, without {key!r} itself."
+            )
+        return result
+
+    # ------------------------------------------------------------------ persisted
+    def metadata(self) -> dict[str, str]:
+        if "metadata" not in self._hooks:
+            return {}
+        result = self._hooks["metadata"]()
+        if not isinstance(result, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in result.items()
+        ):
+            raise ConfigurationError(
+                f"{self.name}.metadata() returned {result!r}; return a dict of str -> str."
+            )
+        return result
+
+
+def config_metadata(method: str, config: Mapping[str, Any]) -> dict[str, str]:
+    """The metadata a built-in quantizer persists: ``{QUANTIZATION_METADATA_KEY: json}``."""
+    return {QUANTIZATION_METADATA_KEY: json.dumps({"quant_method": method, **config}, sort_keys=True)}
