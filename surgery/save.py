@@ -338,9 +338,9 @@ class RevertedState(Mapping[str, torch.Tensor]):
         recorded: dict[str, Any],
     ) -> torch.dtype:
         """The dtype to write ``name`` in: the checkpoint's, except where that was a quantized storage dtype."""
-        if name in recorded and self._quantization == "dequantized":
-            return computed  # floats, not the FP8 storage dtype
         want = dtypes.get(name, computed)
+        if name in recorded:  # stored quantized: re-encoded in its stored dtype, or written as floats
+            return want if self._quantization == "as_loaded" else computed
         if not want.is_floating_point and any(
             isinstance(self._state[k], _Dequantized) for k in group.sources
         ):

@@ -11,6 +11,11 @@ dequantizes and calls ``F.linear``:
   the dequantized product), and decided once per module and device, never per call;
 * activations go to the kernel as bfloat16: with float32 ones it takes a slow path.
 
+``weight.dtype`` of a quantized layer is ``int8``: code that casts its input to the layer's
+weight dtype (``x.to(self.proj.weight.dtype)``, common in patch embeddings) destroys the
+activations. The forward refuses integer input with an error saying so; leave such modules out
+of the targets.
+
 The kernel beats a float32 ``F.linear`` at every batch size on CPU and a bfloat16 one only at
 decode-sized batches (memory bound); see ``docs/benchmarks.md``.
 """
@@ -160,6 +165,12 @@ class Int8WeightOnlyLinear(nn.Module):
         return self._kernel[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point():
+            raise ConfigurationError(
+                f"Int8WeightOnlyLinear({self.extra_repr()}) got {x.dtype} input. Its caller probably cast the "
+                "activations to `weight.dtype`, which is int8 for a quantized layer, and lost them; leave this "
+                "module out of the quantizer's targets (exclude=[path]) or cast to the activation dtype instead."
+            )
         flat = x.reshape(-1, self.in_features)  # the kernel takes 2-D input only
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self._decide():

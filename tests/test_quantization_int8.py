@@ -1,0 +1,308 @@
+"""Int8 weight-only quantization on the fly: nn.Linear → Int8WeightOnlyLinear, quantized after the op chain."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import surgery
+from surgery import WeightConverter, ops
+from surgery.checkpoint import write_checkpoint
+from surgery.examples.vision import build_vision_tower, example_pixel_values
+from surgery.quantization import (
+    QUANTIZATION_METADATA_KEY,
+    Int8WeightOnlyLinear,
+    Int8WeightOnlyQuantizer,
+    int8_kernel_usable,
+)
+
+
+class MLP(nn.Module):
+    """A Llama-style MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int = 256, inner: int = 704) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP()
+        self.norm = nn.LayerNorm(256)
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.mlp(x)))
+
+
+def trained(seed: int = 0) -> Model:
+    torch.manual_seed(seed)
+    return Model()
+
+
+def float_checkpoint(path: Path) -> Model:
+    model = trained()
+    surgery.save_checkpoint(model, path)
+    return model
+
+
+def file_bytes(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.suffix == ".safetensors"}
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).detach().norm() / want.detach().norm())
+
+
+# --------------------------------------------------------------------------- load
+
+
+def test_every_targeted_linear_is_swapped_and_the_rest_stays(tmp_path: Path) -> None:
+    float_checkpoint(tmp_path)
+    model = Model()
+    report = surgery.load_checkpoint(model, tmp_path, quantizer=Int8WeightOnlyQuantizer(targets=["mlp.*"]))
+    assert report.ok, report
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert type(getattr(model.mlp, name)) is Int8WeightOnlyLinear
+    assert type(model.head) is nn.Linear
+    assert "mlp.gate_proj.weight_scale" in report.loaded_keys
+    assert report.missing_keys == [] and report.mismatched == []  # the int8 dtype is not a "cast"
+
+
+def test_weight_memory_drops_to_about_a_quarter_of_float32(tmp_path: Path) -> None:
+    float_checkpoint(tmp_path)
+    model = Model()
+    surgery.load_checkpoint(model, tmp_path, quantizer=Int8WeightOnlyQuantizer(targets=["mlp.*"]))
+    quantized = sum(p.nbytes for p in model.mlp.parameters())
+    assert quantized / sum(p.nbytes for p in MLP().parameters()) < 0.26  # 0.25 + 1/K for the scales
+
+
+def test_the_output_stays_within_the_stated_bound_of_the_float_model(tmp_path: Path) -> None:
+    ref = float_checkpoint(tmp_path)
+    model = Model()
+    surgery.load_checkpoint(model, tmp_path, quantizer=Int8WeightOnlyQuantizer(targets=["mlp.*"]))
+    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        err = relative_error(model.mlp(x), ref.mlp(x))
+    assert err < 3e-2  # measured 1.5e-2 (bf16 activations into the kernel)
+    assert model.mlp.gate_proj.uses_kernel is True
+
+
+def test_a_meta_model_is_quantized_straight_from_the_file(tmp_path: Path) -> None:
+    ref = float_checkpoint(tmp_path)
+    with torch.device("meta"):
+        model = Model()
+    report = surgery.load_checkpoint(model, tmp_path, quantizer=Int8WeightOnlyQuantizer())
+    assert report.ok, report
+    assert model.head.weight.dtype == torch.int8 and model.head.weight.device.type == "cpu"
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        assert relative_error(model(x), ref(x)) < 3e-2
+
+
+def test_the_plan_shows_what_is_quantized_and_leaves_the_model_unchanged(tmp_path: Path) -> None:
+    float_checkpoint(tmp_path)
+    model = Model()
+    plan = surgery.plan_load(model, tmp_path, quantizer=Int8WeightOnlyQuantizer(targets=["mlp.*"]))
+    assert type(model.mlp.gate_proj) is nn.Linear  # the dry run works on a copy
+    (entry,) = [e for e in plan.entries if e.target_keys == ("mlp.up_proj.weight",)]
+    assert entry.quantized == ("mlp.up_proj.weight", "mlp.up_proj.weight_scale")
+    assert entry.mode == "convert"
+    assert "+quantize" in plan.render()
+
+
+def test_a_failed_planning_puts_the_original_linears_back(tmp_path: Path) -> None:
+    float_checkpoint(tmp_path)
+    write_checkpoint({"extra": torch.zeros(1)}, tmp_path / "bad")
+    model = Model()
+    with pytest.raises(surgery.LoadError):
+        surgery.load_checkpoint(model, tmp_path / "bad", quantizer=Int8WeightOnlyQuantizer(), strict=True)
+    assert type(model.mlp.gate_proj) is nn.Linear and type(model.head) is nn.Linear
+
+
+# --------------------------------------------------------------------------- the forward
+
+
+def test_the_kernel_path_and_the_fallback_agree_within_the_bf16_activation_bound() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    q = Int8WeightOnlyLinear.from_linear(lin)
+    assert q.uses_kernel
+    x = torch.randn(2, 5, 64)
+    w = q.dequantized()["weight"]
+    fallback = F.linear(x, w, lin.bias)  # what the fallback computes
+    assert relative_error(q(x), fallback) < 1e-2
+    assert q(x).shape == (2, 5, 48) and q(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize("k", [1, 8, 24, 30, 100, 1176])
+def test_an_in_features_not_a_multiple_of_16_never_reaches_the_kernel(k) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(k, 20)
+    q = Int8WeightOnlyLinear.from_linear(lin)
+    assert not q.uses_kernel and not int8_kernel_usable("cpu", k)
+    x = torch.randn(3, k)
+    assert torch.allclose(q(x), F.linear(x, q.dequantized()["weight"], lin.bias), atol=1e-5)
+
+
+def test_bf16_activations_stay_bf16() -> None:
+    q = Int8WeightOnlyLinear.from_linear(nn.Linear(32, 16))
+    assert q(torch.randn(4, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------- save
+
+
+def test_saving_the_quantized_layout_and_loading_it_again_is_bit_identical_without_requantizing(tmp_path) -> None:
+    float_checkpoint(tmp_path / "float")
+    model = Model()
+    quantizer = Int8WeightOnlyQuantizer(targets=["mlp.*"])
+    surgery.load_checkpoint(model, tmp_path / "float", quantizer=quantizer)
+    surgery.save_checkpoint(model, tmp_path / "int8", original_format=False)
+    with surgery.open_checkpoint(tmp_path / "int8") as reader:
+        assert reader.info("mlp.gate_proj.weight").dtype == torch.int8
+        assert QUANTIZATION_METADATA_KEY in reader.metadata
+    for passed in (quantizer, None):  # None: the quantizer is rebuilt from the file's metadata
+        again = Model()
+        report = surgery.load_checkpoint(again, tmp_path / "int8", quantizer=passed)
+        assert report.ok, report
+        assert all(not e.quantized for e in report.plan.entries)  # read as stored
+        assert {e.mode for e in report.plan.entries} <= {"direct", "mmap"}
+        assert type(again.mlp.down_proj) is Int8WeightOnlyLinear
+        for key, value in model.state_dict().items():
+            assert torch.equal(again.state_dict()[key], value), key
+        surgery.save_checkpoint(again, tmp_path / "int8-again", original_format=False)
+        assert file_bytes(tmp_path / "int8-again") == file_bytes(tmp_path / "int8")
+
+
+def test_the_original_layout_export_dequantizes_and_drops_the_scales(tmp_path: Path) -> None:
+    float_checkpoint(tmp_path / "float")
+    model = Model()
+    surgery.load_checkpoint(model, tmp_path / "float", quantizer=Int8WeightOnlyQuantizer(targets=["mlp.*"]))
+    surgery.save_checkpoint(model, tmp_path / "out")
+    with surgery.open_checkpoint(tmp_path / "out") as out, surgery.open_checkpoint(tmp_path / "float") as src:
+        assert sorted(out.keys()) == sorted(src.keys())
+        weight = out.get_tensor("mlp.gate_proj.weight")
+        assert weight.dtype == torch.float32
+        m = model.mlp.gate_proj
+        assert torch.equal(weight, m.weight.float() * m.weight_scale[:, None])  # lossy: q * scale
+        assert not torch.equal(weight, src.get_tensor("mlp.gate_proj.weight"))
+
+
+def test_a_model_loaded_from_its_int8_layout_still_exports_floats(tmp_path: Path) -> None:
+    float_checkpoint(tmp_path / "float")
+    model = Model()
+    surgery.load_checkpoint(model, tmp_path / "float", quantizer=Int8WeightOnlyQuantizer())
+    surgery.save_checkpoint(model, tmp_path / "int8", original_format=False)
+    again = Model()
+    surgery.load_checkpoint(again, tmp_path / "int8")
+    sd = surgery.revert_state_dict(again)
+    assert sorted(sd) == sorted(trained().state_dict())
+    assert sd["head.weight"].dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- converters
+
+
+def test_a_weight_filled_by_a_converter_is_quantized_after_the_op_chain(tmp_path: Path) -> None:
+    """The vision tower's fused qkv from separate q/k/v keys (Concatenate), quantized once fused."""
+    ref = build_vision_tower(depth=1)
+    sd = {}
+    for key, value in ref.state_dict().items():
+        if ".attn.qkv." in key:
+            for name, part in zip("qkv", value.chunk(3, dim=0)):
+                sd[key.replace(".qkv.", f".{name}.")] = part.clone()
+        else:
+            sd[key] = value
+    write_checkpoint(sd, tmp_path)
+    mapping = [
+        WeightConverter([f"attn.{n}.{p}" for n in "qkv"], f"attn.qkv.{p}", [ops.Concatenate(dim=0)])
+        for p in ("weight", "bias")
+    ]
+    with surgery.registry_snapshot():
+        surgery.register_checkpoint_conversion_mapping("ExampleVisionTower", mapping)
+        model = build_vision_tower(depth=1, seed=5)
+        quantizer = Int8WeightOnlyQuantizer(targets=["blocks.*.attn.qkv"])
+        report = surgery.load_checkpoint(model, tmp_path, quantizer=quantizer)
+        assert report.ok, report
+        qkv = model.blocks[0].attn.qkv
+        assert type(qkv) is Int8WeightOnlyLinear
+        dequantized = qkv.dequantized()["weight"]
+        assert relative_error(dequantized, ref.blocks[0].attn.qkv.weight) < 1e-2
+        entry = next(e for e in report.plan.entries if e.target_keys == ("blocks.0.attn.qkv.weight",))
+        assert len(entry.source_keys) == 3 and entry.quantized[-1] == "blocks.0.attn.qkv.weight_scale"
+        saved = surgery.revert_state_dict(model)
+        assert sorted(saved) == sorted(sd)  # back to separate q/k/v, as floats
+
+
+def test_the_fused_patch_embedding_k_1176_takes_the_fallback_path(tmp_path: Path) -> None:
+    ref = build_vision_tower(depth=1)
+    surgery.save_checkpoint(ref, tmp_path)
+    model = build_vision_tower(depth=1, seed=5)
+    quantizer = Int8WeightOnlyQuantizer(targets=["patch_embed.linear_proj"])
+    report = surgery.load_checkpoint(model, tmp_path, quantizer=quantizer, fusion_config={"patch_embeddings": True})
+    assert report.ok, report
+    proj = model.patch_embed.linear_proj
+    assert type(proj) is Int8WeightOnlyLinear and proj.in_features == 1176 and not proj.uses_kernel
+    patches = example_pixel_values(ref.config, num_patches=8)
+    want = F.linear(patches, ref.patch_embed.proj.weight.reshape(32, -1), ref.patch_embed.proj.bias)
+    with torch.no_grad():
+        assert relative_error(proj(patches), want) < 1e-2
+    saved = surgery.revert_state_dict(model)
+    assert saved["patch_embed.proj.weight"].shape == ref.patch_embed.proj.weight.shape  # Conv3d layout again
+
+
+def test_a_caller_that_casts_its_input_to_the_int8_weight_dtype_gets_an_error_not_garbage(tmp_path: Path) -> None:
+    """The patch embedding casts its input to ``linear_proj.weight.dtype``, which is now int8."""
+    ref = build_vision_tower(depth=1)
+    surgery.save_checkpoint(ref, tmp_path)
+    model = build_vision_tower(depth=1, seed=5)
+    quantizer = Int8WeightOnlyQuantizer(targets=["patch_embed.linear_proj"])
+    surgery.load_checkpoint(model, tmp_path, quantizer=quantizer, fusion_config={"patch_embeddings": True})
+    with pytest.raises(surgery.ConfigurationError, match="weight.dtype"):
+        model(example_pixel_values(ref.config, num_patches=8))
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"targets": ["nothing.*"]}, "matches no module"),
+        ({"targets": ["norm"]}, "LayerNorm"),
+        ({"exclude": ["nope"]}, "exclude pattern 'nope'"),
+        ({"targets": "mlp.*"}, "list of module-path patterns"),
+    ],
+)
+def test_bad_targets_are_errors_naming_the_pattern(tmp_path: Path, kwargs, needle) -> None:
+    float_checkpoint(tmp_path)
+    model = Model()
+    with pytest.raises(surgery.ConfigurationError, match=needle):
+        surgery.load_checkpoint(model, tmp_path, quantizer=Int8WeightOnlyQuantizer(**kwargs))
+    assert type(model.mlp.gate_proj) is nn.Linear
+
+
+def test_exclude_keeps_modules_in_float(tmp_path: Path) -> None:
+    float_checkpoint(tmp_path)
+    model = Model()
+    surgery.load_checkpoint(model, tmp_path, quantizer=Int8WeightOnlyQuantizer(exclude=["head"]))
+    assert type(model.head) is nn.Linear and type(model.mlp.up_proj) is Int8WeightOnlyLinear
+
+
+def test_an_unknown_persisted_quant_method_is_an_error_saying_what_to_pass(tmp_path: Path) -> None:
+    write_checkpoint(
+        {"weight": torch.zeros(2, 2)}, tmp_path, metadata={QUANTIZATION_METADATA_KEY: '{"quant_method": "gptq"}'}
+    )
+    with pytest.raises(surgery.LoadError, match="quantizer="):
+        surgery.load_checkpoint(nn.Linear(2, 2, bias=False), tmp_path)
