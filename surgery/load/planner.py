@@ -375,7 +375,7 @@ def prepare(
             entry.nbytes += sum(reader.info(c).nbytes for c in entry.companions)
             try:
                 infos = [_decoded_info(hooks, i, decoded, reader, decode_cache) for i in infos]
-            except SurgeryError as exc:
+            except ConversionError as exc:
                 fail(entry, index, f"{hooks.name}.decode", str(exc))
                 continue
         quantized = _prequantized_sources([i for i in infos if i.key not in decoded], reader, hooks)
@@ -435,7 +435,7 @@ def prepare(
         if hooks is not None and hooks.quantizes_on_the_fly:
             try:
                 work.quantized = _plan_quantize(hooks, model, out_keys, out_shapes, out_dtypes, runtime)
-            except SurgeryError as exc:
+            except ConversionError as exc:  # a ConfigurationError (a broken quantizer) fails the load
                 fail(entry, index, f"{hooks.name}.quantize", str(exc))
                 continue
             entry.quantized = tuple(k for ks in work.quantized.values() for k in ks)
@@ -618,7 +618,7 @@ def _claim_companions(
     for key in keys:
         try:
             found = hooks.companions(key, reader.info(key))
-        except SurgeryError as exc:
+        except ConversionError as exc:
             errors[key] = str(exc)
             continue
         if not found:
@@ -667,15 +667,17 @@ def _plan_quantize(
 ) -> dict[str, tuple[str, ...]]:
     """Per target the quantizer takes, the runtime keys its ``quantize`` produces (checked on ``meta``).
 
-    A target whose checkpoint tensor already has the runtime dtype (a checkpoint saved quantized)
-    is read as it is.
+    A target whose checkpoint tensor already has the runtime's non-float dtype (a checkpoint
+    saved quantized) is read as it is.
     """
     out: dict[str, tuple[str, ...]] = {}
     for key, shape, dtype in zip(out_keys, out_shapes, out_dtypes):
         path = key.rpartition(".")[0]
         module = model.get_submodule(path) if path else model
-        if dtype == runtime[key].dtype or not hooks.quantizes(key, module):
+        if not hooks.quantizes(key, module):
             continue
+        if dtype == runtime[key].dtype and not dtype.is_floating_point:
+            continue  # stored quantized already (a runtime-layout save): read as it is
         produced = hooks.quantize_meta(key, shape, dtype)
         for k, t in produced.items():
             if k not in runtime:

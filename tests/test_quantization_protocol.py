@@ -1,0 +1,146 @@
+"""The quantizer protocol: every hook optional, every result checked, errors naming the method and key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import surgery
+from surgery.checkpoint import write_checkpoint
+from surgery.quantization import QuantizerHooks
+
+
+class Halves:
+    """Stores weights as half their value in int8-free float16: decode doubles (a toy disk format)."""
+
+    def companions(self, key, info):
+        return (key + "_marker",) if key.endswith("weight") else ()
+
+    def decode(self, key, tensor, companions, region=None):
+        return tensor.float() * 2
+
+
+def checkpoint(path: Path) -> None:
+    write_checkpoint(
+        {"weight": torch.full((4, 4), 0.5, dtype=torch.float16), "weight_marker": torch.ones(1), "bias": torch.ones(4)},
+        path,
+    )
+
+
+def test_a_quantizer_with_only_decode_hooks_loads_and_consumes_its_companions(tmp_path: Path) -> None:
+    checkpoint(tmp_path)
+    model = nn.Linear(4, 4)
+    report = surgery.load_checkpoint(model, tmp_path, quantizer=Halves())
+    assert report.ok, report
+    assert report.unexpected_keys == []
+    assert torch.equal(model.weight, torch.ones(4, 4))
+
+
+def test_an_object_without_any_hook_changes_nothing(tmp_path: Path) -> None:
+    write_checkpoint({"weight": torch.ones(4, 4), "bias": torch.ones(4)}, tmp_path)
+    assert surgery.load_checkpoint(nn.Linear(4, 4), tmp_path, quantizer=object()).ok
+
+
+class Broken(Halves):
+    def __init__(self, **overrides) -> None:
+        for name, value in overrides.items():
+            setattr(self, name, value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"companions": lambda key, info: "weight_marker"}, "returned 'weight_marker'; return a tuple"),
+        ({"companions": lambda key, info: (key,)}, "every companion is another checkpoint key"),
+        ({"decode": lambda key, t, c, region=None: t.float().sum()}, "Broken.decode('weight') turned shape"),
+        ({"decode": lambda key, t, c, region=None: [t]}, "Broken.decode('weight') returned list"),
+        ({"decode": lambda key, t, c, region=None: 1 / 0}, "Broken.decode('weight') failed: ZeroDivisionError"),
+    ],
+)
+def test_a_hook_that_breaks_its_contract_is_reported_naming_the_method(tmp_path: Path, overrides, needle) -> None:
+    checkpoint(tmp_path)
+    model = nn.Linear(4, 4)
+    before = model.weight.detach().clone()
+    try:
+        report = surgery.load_checkpoint(model, tmp_path, quantizer=Broken(**overrides))
+    except surgery.SurgeryError as exc:
+        message = str(exc)
+    else:
+        message = " ".join(f.message for f in report.conversion_errors)
+    assert needle in message
+    assert torch.equal(model.weight, before)
+
+
+def test_a_hook_attribute_that_is_not_callable_is_a_configuration_error() -> None:
+    with pytest.raises(surgery.ConfigurationError, match="Broken.decode is 3, not a method"):
+        QuantizerHooks(Broken(decode=3))
+
+
+def test_half_a_pair_of_hooks_is_a_configuration_error() -> None:
+    class OnlyQuantize:
+        def quantize(self, key, tensor):
+            return {key: tensor}
+
+    with pytest.raises(surgery.ConfigurationError, match="only one of quantizes/quantize"):
+        QuantizerHooks(OnlyQuantize())
+
+
+def test_a_quantize_result_that_does_not_fit_the_model_fails_before_reading(tmp_path: Path) -> None:
+    class Wrong:
+        def quantizes(self, key, module):
+            return key == "weight"
+
+        def quantize(self, key, tensor):
+            return {key: tensor.to(torch.int8), "weight_scale": torch.ones(1)}
+
+    write_checkpoint({"weight": torch.ones(4, 4), "bias": torch.ones(4)}, tmp_path)
+    plan = surgery.plan_load(nn.Linear(4, 4), tmp_path, quantizer=Wrong())
+    (entry,) = [e for e in plan.entries if e.target_keys == ("weight",)]
+    assert entry.status == "error" and "Wrong.quantize('weight') produced 'weight' as (4, 4) int8" in entry.message
+
+
+def test_quantizes_must_answer_true_or_false(tmp_path: Path) -> None:
+    class Vague:
+        def quantizes(self, key, module):
+            return "yes"
+
+        def quantize(self, key, tensor):
+            return {key: tensor}
+
+    write_checkpoint({"weight": torch.ones(4, 4), "bias": torch.ones(4)}, tmp_path)
+    with pytest.raises(surgery.ConfigurationError, match="Vague.quantizes\\('bias'\\) returned 'yes'"):
+        surgery.load_checkpoint(nn.Linear(4, 4), tmp_path, quantizer=Vague())
+
+
+def test_prepare_must_change_the_model_in_place(tmp_path: Path) -> None:
+    class Returns:
+        def prepare(self, model):
+            return nn.Linear(4, 4)
+
+    write_checkpoint({"weight": torch.ones(4, 4), "bias": torch.ones(4)}, tmp_path)
+    with pytest.raises(surgery.ConfigurationError, match="in place"):
+        surgery.load_checkpoint(nn.Linear(4, 4), tmp_path, quantizer=Returns())
+
+
+def test_update_weight_conversions_is_reached_from_the_loader(tmp_path: Path) -> None:
+    class Renames:
+        def update_weight_conversions(self, transforms):
+            return [*transforms, surgery.WeightRenaming("^w$", "weight")]
+
+    write_checkpoint({"w": torch.ones(4, 4), "bias": torch.ones(4)}, tmp_path)
+    model = nn.Linear(4, 4)
+    assert surgery.load_checkpoint(model, tmp_path, quantizer=Renames()).ok
+    assert torch.equal(model.weight, torch.ones(4, 4))
+
+
+def test_tensor_parallelism_and_quantizing_on_the_fly_do_not_combine(tmp_path: Path) -> None:
+    from surgery.quantization import Int8WeightOnlyQuantizer
+
+    write_checkpoint({"weight": torch.ones(4, 4), "bias": torch.ones(4)}, tmp_path)
+    with pytest.raises(surgery.ConfigurationError, match="tensor parallelism"):
+        surgery.plan_load(
+            nn.Linear(4, 4), tmp_path, quantizer=Int8WeightOnlyQuantizer(), tp_plan={"": "colwise"}, tp_size=2, tp_rank=0
+        )
