@@ -170,6 +170,16 @@ def test_packed_colwise_forward_keeps_each_ranks_gate_and_up_share(ranks):
         assert rank["packed"] == {"type": "Tensor", "max_abs_diff": 0.0}
 
 
+def test_an_fp8_checkpoint_decodes_each_ranks_slices_and_saves_back_bit_for_bit(ranks):
+    for rank in ranks:
+        facts = rank["fp8"]
+        assert facts["ok"], facts["report"]
+        assert facts["unequal"] == [] and facts["fallbacks"] == []
+        assert facts["max_abs_diff"] < 1e-5  # parameters equal bit for bit; the reductions differ
+        assert facts["bytes_read"] < 0.75 * facts["single_bytes"]
+    assert ranks[0]["fp8"]["saved_identical"]
+
+
 def test_torchrun_launch_with_an_env_initialized_mesh(tmp_path):
     sys.path.insert(0, str(HERE))
     try:

@@ -22,10 +22,14 @@ import surgery
 from surgery import WeightConverter, ops
 from surgery.checkpoint import write_checkpoint
 from surgery.examples import dense, moe
+from surgery.quantization import FP8BlockQuantizer
+
+from fp8_reference import quantize_state
 
 DENSE = dense.ExampleDenseConfig()
 MOE = moe.ExampleMoEConfig(num_attention_heads=4, num_key_value_heads=2)
 INPUT_IDS = torch.tensor([[1, 5, 9, 3, 7], [2, 4, 6, 8, 10]])
+FP8_BLOCK = (6, 10)  # blocks that straddle every rank boundary, edge blocks in both dims
 
 
 class Doubled(ops.ConversionOp):
@@ -69,6 +73,8 @@ def write_checkpoints(work: Path) -> None:
     write_checkpoint(moe.original_state_dict(moe.build_moe_model(MOE, seed=2)), work / "moe")
     torch.manual_seed(3)
     write_checkpoint({"proj.weight": torch.randn(6, 8) / 2}, work / "fallback")
+    fp8 = quantize_state(dense.original_state_dict(dense.build_dense_model(DENSE, seed=4)), FP8_BLOCK)
+    write_checkpoint(fp8, work / "dense-fp8")
 
 
 def _single(build, path: Path) -> nn.Module:
@@ -145,6 +151,33 @@ def dense_build(**kwargs: Any) -> nn.Module:
 
 def moe_build(**kwargs: Any) -> nn.Module:
     return moe.build_moe_model(MOE, seed=None, **kwargs)
+
+
+def _fp8(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
+    """An FP8 checkpoint: each rank decodes only its slices, with the scale rows they cover."""
+    import torch.distributed as dist
+
+    ckpt = work / "dense-fp8"
+    ref = dense_build(device="meta")
+    single = surgery.load_checkpoint(ref, ckpt, quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK))
+    model = dense_build(device="meta")
+    report = surgery.load_checkpoint(
+        model, ckpt, tp_plan="auto", device_mesh=mesh, quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK)
+    )
+    facts: dict[str, Any] = {
+        "ok": report.ok and single.ok,
+        "report": str(report),
+        "bytes_read": report.bytes_read,
+        "single_bytes": single.bytes_read,
+        "fallbacks": [str(f) for f in report.tp_fallbacks],
+    }
+    facts.update(_compare(model, ref))
+    out = work / "dense-fp8-saved"
+    surgery.save_checkpoint(model, out)
+    dist.barrier()
+    if rank == 0:
+        facts["saved_identical"] = _files(out) == _files(ckpt)
+    return facts
 
 
 def _oracle(work: Path, mesh: Any) -> dict[str, Any]:
@@ -291,6 +324,7 @@ def run(rank: int, world: int, workdir: str, torchrun: bool = False) -> None:
         if not torchrun:
             facts["moe"] = _family("moe", moe_build, moe.original_state_dict, work, rank, mesh)
             facts["oracle"] = _oracle(work, mesh)
+            facts["fp8"] = _fp8(work, rank, mesh)
             facts["fallback"] = _fallback(work, mesh)
             facts["already_parallel"] = _already_parallel(work, mesh)
             facts["cpu_model"] = _cpu_model(work, mesh)
