@@ -5,7 +5,7 @@
 * ``inspect PATH``: summarize a checkpoint; with ``--model``, show the load plan (``--tp N``:
   what each of N tensor-parallel ranks reads, planned without a process group).
 * ``convert SRC DST --model M``: load a checkpoint into a model and save it in another layout.
-* ``bench {route,load,fusion,graph}``: benchmarks that print ratios against a floor.
+* ``bench {route,load,fusion,graph,quantization}``: benchmarks that print ratios against a floor.
 
 ``--model`` takes a built-in example name (``example-dense``, ``example-moe``, ``example-vision``) or
 ``package.module:factory``, a zero-argument callable returning an ``nn.Module``.
@@ -34,7 +34,7 @@ from .save import save_checkpoint
 
 __all__ = ["build_model", "main"]
 
-_BENCHES = ("route", "load", "fusion", "graph")
+_BENCHES = ("route", "load", "fusion", "graph", "quantization")
 
 
 def _example_moe() -> nn.Module:

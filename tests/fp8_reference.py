@@ -44,9 +44,12 @@ def quantize_state(
     sd: dict[str, torch.Tensor],
     block: tuple[int, int],
     *,
-    select: Callable[[str], bool] = lambda key: key.endswith("_proj.weight") or key.endswith(".w1.weight")
-    or key.endswith(".w2.weight")
-    or key.endswith(".w3.weight"),
+    select: Callable[[str], bool] = lambda key: (
+        key.endswith("_proj.weight")
+        or key.endswith(".w1.weight")
+        or key.endswith(".w2.weight")
+        or key.endswith(".w3.weight")
+    ),
     power_of_two: bool = False,
     scale_dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:

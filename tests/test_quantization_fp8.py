@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp8_reference import dequantize, dequantize_state, quantize, quantize_state
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -21,8 +22,6 @@ from surgery.checkpoint import write_checkpoint
 from surgery.examples import moe
 from surgery.quantization import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize
 from surgery.slicing import Region
-
-from fp8_reference import dequantize, dequantize_state, quantize, quantize_state
 
 B128 = (128, 128)
 
@@ -152,7 +151,9 @@ def test_an_unknown_quantization_mode_is_an_error_naming_the_choices(tmp_path: P
         surgery.save_checkpoint(nn.Linear(2, 2), tmp_path, quantization="fp8")
 
 
-def test_a_block_that_outgrew_its_recorded_scale_gets_a_fresh_one_instead_of_saturating(tmp_path: Path) -> None:
+def test_a_block_that_outgrew_its_recorded_scale_gets_a_fresh_one_instead_of_saturating(
+    tmp_path: Path,
+) -> None:
     sd = linear_checkpoint(tmp_path / "in", 300, 130)
     model = linear(300, 130, dtype=torch.float32)
     surgery.load_checkpoint(model, tmp_path / "in", quantizer=FP8BlockQuantizer())

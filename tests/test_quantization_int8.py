@@ -163,7 +163,9 @@ def test_bf16_activations_stay_bf16() -> None:
 # --------------------------------------------------------------------------- save
 
 
-def test_saving_the_quantized_layout_and_loading_it_again_is_bit_identical_without_requantizing(tmp_path) -> None:
+def test_saving_the_quantized_layout_and_loading_it_again_is_bit_identical_without_requantizing(
+    tmp_path,
+) -> None:
     float_checkpoint(tmp_path / "float")
     model = Model()
     quantizer = Int8WeightOnlyQuantizer(targets=["mlp.*"])
@@ -250,7 +252,9 @@ def test_the_fused_patch_embedding_k_1176_takes_the_fallback_path(tmp_path: Path
     surgery.save_checkpoint(ref, tmp_path)
     model = build_vision_tower(depth=1, seed=5)
     quantizer = Int8WeightOnlyQuantizer(targets=["patch_embed.linear_proj"])
-    report = surgery.load_checkpoint(model, tmp_path, quantizer=quantizer, fusion_config={"patch_embeddings": True})
+    report = surgery.load_checkpoint(
+        model, tmp_path, quantizer=quantizer, fusion_config={"patch_embeddings": True}
+    )
     assert report.ok, report
     proj = model.patch_embed.linear_proj
     assert type(proj) is Int8WeightOnlyLinear and proj.in_features == 1176 and not proj.uses_kernel
@@ -262,14 +266,16 @@ def test_the_fused_patch_embedding_k_1176_takes_the_fallback_path(tmp_path: Path
     assert saved["patch_embed.proj.weight"].shape == ref.patch_embed.proj.weight.shape  # Conv3d layout again
 
 
-def test_a_caller_that_casts_its_input_to_the_int8_weight_dtype_gets_an_error_not_garbage(tmp_path: Path) -> None:
+def test_a_caller_that_casts_its_input_to_the_int8_weight_dtype_gets_an_error_not_garbage(
+    tmp_path: Path,
+) -> None:
     """The patch embedding casts its input to ``linear_proj.weight.dtype``, which is now int8."""
     ref = build_vision_tower(depth=1)
     surgery.save_checkpoint(ref, tmp_path)
     model = build_vision_tower(depth=1, seed=5)
     quantizer = Int8WeightOnlyQuantizer(targets=["patch_embed.linear_proj"])
     surgery.load_checkpoint(model, tmp_path, quantizer=quantizer, fusion_config={"patch_embeddings": True})
-    with pytest.raises(surgery.ConfigurationError, match="weight.dtype"):
+    with pytest.raises(surgery.ConfigurationError, match=r"weight\.dtype"):
         model(example_pixel_values(ref.config, num_patches=8))
 
 
@@ -302,7 +308,9 @@ def test_exclude_keeps_modules_in_float(tmp_path: Path) -> None:
 
 def test_an_unknown_persisted_quant_method_is_an_error_saying_what_to_pass(tmp_path: Path) -> None:
     write_checkpoint(
-        {"weight": torch.zeros(2, 2)}, tmp_path, metadata={QUANTIZATION_METADATA_KEY: '{"quant_method": "gptq"}'}
+        {"weight": torch.zeros(2, 2)},
+        tmp_path,
+        metadata={QUANTIZATION_METADATA_KEY: '{"quant_method": "gptq"}'},
     )
     with pytest.raises(surgery.LoadError, match="quantizer="):
         surgery.load_checkpoint(nn.Linear(2, 2, bias=False), tmp_path)

@@ -25,7 +25,11 @@ class Halves:
 
 def checkpoint(path: Path) -> None:
     write_checkpoint(
-        {"weight": torch.full((4, 4), 0.5, dtype=torch.float16), "weight_marker": torch.ones(1), "bias": torch.ones(4)},
+        {
+            "weight": torch.full((4, 4), 0.5, dtype=torch.float16),
+            "weight_marker": torch.ones(1),
+            "bias": torch.ones(4),
+        },
         path,
     )
 
@@ -57,10 +61,15 @@ class Broken(Halves):
         ({"companions": lambda key, info: (key,)}, "every companion is another checkpoint key"),
         ({"decode": lambda key, t, c, region=None: t.float().sum()}, "Broken.decode('weight') turned shape"),
         ({"decode": lambda key, t, c, region=None: [t]}, "Broken.decode('weight') returned list"),
-        ({"decode": lambda key, t, c, region=None: 1 / 0}, "Broken.decode('weight') failed: ZeroDivisionError"),
+        (
+            {"decode": lambda key, t, c, region=None: 1 / 0},
+            "Broken.decode('weight') failed: ZeroDivisionError",
+        ),
     ],
 )
-def test_a_hook_that_breaks_its_contract_is_reported_naming_the_method(tmp_path: Path, overrides, needle) -> None:
+def test_a_hook_that_breaks_its_contract_is_reported_naming_the_method(
+    tmp_path: Path, overrides, needle
+) -> None:
     checkpoint(tmp_path)
     model = nn.Linear(4, 4)
     before = model.weight.detach().clone()
@@ -75,7 +84,7 @@ def test_a_hook_that_breaks_its_contract_is_reported_naming_the_method(tmp_path:
 
 
 def test_a_hook_attribute_that_is_not_callable_is_a_configuration_error() -> None:
-    with pytest.raises(surgery.ConfigurationError, match="Broken.decode is 3, not a method"):
+    with pytest.raises(surgery.ConfigurationError, match=r"Broken\.decode is 3, not a method"):
         QuantizerHooks(Broken(decode=3))
 
 
@@ -99,7 +108,10 @@ def test_a_quantize_result_that_does_not_fit_the_model_fails_before_reading(tmp_
     write_checkpoint({"weight": torch.ones(4, 4), "bias": torch.ones(4)}, tmp_path)
     plan = surgery.plan_load(nn.Linear(4, 4), tmp_path, quantizer=Wrong())
     (entry,) = [e for e in plan.entries if e.target_keys == ("weight",)]
-    assert entry.status == "error" and "Wrong.quantize('weight') produced 'weight' as (4, 4) int8" in entry.message
+    assert (
+        entry.status == "error"
+        and "Wrong.quantize('weight') produced 'weight' as (4, 4) int8" in entry.message
+    )
 
 
 def test_quantizes_must_answer_true_or_false(tmp_path: Path) -> None:
@@ -111,7 +123,7 @@ def test_quantizes_must_answer_true_or_false(tmp_path: Path) -> None:
             return {key: tensor}
 
     write_checkpoint({"weight": torch.ones(4, 4), "bias": torch.ones(4)}, tmp_path)
-    with pytest.raises(surgery.ConfigurationError, match="Vague.quantizes\\('bias'\\) returned 'yes'"):
+    with pytest.raises(surgery.ConfigurationError, match=r"Vague\.quantizes\('bias'\) returned 'yes'"):
         surgery.load_checkpoint(nn.Linear(4, 4), tmp_path, quantizer=Vague())
 
 
@@ -142,5 +154,10 @@ def test_tensor_parallelism_and_quantizing_on_the_fly_do_not_combine(tmp_path: P
     write_checkpoint({"weight": torch.ones(4, 4), "bias": torch.ones(4)}, tmp_path)
     with pytest.raises(surgery.ConfigurationError, match="tensor parallelism"):
         surgery.plan_load(
-            nn.Linear(4, 4), tmp_path, quantizer=Int8WeightOnlyQuantizer(), tp_plan={"": "colwise"}, tp_size=2, tp_rank=0
+            nn.Linear(4, 4),
+            tmp_path,
+            quantizer=Int8WeightOnlyQuantizer(),
+            tp_plan={"": "colwise"},
+            tp_size=2,
+            tp_rank=0,
         )

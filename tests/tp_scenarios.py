@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from fp8_reference import quantize_state
 from torch import nn
 
 import surgery
@@ -23,8 +24,6 @@ from surgery import WeightConverter, ops
 from surgery.checkpoint import write_checkpoint
 from surgery.examples import dense, moe
 from surgery.quantization import FP8BlockQuantizer
-
-from fp8_reference import quantize_state
 
 DENSE = dense.ExampleDenseConfig()
 MOE = moe.ExampleMoEConfig(num_attention_heads=4, num_key_value_heads=2)

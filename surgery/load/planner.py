@@ -328,6 +328,7 @@ def prepare(
     infer_cache: dict[Any, list[Any]] = {}
     mode_cache: dict[Any, bool] = {}
     decode_cache: dict[Any, torch.dtype] = {}
+    quantize_cache: dict[Any, dict[str, torch.Tensor]] = {}
 
     def where(t: torch.Tensor) -> torch.device:
         return stand_in if stand_in is not None and t.device.type == "meta" else t.device
@@ -434,7 +435,9 @@ def prepare(
             continue
         if hooks is not None and hooks.quantizes_on_the_fly:
             try:
-                work.quantized = _plan_quantize(hooks, model, out_keys, out_shapes, out_dtypes, runtime)
+                work.quantized = _plan_quantize(
+                    hooks, model, out_keys, out_shapes, out_dtypes, runtime, quantize_cache
+                )
             except ConversionError as exc:  # a ConfigurationError (a broken quantizer) fails the load
                 fail(entry, index, f"{hooks.name}.quantize", str(exc))
                 continue
@@ -664,8 +667,12 @@ def _plan_quantize(
     out_shapes: list[tuple[int, ...]],
     out_dtypes: list[torch.dtype],
     runtime: dict[str, torch.Tensor],
+    cache: dict[Any, dict[str, torch.Tensor]],
 ) -> dict[str, tuple[str, ...]]:
     """Per target the quantizer takes, the runtime keys its ``quantize`` produces (checked on ``meta``).
+
+    ``cache`` (one per planning pass) keeps the meta run per module type, local name, shape and
+    dtype, relative to the module's path: 500 linears of 3 shapes run ``quantize`` 3 times.
 
     A target whose checkpoint tensor already has the runtime's non-float dtype (a checkpoint
     saved quantized) is read as it is.
@@ -678,7 +685,16 @@ def _plan_quantize(
             continue
         if dtype == runtime[key].dtype and not dtype.is_floating_point:
             continue  # stored quantized already (a runtime-layout save): read as it is
-        produced = hooks.quantize_meta(key, shape, dtype)
+        prefix, _, name = key.rpartition(".")
+        prefix = f"{prefix}." if prefix else ""
+        memo = (type(module), name, shape, dtype)
+        relative = cache.get(memo)
+        if relative is None:
+            produced = hooks.quantize_meta(key, shape, dtype)
+            if all(k.startswith(prefix) for k in produced):
+                cache[memo] = {k.removeprefix(prefix): t for k, t in produced.items()}
+        else:
+            produced = {prefix + k: t for k, t in relative.items()}
         for k, t in produced.items():
             if k not in runtime:
                 raise ConversionError(

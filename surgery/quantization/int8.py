@@ -155,8 +155,21 @@ class Int8WeightOnlyLinear(nn.Module):
 
     @property
     def uses_kernel(self) -> bool:
-        """Whether the forward on the weight's current device runs the int8 kernel."""
+        """Whether the forward on the weight's current device runs the int8 kernel.
+
+        Setting ``False`` forces the dequantize fallback on the current device (benchmarks,
+        debugging); setting ``True`` where the kernel is not usable is an error.
+        """
         return self._decide()
+
+    @uses_kernel.setter
+    def uses_kernel(self, value: bool) -> None:
+        if value and not int8_kernel_usable(self.weight.device, self.in_features):
+            raise ConfigurationError(
+                f"the int8 kernel is not usable for in_features={self.in_features} on {self.weight.device} "
+                f"(it needs in_features % {_KERNEL_K_MULTIPLE} == 0 and a device that runs it)."
+            )
+        self._kernel = (self.weight.device, bool(value))
 
     def _decide(self) -> bool:
         device = self.weight.device
