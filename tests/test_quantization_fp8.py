@@ -146,6 +146,18 @@ def test_saving_dequantized_writes_the_float_layout(tmp_path: Path) -> None:
     assert torch.equal(weight, dequantize(sd["weight"], sd["weight_scale_inv"], B128).to(torch.bfloat16))
 
 
+def test_a_runtime_layout_save_writes_the_decoded_floats(tmp_path: Path) -> None:
+    sd = linear_checkpoint(tmp_path / "in", 300, 130)
+    model = linear(300, 130)
+    surgery.load_checkpoint(model, tmp_path / "in", quantizer=FP8BlockQuantizer())
+    surgery.save_checkpoint(model, tmp_path / "out", original_format=False)
+    with surgery.open_checkpoint(tmp_path / "out") as reader:
+        assert sorted(reader.keys()) == ["bias", "weight"]
+        assert torch.equal(
+            reader.get_tensor("weight"), dequantize(sd["weight"], sd["weight_scale_inv"], B128).bfloat16()
+        )
+
+
 def test_an_unknown_quantization_mode_is_an_error_naming_the_choices(tmp_path: Path) -> None:
     with pytest.raises(surgery.ConfigurationError, match="as_loaded, dequantized"):
         surgery.save_checkpoint(nn.Linear(2, 2), tmp_path, quantization="fp8")

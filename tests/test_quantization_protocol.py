@@ -161,3 +161,33 @@ def test_tensor_parallelism_and_quantizing_on_the_fly_do_not_combine(tmp_path: P
             tp_size=2,
             tp_rank=0,
         )
+
+
+def test_get_weight_conversions_adds_converters_for_an_n_to_1_format(tmp_path: Path) -> None:
+    """A format that stores a weight as two halves: the quantizer's converter joins them."""
+
+    class Halved:
+        def get_weight_conversions(self):
+            return [
+                surgery.WeightConverter(
+                    ["^weight_top$", "^weight_bottom$"], "weight", [surgery.ops.Concatenate(dim=0)]
+                )
+            ]
+
+    write_checkpoint(
+        {"weight_top": torch.ones(2, 4), "weight_bottom": torch.zeros(2, 4), "bias": torch.ones(4)}, tmp_path
+    )
+    model = nn.Linear(4, 4)
+    report = surgery.load_checkpoint(model, tmp_path, quantizer=Halved())
+    assert report.ok, report
+    assert torch.equal(model.weight, torch.cat([torch.ones(2, 4), torch.zeros(2, 4)]))
+    assert sorted(surgery.revert_state_dict(model)) == ["bias", "weight_bottom", "weight_top"]
+
+
+def test_get_weight_conversions_must_return_transforms() -> None:
+    class Bad:
+        def get_weight_conversions(self):
+            return ["weight"]
+
+    with pytest.raises(surgery.ConfigurationError, match="list of WeightTransform"):
+        QuantizerHooks(Bad()).weight_conversions()

@@ -123,8 +123,11 @@ def meta_clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _resolve_transforms(model: nn.Module, quantizer: object | None = None) -> list[WeightTransform]:
+def _resolve_transforms(model: nn.Module, hooks: QuantizerHooks | None = None) -> list[WeightTransform]:
+    quantizer = None if hooks is None else hooks.quantizer
     transforms = list(get_model_conversion_mapping(model, quantizer=quantizer))
+    if hooks is not None:
+        transforms.extend(hooks.weight_conversions())
     for t in fusion_transforms(model):
         t.__dict__[FUSION_TAG] = True  # saving reverses fusions whether or not they fired
         transforms.append(t)
@@ -294,7 +297,7 @@ def prepare(
         hooks.prepare(model)
     if tp is not None:
         apply_tp_plan(model, tp)
-    transforms = _resolve_transforms(model, quantizer)
+    transforms = _resolve_transforms(model, hooks)
     runtime = _runtime_tensors(model)
     tied = tied_groups(runtime)
     placements_of = target_placements(model, runtime, tp, tied) if tp is not None else {}

@@ -6,6 +6,9 @@ A quantizer is any object; the loader looks up each hook by name and uses the on
 * ``prepare(model)``: swap the targeted modules for their quantized counterparts, per instance,
   right after fusions and before anything is resolved (a failed load puts the originals back).
 * ``update_weight_conversions(transforms[, model]) -> list``: rewrite the resolved transform list.
+* ``get_weight_conversions() -> list``: converters appended to it, for a format whose
+  deserialization is a genuine N:1 conversion (several stored tensors make one runtime tensor);
+  neither built-in quantizer needs it (FP8 decodes per source, the int8 layout loads 1:1).
 * ``companions(key, info) -> tuple[str, ...]`` and ``decode(key, tensor, companions, region=None)``:
   the checkpoint is quantized on disk. ``companions`` names the keys stored next to ``key`` that
   decoding needs (``X.weight_scale_inv``); they are taken out of routing and read with ``key``.
@@ -37,6 +40,7 @@ from torch import nn
 from ..checkpoint import TensorInfo
 from ..errors import ConfigurationError, ConversionError, SurgeryError
 from ..slicing import Region
+from ..transforms import WeightTransform
 
 __all__ = ["QUANTIZATION_METADATA_KEY", "QuantizedModule", "Quantizer", "QuantizerHooks", "config_metadata"]
 
@@ -51,6 +55,8 @@ class Quantizer(Protocol):
     """
 
     def prepare(self, model: nn.Module) -> None: ...
+
+    def get_weight_conversions(self) -> list[WeightTransform]: ...
 
     def companions(self, key: str, info: TensorInfo) -> tuple[str, ...]: ...
 
@@ -100,7 +106,16 @@ class QuantizerHooks:
         ConfigurationError: an attribute named like a hook is not callable.
     """
 
-    _HOOKS = ("prepare", "companions", "decode", "quantizes", "quantize", "metadata", "encode")
+    _HOOKS = (
+        "prepare",
+        "get_weight_conversions",
+        "companions",
+        "decode",
+        "quantizes",
+        "quantize",
+        "metadata",
+        "encode",
+    )
 
     def __init__(self, quantizer: object) -> None:
         self.quantizer = quantizer
@@ -152,6 +167,17 @@ class QuantizerHooks:
                     f"{self.name}.prepare returned {type(result).__name__}; it must change the model in place "
                     "and return None."
                 )
+
+    def weight_conversions(self) -> list[WeightTransform]:
+        """``get_weight_conversions()``, checked (``[]`` without the hook)."""
+        if "get_weight_conversions" not in self._hooks:
+            return []
+        result = self._hooks["get_weight_conversions"]()
+        if not isinstance(result, (list, tuple)) or not all(isinstance(t, WeightTransform) for t in result):
+            raise ConfigurationError(
+                f"{self.name}.get_weight_conversions() returned {result!r}; return a list of WeightTransform."
+            )
+        return list(result)
 
     # ------------------------------------------------------------------ quantized on disk
     def companions(self, key: str, info: TensorInfo) -> tuple[str, ...]:
