@@ -77,7 +77,7 @@ def test_a_float8_weight_without_scales_is_cast_and_reported(tmp_path: Path) -> 
 # --------------------------------------------------------------------------- loading
 
 
-@pytest.mark.parametrize("shape", [(300, 130), (4000, 4100), (128, 256)])
+@pytest.mark.parametrize("shape", [(300, 130), (4000, 4100), (128, 256), (256, 384)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_weight_loads_as_the_reference_dequantization_edge_blocks_included(tmp_path, shape, dtype) -> None:
     sd = linear_checkpoint(tmp_path, *shape)
@@ -342,3 +342,16 @@ def test_encode_with_the_recorded_scales_inverts_decode_through_bf16(n, k, b0, b
     encoded = quantizer.encode("w", decoded, {"w_scale_inv": scale})
     assert torch.equal(encoded["w"].view(torch.uint8), q.view(torch.uint8))
     assert encoded["w_scale_inv"] is scale
+
+
+@pytest.mark.parametrize("shape", [(6, 20), (2, 12, 10), (7, 20), (6, 21)])
+def test_whole_block_and_edge_block_decodes_agree_with_the_reference(shape) -> None:
+    """Whole blocks broadcast each scale, edge blocks expand it: the same bits either way."""
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    q, scale = blockwise_quantize(w, (3, 5))
+    got = blockwise_dequantize(q, scale, (3, 5))
+    if q.dim() == 2:
+        assert torch.equal(got, dequantize(q, scale, (3, 5)))
+    else:
+        for e in range(shape[0]):
+            assert torch.equal(got[e], dequantize(q[e], scale[e], (3, 5)))

@@ -9,9 +9,10 @@ Run ``surgery bench quantization [--hidden 1024] [--inner 2816] [--blocks 8] [--
 * **decode**: the cost of one FP8 block dequantization of a ``4096 x 4096`` weight against a
   plain ``e4m3 -> float32`` cast of it (the floor).
 * **load**: a stack of ``--blocks`` such MLPs, built on ``meta``, from files on disk (page cache
-  warm, best of ``--repeat``): a bf16 checkpoint into a bf16 model (the floor), a float32
-  checkpoint without a quantizer and with int8 quantization on the fly, and the same weights as
-  a block-wise FP8 checkpoint decoded into bf16. The first load of each variant warms up (the
+  warm, best of ``--repeat``, ``mmap=False`` so every load reads into owned memory): the floor is
+  ``safetensors.torch.load`` of the float32 file's bytes (read, then copied out); then a bf16 checkpoint into a bf16 model,
+  the float32 checkpoint without a quantizer and with int8 quantization on the fly, and the
+  same weights as a block-wise FP8 checkpoint decoded into bf16. The first load of each variant warms up (the
 first ``meta`` run of torch's decompositions costs most of a second once per process).
 """
 
@@ -25,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -149,18 +151,28 @@ def _load(hidden: int, inner: int, blocks: int, repeat: int) -> list[str]:
         write_checkpoint(sd, paths["fp32"])
         write_checkpoint(fp8, paths["fp8"])
         variants: list[tuple[str, Path, torch.dtype, object]] = [
-            ("bf16 checkpoint -> bf16 model (floor)", paths["bf16"], torch.bfloat16, None),
+            ("bf16 checkpoint -> bf16 model", paths["bf16"], torch.bfloat16, None),
             ("fp32 checkpoint -> fp32 model", paths["fp32"], torch.float32, None),
             ("fp32 checkpoint -> int8 on the fly", paths["fp32"], torch.float32, Int8WeightOnlyQuantizer()),
             ("FP8 checkpoint -> bf16 (decode)", paths["fp8"], torch.bfloat16, FP8BlockQuantizer()),
         ]
+        floor = float("inf")
+        for _ in range(max(1, repeat)):
+            start = time.perf_counter()
+            safetensors.torch.load((paths["fp32"] / "model.safetensors").read_bytes())
+            floor = min(floor, time.perf_counter() - start)
+        rows.append(
+            ("safetensors load(read_bytes()), fp32 (floor)", floor, sum(v.nbytes for v in sd.values()))
+        )
         for name, path, dtype, quantizer in variants:
             best = float("inf")
             nbytes = 0
             for _ in range(max(1, repeat)):
                 target = meta(dtype)
                 start = time.perf_counter()
-                report = surgery.load_checkpoint(target, path, quantizer=quantizer, progress=False)  # type: ignore[arg-type]
+                report = surgery.load_checkpoint(
+                    target, path, quantizer=quantizer, mmap=False, progress=False
+                )  # type: ignore[arg-type]
                 best = min(best, time.perf_counter() - start)
                 if not report.ok:
                     raise RuntimeError(f"benchmark load {name} failed:\n{report}")
@@ -174,8 +186,14 @@ def _load(hidden: int, inner: int, blocks: int, repeat: int) -> list[str]:
     ]
     for name, seconds, nbytes in rows:
         lines.append(
-            f"  {name:<42} {seconds:>7.3f} s ({seconds / floor:5.2f}x)  read {nbytes / 2**20:7.0f} MiB"
+            f"  {name:<46} {seconds:>7.3f} s ({seconds / floor:5.2f}x)  read {nbytes / 2**20:7.0f} MiB"
         )
+    t = {name: seconds for name, seconds, _ in rows}
+    int8 = t["fp32 checkpoint -> int8 on the fly"] / t["fp32 checkpoint -> fp32 model"]
+    fp8_ratio = t["FP8 checkpoint -> bf16 (decode)"] / t["bf16 checkpoint -> bf16 model"]
+    lines.append(
+        f"  int8 on the fly vs the plain fp32 load: {int8:.1f}x; FP8 decode vs the bf16 load: {fp8_ratio:.1f}x"
+    )
     return lines
 
 
@@ -184,7 +202,7 @@ def run(*, hidden: int = 1024, inner: int = 2816, blocks: int = 8, repeat: int =
     parts = [
         _forward(hidden, inner, repeat),
         _decode(repeat),
-        _load(hidden, inner, blocks, max(2, repeat // 2)),
+        _load(hidden, inner, blocks, max(3, repeat)),
     ]
     return "\n\n".join("\n".join(p) for p in parts)
 

@@ -39,7 +39,7 @@ from ..errors import ConversionError, LoadError, SurgeryError
 from ..fusion import RECORD_ATTRIBUTE, fusion_config_of
 from ..ops import run_chain
 from ..parallel import dtensor_type
-from ..quantization import QUANTIZATION_METADATA_KEY, Quantizer
+from ..quantization import QUANTIZATION_METADATA_KEY
 from ..slicing import NOT_NEEDED, Region, local_shape
 from ..transforms import PrefixChange, WeightTransform
 from .placement import all_contiguous, flatten_slots, placement_views
@@ -439,7 +439,7 @@ def plan_load(
     tp_size: int | None = None,
     tp_rank: int | None = None,
     fusion_config: dict[str, Any] | None = None,
-    quantizer: Quantizer | None = None,
+    quantizer: object | None = None,
     allow_pickle: bool = False,
     mmap: bool = True,
 ) -> LoadPlan:
@@ -504,7 +504,7 @@ def load_checkpoint(
     dtype: torch.dtype | str | None = None,
     tp_plan: dict[str, Any] | str | None = None,
     device_mesh: Any = None,
-    quantizer: Quantizer | None = None,
+    quantizer: object | None = None,
     fusion_config: dict[str, Any] | None = None,
     strict: bool = False,
     allow_pickle: bool = False,

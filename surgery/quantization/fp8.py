@@ -96,6 +96,13 @@ def blockwise_dequantize(
 ) -> torch.Tensor:
     """``q * scale`` per block, in float32 (``region``: ``q`` is that part of the weight)."""
     out = q.to(torch.float32)  # the region's dim is indexed by its intervals, the others are whole
+    b0, b1 = block_size
+    *lead, n, k = q.shape
+    if region is None and n % b0 == 0 and k % b1 == 0 and out.device.type != "meta":
+        # Whole blocks: broadcast each scale over its block instead of expanding it (same values).
+        blocks = out.view(*lead, n // b0, b0, k // b1, b1)
+        blocks.mul_(scale.to(torch.float32).view(*lead, n // b0, 1, k // b1, 1))
+        return out
     return out.mul_(expand_block_scales(scale, tuple(q.shape), block_size, region))
 
 

@@ -53,7 +53,8 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         )
     x = weight.to(torch.float32)
     scale = x.abs().amax(dim=1) / 127
-    q = torch.round(x / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp_(-127, 127)
+    q = torch.div(x, scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
+    q.round_().clamp_(-127, 127)  # in place: one float temporary per weight, not three
     return q.to(torch.int8), scale
 
 

@@ -51,7 +51,9 @@ QUANTIZATION_METADATA_KEY = "surgery.quantization"
 class Quantizer(Protocol):
     """What the load and save paths call on a quantizer (see the module docstring).
 
-    Implement only the methods the format needs; the loader checks what it finds.
+    Implement only the methods the format needs; the loader checks what it finds. Since a
+    static type cannot say "any subset of these methods", ``load_checkpoint(quantizer=...)`` is
+    typed ``object``; this protocol documents the full set.
     """
 
     def prepare(self, model: nn.Module) -> None: ...
