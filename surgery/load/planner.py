@@ -43,6 +43,7 @@ from ..slicing import local_shape
 from ..transforms import WeightTransform
 from .placement import all_contiguous, placement_views, source_slot_shapes
 from .plan import FUSION_METADATA_KEY, FUSION_TAG, LoadPlan, PlanEntry
+from .quantized import claim_companions, decoded_info, plan_quantize, prequantized_sources
 from .report import ConversionFailure, Mismatch
 from .sharding import (
     Sharding,
@@ -306,7 +307,7 @@ def prepare(
     companions_of: dict[str, tuple[str, ...]] = {}
     key_errors: dict[str, str] = {}
     if hooks is not None and hooks.decodes:
-        keys, companions_of, key_errors = _claim_companions(keys, reader, hooks)
+        keys, companions_of, key_errors = claim_companions(keys, reader, hooks)
     routing = route_keys(keys, transforms, runtime_keys=runtime.keys(), base_model_prefix=base_prefix)
     config_for = config_lookup(model)
     plan = LoadPlan(str(path), fusions=fusions)
@@ -378,11 +379,11 @@ def prepare(
             entry.companions = tuple(c for k in src_keys for c in decoded.get(k, ()))
             entry.nbytes += sum(reader.info(c).nbytes for c in entry.companions)
             try:
-                infos = [_decoded_info(hooks, i, decoded, reader, decode_cache) for i in infos]
+                infos = [decoded_info(hooks, i, decoded, reader, decode_cache) for i in infos]
             except ConversionError as exc:
                 fail(entry, index, f"{hooks.name}.decode", str(exc))
                 continue
-        quantized = _prequantized_sources([i for i in infos if i.key not in decoded], reader, hooks)
+        quantized = prequantized_sources([i for i in infos if i.key not in decoded], reader, hooks)
         if quantized:
             fail(entry, index, "dequantize", quantized)
             continue
@@ -438,7 +439,7 @@ def prepare(
             continue
         if hooks is not None and hooks.quantizes_on_the_fly:
             try:
-                work.quantized = _plan_quantize(
+                work.quantized = plan_quantize(
                     hooks, model, out_keys, out_shapes, out_dtypes, runtime, quantize_cache
                 )
             except ConversionError as exc:  # a ConfigurationError (a broken quantizer) fails the load
@@ -586,130 +587,6 @@ def _settle_conflicts(
             w.entry.message = "another checkpoint entry lands on the same parameter"
         elif w.entry.status == "ok":
             out.append(w)
-    return out
-
-
-def _prequantized_sources(
-    infos: list[TensorInfo], reader: CheckpointReader, hooks: QuantizerHooks | None
-) -> str:
-    """Why these sources cannot be cast as they are (``""`` when they can).
-
-    A float8 tensor stored with a ``<key>_scale_inv`` companion holds quantized values
-    (block-wise FP8, the DeepSeek-V3 layout): casting them to a float dtype ignores the scales
-    and gives wrong numbers, so such a source is an error unless a quantizer decodes it.
-    """
-    for info in infos:
-        if info.dtype.is_floating_point and info.dtype.itemsize == 1 and f"{info.key}_scale_inv" in reader:
-            which = f"{hooks.name} does not decode it" if hooks is not None else "no quantizer was given"
-            return (
-                f"{info.key!r} is {_dtype_name(info.dtype)} with the scales {info.key + '_scale_inv'!r}: the "
-                f"checkpoint is pre-quantized, and casting its values without the scales would load wrong "
-                f"weights ({which}). Pass quantizer=surgery.quantization.FP8BlockQuantizer() (block size "
-                "from the config's weight_block_size, or FP8BlockQuantizer.from_config(config.json))."
-            )
-    return ""
-
-
-def _claim_companions(
-    keys: list[str], reader: CheckpointReader, hooks: QuantizerHooks
-) -> tuple[list[str], dict[str, tuple[str, ...]], dict[str, str]]:
-    """Take the quantizer's companion keys out of ``keys``.
-
-    Returns the keys left to route, ``key -> companions`` of every key to decode, and ``key ->
-    message`` for keys that cannot be decoded (a missing companion, or a key the quantizer
-    refuses); those keys are still routed, so their entries fail with the message.
-    """
-    companions_of: dict[str, tuple[str, ...]] = {}
-    errors: dict[str, str] = {}
-    for key in keys:
-        try:
-            found = hooks.companions(key, reader.info(key))
-        except ConversionError as exc:
-            errors[key] = str(exc)
-            continue
-        if not found:
-            continue
-        missing = [c for c in found if c not in reader]
-        if missing:
-            errors[key] = (
-                f"{key!r} is stored quantized ({_dtype_name(reader.info(key).dtype)}), and {hooks.name} needs "
-                f"{', '.join(repr(m) for m in missing)} to decode it, which the checkpoint lacks."
-            )
-        companions_of[key] = found
-    claimed = {c for found in companions_of.values() for c in found}
-    return [k for k in keys if k not in claimed], companions_of, errors
-
-
-def _decoded_info(
-    hooks: QuantizerHooks,
-    info: TensorInfo,
-    decoded: dict[str, tuple[str, ...]],
-    reader: CheckpointReader,
-    cache: dict[Any, torch.dtype],
-) -> TensorInfo:
-    """``info`` as the op chain sees it after decoding (checked by a ``meta`` run of ``decode``)."""
-    names = decoded.get(info.key)
-    if not names:
-        return info
-    companions = {c: reader.info(c) for c in names}
-    key = (
-        info.shape,
-        info.dtype,
-        tuple((c.removeprefix(info.key), i.shape, i.dtype) for c, i in companions.items()),
-    )
-    dtype = cache.get(key)
-    if dtype is None:
-        dtype = cache[key] = hooks.decode_meta(info.key, info, companions)
-    return dataclasses.replace(info, dtype=dtype)
-
-
-def _plan_quantize(
-    hooks: QuantizerHooks,
-    model: nn.Module,
-    out_keys: tuple[str, ...],
-    out_shapes: list[tuple[int, ...]],
-    out_dtypes: list[torch.dtype],
-    runtime: dict[str, torch.Tensor],
-    cache: dict[Any, dict[str, torch.Tensor]],
-) -> dict[str, tuple[str, ...]]:
-    """Per target the quantizer takes, the runtime keys its ``quantize`` produces (checked on ``meta``).
-
-    ``cache`` (one per planning pass) keeps the meta run per module type, local name, shape and
-    dtype, relative to the module's path: 500 linears of 3 shapes run ``quantize`` 3 times.
-
-    A target whose checkpoint tensor already has the runtime's non-float dtype (a checkpoint
-    saved quantized) is read as it is.
-    """
-    out: dict[str, tuple[str, ...]] = {}
-    for key, shape, dtype in zip(out_keys, out_shapes, out_dtypes):
-        path = key.rpartition(".")[0]
-        module = model.get_submodule(path) if path else model
-        if not hooks.quantizes(key, module):
-            continue
-        if dtype == runtime[key].dtype and not dtype.is_floating_point:
-            continue  # stored quantized already (a runtime-layout save): read as it is
-        prefix, _, name = key.rpartition(".")
-        prefix = f"{prefix}." if prefix else ""
-        memo = (type(module), name, shape, dtype)
-        relative = cache.get(memo)
-        if relative is None:
-            produced = hooks.quantize_meta(key, shape, dtype)
-            if all(k.startswith(prefix) for k in produced):
-                cache[memo] = {k.removeprefix(prefix): t for k, t in produced.items()}
-        else:
-            produced = {prefix + k: t for k, t in relative.items()}
-        for k, t in produced.items():
-            if k not in runtime:
-                raise ConversionError(
-                    f"{hooks.name}.quantize({key!r}) produced {k!r}, which the model does not have."
-                )
-            want = runtime[k]
-            if (tuple(t.shape), t.dtype) != (tuple(want.shape), want.dtype):
-                raise ConversionError(
-                    f"{hooks.name}.quantize({key!r}) produced {k!r} as {tuple(t.shape)} {_dtype_name(t.dtype)}; "
-                    f"the model holds {tuple(want.shape)} {_dtype_name(want.dtype)}."
-                )
-        out[key] = tuple(produced)
     return out
 
 

@@ -1,0 +1,150 @@
+"""What a quantizer changes in a load plan (see :mod:`surgery.quantization` for the hooks).
+
+Planning asks the quantizer, from headers alone: which checkpoint keys are companions of a
+stored-quantized weight (taken out of routing, read with their weight), what each decoded source
+looks like to the op chain (a ``meta`` run of ``decode``), and which targets ``quantize`` turns
+into which runtime keys (a ``meta`` run of ``quantize``). A source stored quantized that nobody
+decodes is an error here, never a cast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint import CheckpointReader, TensorInfo
+from ..errors import ConversionError
+from ..quantization import QuantizerHooks
+
+__all__ = ["claim_companions", "decoded_info", "plan_quantize", "prequantized_sources"]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def prequantized_sources(
+    infos: list[TensorInfo], reader: CheckpointReader, hooks: QuantizerHooks | None
+) -> str:
+    """Why these sources cannot be cast as they are (``""`` when they can).
+
+    A float8 tensor stored with a ``<key>_scale_inv`` companion holds quantized values
+    (block-wise FP8, the DeepSeek-V3 layout): casting them to a float dtype ignores the scales
+    and gives wrong numbers, so such a source is an error unless a quantizer decodes it.
+    """
+    for info in infos:
+        if info.dtype.is_floating_point and info.dtype.itemsize == 1 and f"{info.key}_scale_inv" in reader:
+            which = f"{hooks.name} does not decode it" if hooks is not None else "no quantizer was given"
+            return (
+                f"{info.key!r} is {_name(info.dtype)} with the scales {info.key + '_scale_inv'!r}: the "
+                f"checkpoint is pre-quantized, and casting its values without the scales would load wrong "
+                f"weights ({which}). Pass quantizer=surgery.quantization.FP8BlockQuantizer() (block size "
+                "from the config's weight_block_size, or FP8BlockQuantizer.from_config(config.json))."
+            )
+    return ""
+
+
+def claim_companions(
+    keys: list[str], reader: CheckpointReader, hooks: QuantizerHooks
+) -> tuple[list[str], dict[str, tuple[str, ...]], dict[str, str]]:
+    """Take the quantizer's companion keys out of ``keys``.
+
+    Returns the keys left to route, ``key -> companions`` of every key to decode, and ``key ->
+    message`` for keys that cannot be decoded (a missing companion, or a key the quantizer
+    refuses); those keys are still routed, so their entries fail with the message.
+    """
+    companions_of: dict[str, tuple[str, ...]] = {}
+    errors: dict[str, str] = {}
+    for key in keys:
+        try:
+            found = hooks.companions(key, reader.info(key))
+        except ConversionError as exc:
+            errors[key] = str(exc)
+            continue
+        if not found:
+            continue
+        missing = [c for c in found if c not in reader]
+        if missing:
+            errors[key] = (
+                f"{key!r} is stored quantized ({_name(reader.info(key).dtype)}), and {hooks.name} needs "
+                f"{', '.join(repr(m) for m in missing)} to decode it, which the checkpoint lacks."
+            )
+        companions_of[key] = found
+    claimed = {c for found in companions_of.values() for c in found}
+    return [k for k in keys if k not in claimed], companions_of, errors
+
+
+def decoded_info(
+    hooks: QuantizerHooks,
+    info: TensorInfo,
+    decoded: dict[str, tuple[str, ...]],
+    reader: CheckpointReader,
+    cache: dict[Any, torch.dtype],
+) -> TensorInfo:
+    """``info`` as the op chain sees it after decoding (checked by a ``meta`` run of ``decode``)."""
+    names = decoded.get(info.key)
+    if not names:
+        return info
+    companions = {c: reader.info(c) for c in names}
+    key = (
+        info.shape,
+        info.dtype,
+        tuple((c.removeprefix(info.key), i.shape, i.dtype) for c, i in companions.items()),
+    )
+    dtype = cache.get(key)
+    if dtype is None:
+        dtype = cache[key] = hooks.decode_meta(info.key, info, companions)
+    return dataclasses.replace(info, dtype=dtype)
+
+
+def plan_quantize(
+    hooks: QuantizerHooks,
+    model: nn.Module,
+    out_keys: tuple[str, ...],
+    out_shapes: list[tuple[int, ...]],
+    out_dtypes: list[torch.dtype],
+    runtime: dict[str, torch.Tensor],
+    cache: dict[Any, dict[str, torch.Tensor]],
+) -> dict[str, tuple[str, ...]]:
+    """Per target the quantizer takes, the runtime keys its ``quantize`` produces (checked on ``meta``).
+
+    ``cache`` (one per planning pass) keeps the meta run per module type, local name, shape and
+    dtype, relative to the module's path: 500 linears of 3 shapes run ``quantize`` 3 times.
+
+    A target whose checkpoint tensor already has the runtime's non-float dtype (a checkpoint
+    saved quantized) is read as it is.
+    """
+    out: dict[str, tuple[str, ...]] = {}
+    for key, shape, dtype in zip(out_keys, out_shapes, out_dtypes):
+        path = key.rpartition(".")[0]
+        module = model.get_submodule(path) if path else model
+        if not hooks.quantizes(key, module):
+            continue
+        if dtype == runtime[key].dtype and not dtype.is_floating_point:
+            continue  # stored quantized already (a runtime-layout save): read as it is
+        prefix, _, name = key.rpartition(".")
+        prefix = f"{prefix}." if prefix else ""
+        memo = (type(module), name, shape, dtype)
+        relative = cache.get(memo)
+        if relative is None:
+            produced = hooks.quantize_meta(key, shape, dtype)
+            if all(k.startswith(prefix) for k in produced):
+                cache[memo] = {k.removeprefix(prefix): t for k, t in produced.items()}
+        else:
+            produced = {prefix + k: t for k, t in relative.items()}
+        for k, t in produced.items():
+            if k not in runtime:
+                raise ConversionError(
+                    f"{hooks.name}.quantize({key!r}) produced {k!r}, which the model does not have."
+                )
+            want = runtime[k]
+            if (tuple(t.shape), t.dtype) != (tuple(want.shape), want.dtype):
+                raise ConversionError(
+                    f"{hooks.name}.quantize({key!r}) produced {k!r} as {tuple(t.shape)} {_name(t.dtype)}; "
+                    f"the model holds {tuple(want.shape)} {_name(want.dtype)}."
+                )
+        out[key] = tuple(produced)
+    return out
