@@ -8,6 +8,10 @@ written files are compared byte for byte with the input.
 Part 2 (fusion): a Qwen2-VL-like vision tower's original checkpoint is loaded into a tower whose
 Conv3d patch embedding is rewritten into one ``nn.Linear``; outputs are compared with the
 unfused tower and the export is compared with the input files.
+
+Part 3 (quantization): the MoE checkpoint is stored as block-wise FP8 (DeepSeek-V3 layout),
+decoded per expert as it is read into the fused model, and saved back as the same FP8 files;
+the float checkpoint is then loaded with int8 weight-only quantization on the fly.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
 from .examples.vision import build_vision_tower
 from .fusion import preview_fusions
 from .load import load_checkpoint, plan_load
+from .quantization import FP8BlockQuantizer, Int8WeightOnlyQuantizer, blockwise_quantize
 from .save import save_checkpoint
 
 __all__ = ["run_demo"]
@@ -114,17 +119,60 @@ def _vision_part(root: Path, quick: bool, timings: list[tuple[str, float]]) -> b
     return report.ok and err < 1e-5 and same_files
 
 
+def _quantization_part(root: Path, quick: bool, timings: list[tuple[str, float]]) -> bool:
+
+    cfg = ExampleMoEConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
+    )
+    block = (32, 32)
+    reference = build_moe_model(cfg, seed=0)
+    original = original_state_dict(reference)
+    src_dir, out_dir, float_dir = root / "moe-fp8", root / "moe-fp8-roundtrip", root / "moe-float"
+    with _step("Quantization: store the expert weights as block-wise FP8 (32x32 blocks)", timings):
+        stored: dict[str, torch.Tensor] = {}
+        for key, value in original.items():
+            if ".experts." in key:
+                stored[key], stored[key + "_scale_inv"] = blockwise_quantize(value, block)
+            else:
+                stored[key] = value
+        write_checkpoint(stored, src_dir)
+        print(f"{sum(k.endswith('_scale_inv') for k in stored)} FP8 weights with their scales at {src_dir}")
+    model = build_moe_model(cfg, device="meta")
+    quantizer = FP8BlockQuantizer(block_size=block)
+    with _step("Quantization: load, decoding each expert before the merge", timings):
+        report = load_checkpoint(model, src_dir, quantizer=quantizer)
+        print(report)
+    with _step("Quantization: save back as loaded (the recorded scales)", timings):
+        save_checkpoint(model, out_dir)
+    same_files = _same_files(src_dir, out_dir)
+    print(f"FP8 files byte-identical to the input: {same_files}")
+    write_checkpoint(original, float_dir)
+    int8 = build_moe_model(cfg, device="meta")
+    with _step("Quantization: int8 weight-only on the fly (attention projections)", timings):
+        int8_report = load_checkpoint(
+            int8, float_dir, quantizer=Int8WeightOnlyQuantizer(targets=["model.layers.*.self_attn.*"])
+        )
+        print(int8_report)
+    with torch.no_grad():
+        ids = torch.randint(0, cfg.vocab_size, (2, 8))
+        want, got = reference(ids), int8(ids)
+    err = float((got - want).norm() / want.norm())
+    print(f"int8 model vs float model: relative difference {err:.2e}")
+    return report.ok and same_files and int8_report.ok and err < 5e-2
+
+
 def _patch_volume(tower: Any) -> int:
     pe = tower.patch_embed
     return int(pe.in_channels * pe.temporal_patch_size * pe.patch_size * pe.patch_size)
 
 
 def run_demo(*, workdir: str | None = None, quick: bool = False) -> int:
-    """Run both halves of the demo; return 0 when every check passed."""
+    """Run the three parts of the demo; return 0 when every check passed."""
     timings: list[tuple[str, float]] = []
     parts: list[tuple[str, Callable[[Path, bool, list[tuple[str, float]]], bool]]] = [
         ("checkpoint conversion (Mixtral-style MoE)", _moe_part),
         ("fusion (Qwen2-VL-like vision tower)", _vision_part),
+        ("quantization (FP8 checkpoint round trip, int8 on the fly)", _quantization_part),
     ]
     results: list[tuple[str, bool]] = []
     with tempfile.TemporaryDirectory(prefix="surgery-demo-") as tmp:
