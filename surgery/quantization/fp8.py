@@ -47,7 +47,8 @@ _STORED = tuple(
 )
 """Low-precision dtypes a stored weight may have: such a weight needs its scales (or is an error)."""
 
-_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu)
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)  # torch >= 2.7
+_SCALE_DTYPES = tuple(d for d in (torch.float32, torch.bfloat16, torch.float16, _E8M0) if d is not None)
 _FORMATS = {"e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
@@ -294,7 +295,7 @@ class FP8BlockQuantizer:
         if w.device.type != "meta" and bool(over.any()):
             pow2 = self.power_of_two
             if pow2 is None:
-                pow2 = scale.dtype == torch.float8_e8m0fnu or bool((torch.frexp(s)[0].abs() == 0.5).all())
+                pow2 = scale.dtype == _E8M0 or bool((torch.frexp(s)[0].abs() == 0.5).all())
             fresh = _fresh_scales(_block_amax(w.abs(), self.block_size), self.weight_dtype, pow2)
             s = torch.where(over, fresh, s)
             q = w / expand_block_scales(s, w.shape, self.block_size)
