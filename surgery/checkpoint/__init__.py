@@ -6,14 +6,23 @@
   sharded checkpoint (index validated, shard paths confined to its directory); pickle files only
   with ``allow_pickle=True``, then with ``weights_only=True``.
 * :mod:`~surgery.checkpoint.writer`: :func:`write_checkpoint`, streaming, sharded, atomic
-  (temporary files, fsync, rename), so a failed save leaves the previous checkpoint intact.
+  (temporary files, fsync, rename), so a failed save leaves the previous checkpoint intact
+  and a killed one leaves no entry point naming a mix of two saves.
 """
 
 from .format import TensorInfo
 from .reader import CheckpointReader, open_checkpoint
-from .writer import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SHARD_NAME, parse_size, write_checkpoint
+from .writer import (
+    LEFTOVER_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    SHARD_NAME,
+    parse_size,
+    write_checkpoint,
+)
 
 __all__ = [
+    "LEFTOVER_NAME",
     "SAFE_WEIGHTS_INDEX_NAME",
     "SAFE_WEIGHTS_NAME",
     "SHARD_NAME",

@@ -25,6 +25,7 @@ import math
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ import torch
 
 from ..errors import CheckpointError
 from .format import SafetensorsFile, TensorInfo, unique_pairs
-from .writer import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+from .writer import LEFTOVER_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, save_in_progress
 
 __all__ = ["CheckpointReader", "open_checkpoint"]
 
@@ -41,6 +42,14 @@ _PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
 _PICKLE_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 _PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt"})
 _MAX_INDEX_BYTES = 100_000_000  # like the safetensors header: read whole, so bounded
+_OPEN_ATTEMPTS = 20  # while a save into the directory is in progress, opening is retried
+_RETRY_SECONDS = 0.05
+
+
+class _IndexChanged(Exception):
+    """The index was replaced while its shards were being opened (a save committed meanwhile)."""
+
+
 _NUMBERED = re.compile(r"(.+)-\d{5}-of-(\d{5})(\.\w+)")
 
 
@@ -471,17 +480,24 @@ def _shard_path(index: Path, name: object, key: str) -> Path:
     return candidate
 
 
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def _open_index(given: Path, index: Path, *, allow_pickle: bool) -> CheckpointReader:
     try:
-        size = index.stat().st_size
-        if size > _MAX_INDEX_BYTES:
-            raise _index_error(
-                index,
-                f"it is {size} bytes, more than the {_MAX_INDEX_BYTES} an index may hold (the safetensors "
-                "header limit)",
-                "Restore or regenerate the index file.",
-            )
-        raw = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=unique_pairs)
+        with open(index, "rb") as f:
+            seen = _identity(os.fstat(f.fileno()))
+            size = seen[2]
+            if size > _MAX_INDEX_BYTES:
+                raise _index_error(
+                    index,
+                    f"it is {size} bytes, more than the {_MAX_INDEX_BYTES} an index may hold (the safetensors "
+                    "header limit)",
+                    "Restore or regenerate the index file.",
+                )
+            text = f.read().decode("utf-8")
+        raw = json.loads(text, object_pairs_hook=unique_pairs)
     except OSError as exc:
         raise CheckpointError(f"Cannot read checkpoint index '{index}': {exc.strerror or exc}.") from None
     except ValueError as exc:
@@ -514,15 +530,30 @@ def _open_index(given: Path, index: Path, *, allow_pickle: bool) -> CheckpointRe
         raise _refuse_pickle(paths[pickled[0]])
     files: list[_File] = []
     try:
-        for name in sorted(paths):
-            shard = _open_file(paths[name], allow_pickle=allow_pickle)
-            files.append(shard)
-            _check_shard_against_index(index, shard, name, by_name[name])
+        try:
+            for name in sorted(paths):
+                shard = _open_file(paths[name], allow_pickle=allow_pickle)
+                files.append(shard)
+                _check_shard_against_index(index, shard, name, by_name[name])
+        except CheckpointError:
+            if _changed(index, seen):
+                raise _IndexChanged from None  # a save replaced shards under us: open again
+            raise
+        if _changed(index, seen):  # the shards we hold may be from two saves: open again
+            raise _IndexChanged
     except BaseException:
         for shard in files:
             shard.close()
         raise
     return CheckpointReader(given, files, index=index, index_metadata=index_metadata)
+
+
+def _changed(index: Path, seen: tuple[int, int, int, int]) -> bool:
+    """Whether ``index`` is no longer the file read (a sharded save moves it away before any shard)."""
+    try:
+        return _identity(os.stat(index)) != seen
+    except OSError:
+        return True
 
 
 def _check_no_orphan_shards(index: Path, paths: Mapping[str, Path]) -> None:
@@ -573,7 +604,15 @@ def _directory_entry(directory: Path, *, allow_pickle: bool) -> Path:
             if not allow_pickle:
                 raise _refuse_pickle(directory / name)
             return directory / name
-    found = sorted(p.name for p in directory.iterdir() if p.suffix in {".safetensors", ".json"})
+    names = [p.name for p in directory.iterdir()]
+    leftovers = sorted(n for n in names if LEFTOVER_NAME.fullmatch(n))
+    if leftovers:
+        raise CheckpointError(
+            f"Directory '{directory}' holds no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}: a save into it "
+            f"was interrupted (left: {', '.join(leftovers[:4])}), so its shards may come from two saves and "
+            "none is loaded. Save the checkpoint again (that also removes the leftovers)."
+        )
+    found = sorted(n for n in names if Path(n).suffix in {".safetensors", ".json"})
     raise CheckpointError(
         f"Directory '{directory}' holds no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME} (found: "
         f"{found or 'nothing relevant'}). Pass the path of the checkpoint file itself."
@@ -601,7 +640,27 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False)
         >>> with open_checkpoint("ckpt/") as reader:  # doctest: +SKIP
         ...     rows = reader.get_slice("lm_head.weight", 0, 0, 1024)
     """
-    given = path = Path(path)
+    given = Path(path)
+    for attempt in range(_OPEN_ATTEMPTS):
+        try:
+            return _open(given, allow_pickle=allow_pickle)
+        except _IndexChanged:
+            pass
+        except CheckpointError:
+            # Opening raced a save into the directory (an entry point moved away, a shard
+            # replaced): wait for the save to commit. Otherwise the error stands.
+            directory = given if given.is_dir() else given.parent
+            if attempt + 1 == _OPEN_ATTEMPTS or not save_in_progress(directory):
+                raise
+        time.sleep(_RETRY_SECONDS)
+    raise CheckpointError(
+        f"'{given}' kept changing while it was opened ({_OPEN_ATTEMPTS} attempts): another process is saving "
+        "into it. Open it once that save has finished."
+    )
+
+
+def _open(given: Path, *, allow_pickle: bool) -> CheckpointReader:
+    path = given
     if path.is_dir():
         path = _directory_entry(path, allow_pickle=allow_pickle)
     elif not path.exists():

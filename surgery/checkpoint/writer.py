@@ -4,8 +4,18 @@
 mapping described by ``specs``, so at most one value is alive at once), shards them by
 ``max_shard_size`` with a ``model.safetensors.index.json``, and commits atomically: every file
 goes to a temporary name in the target directory, is fsynced and renamed into place, and files
-of a previous checkpoint are removed only once the new one is complete. A failed or interrupted
-save leaves the previous checkpoint loadable. Reading lives in :mod:`surgery.checkpoint.reader`.
+of a previous checkpoint are removed only once the new one is complete. A failed save (an
+exception, Ctrl-C) leaves the previous checkpoint loadable.
+
+One rename is the commit point. A single file is one rename. A sharded save first moves the
+current entry point (the index, or a single ``model.safetensors``) out of the way, then renames
+the shards into place, and renames the new index last. A process killed in between (SIGKILL, OOM,
+power loss) therefore leaves a directory with no entry point, which opening reports as an
+interrupted save, never shards of two saves under one index; and a reader that opened the old
+index sees it change while it opens the shards and opens again
+(:func:`~surgery.checkpoint.open_checkpoint`). Temporary and backup files of a killed save
+carry its process id and are removed by the next save into the same directory.
+Reading lives in :mod:`surgery.checkpoint.reader`.
 """
 
 from __future__ import annotations
@@ -31,11 +41,22 @@ import torch
 from ..errors import CheckpointError, ConfigurationError
 from .format import DTYPE_NAMES, PACKED, tensor_memory
 
-__all__ = ["SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_NAME", "SHARD_NAME", "parse_size", "write_checkpoint"]
+__all__ = [
+    "LEFTOVER_NAME",
+    "SAFE_WEIGHTS_INDEX_NAME",
+    "SAFE_WEIGHTS_NAME",
+    "SHARD_NAME",
+    "parse_size",
+    "save_in_progress",
+    "write_checkpoint",
+]
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+LEFTOVER_NAME = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)-[0-9a-f]{12}\.(?:tmp|bak|old)")
+"""Temporary (``.tmp``), backup (``.bak``) and moved-away (``.old``) files of a save, by process id."""
+_LEGACY_LEFTOVER = re.compile(r"\.(?P<name>.+)\.[0-9a-f]{12}\.(?:tmp|bak)")  # before process ids
 # --------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------
@@ -315,6 +336,38 @@ def _previous_shards(directory: Path) -> set[str]:
     return {p.name for p in directory.iterdir() if SHARD_NAME.fullmatch(p.name)}
 
 
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # someone else's process: leave its files alone
+    return True
+
+
+def save_in_progress(directory: Path) -> bool:
+    """Whether a live process is saving into ``directory`` (it has temporary files there)."""
+    with contextlib.suppress(OSError):
+        for p in directory.iterdir():
+            m = LEFTOVER_NAME.fullmatch(p.name)
+            if m is not None and _alive(int(m["pid"])):
+                return True
+    return False
+
+
+def _remove_leftovers(directory: Path) -> None:
+    """Delete temporary and backup files of saves whose process is gone (killed mid-save)."""
+    with contextlib.suppress(OSError):
+        for p in directory.iterdir():
+            m = LEFTOVER_NAME.fullmatch(p.name)
+            if (m is not None and not _alive(int(m["pid"]))) or _LEGACY_LEFTOVER.fullmatch(p.name):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+
+
 def _fsync_directory(directory: Path) -> None:
     with contextlib.suppress(OSError, AttributeError):
         fd = os.open(directory, os.O_RDONLY)
@@ -324,17 +377,38 @@ def _fsync_directory(directory: Path) -> None:
             os.close(fd)
 
 
-def _commit(directory: Path, staged: list[tuple[Path, str]], stale: list[str]) -> None:
-    """Rename staged temp files into place, then delete ``stale`` names; roll back on failure.
+def _commit(
+    directory: Path,
+    staged: list[tuple[Path, str]],
+    stale: list[str],
+    *,
+    token: str,
+    hide: tuple[str, ...] = (),
+) -> None:
+    """Rename staged temp files into place (the last one is the commit point), then delete ``stale``.
 
-    Old files that are replaced are hard-linked to a backup first, so an error in the middle of
-    the renames restores the previous checkpoint exactly.
+    ``hide``: entry points of the current checkpoint to move away before any file is replaced (a
+    sharded save: the index and a single file), so that a kill in the middle leaves no entry
+    point rather than one naming a mix. Old files that are replaced are hard-linked to a backup
+    first, so an error in the middle of the renames restores the previous checkpoint exactly.
+
+    Raises:
+        CheckpointError: cleaning up after the commit failed; the message says the new
+            checkpoint is in place and which old files are left.
     """
-    token = uuid.uuid4().hex[:12]
     backups: list[tuple[Path, Path]] = []
+    hidden: list[tuple[Path, Path]] = []
     created: list[Path] = []
     with _sigint_deferred():
         try:
+            for name in hide:
+                final = directory / name
+                if final.is_file():
+                    moved = directory / f".{name}.{token}.old"
+                    os.replace(final, moved)
+                    hidden.append((moved, final))
+            if hidden:
+                _fsync_directory(directory)  # the entry points are gone before any shard changes
             for temp, name in staged:
                 final = directory / name
                 if final.exists():
@@ -353,16 +427,27 @@ def _commit(directory: Path, staged: list[tuple[Path, str]], stale: list[str]) -
             for final in created:
                 with contextlib.suppress(OSError):
                     final.unlink()
+            for moved, final in reversed(hidden):
+                os.replace(moved, final)
             raise
-        try:
-            for name in stale:
-                with contextlib.suppress(FileNotFoundError):
-                    (directory / name).unlink()
-        finally:
-            for backup, _ in backups:
-                with contextlib.suppress(OSError):
-                    backup.unlink()
-    _fsync_directory(directory)
+        _fsync_directory(directory)  # committed: the new checkpoint is what the directory holds
+        left: list[str] = []
+        for path in [
+            *(directory / name for name in stale),
+            *(b for b, _ in backups),
+            *(m for m, _ in hidden),
+        ]:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                left.append(f"{path.name} ({exc.strerror or exc})")
+    if left:
+        raise CheckpointError(
+            f"The new checkpoint is in place in '{directory}', but old files could not be removed: "
+            f"{', '.join(left)}. They are not part of the checkpoint; delete them by hand."
+        )
 
 
 def _plan_shards(pending: list[_Pending], limit: int) -> list[list[_Pending]]:
@@ -477,8 +562,10 @@ def write_checkpoint(
         names = [SAFE_WEIGHTS_NAME]
     else:
         names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    token = uuid.uuid4().hex[:12]
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    _remove_leftovers(directory)
     staged: list[tuple[Path, str]] = []
+    hide: tuple[str, ...] = ()
     try:
         for shard, name in zip(shards, names):
             temp = directory / f".{name}.{token}.tmp"
@@ -491,11 +578,13 @@ def write_checkpoint(
                 temp = directory / f".{SAFE_WEIGHTS_INDEX_NAME}.{token}.tmp"
                 staged.append((temp, SAFE_WEIGHTS_INDEX_NAME))
                 _write_index(temp, shards, names)
-                # A single file wins over an index when loading, so removing it is the switch.
-                stale = [SAFE_WEIGHTS_NAME, *sorted(old)]
+                # The index is renamed last: the commit point. Until then no entry point exists
+                # (a single file would win over the index, so it is moved away too).
+                hide = (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME)
+                stale = sorted(old)
             else:
                 stale = [SAFE_WEIGHTS_INDEX_NAME, *sorted(old)]
-        _commit(directory, staged, stale)
+        _commit(directory, staged, stale, token=token, hide=hide)
     except BaseException as exc:
         for temp, _ in staged:
             with contextlib.suppress(OSError):
