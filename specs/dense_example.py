@@ -24,17 +24,17 @@ __all__ = ["ALIASES", "ENTRIES"]
 ENTRIES: dict[str, list[WeightTransform]] = {
     "dense_example": [
         WeightConverter(
-            [".mlp.gate_proj.weight", ".mlp.up_proj.weight"],
+            [r"\.mlp\.gate_proj\.weight", r"\.mlp\.up_proj\.weight"],
             ".mlp.gate_up_proj.weight",
             [ops.Concatenate(dim=0)],
         ),
         WeightConverter(
-            ".self_attn.q_proj.weight",
+            r"\.self_attn\.q_proj\.weight",
             ".self_attn.q_proj.weight",
             [ops.PermuteForRope(config_attribute="num_attention_heads")],
         ),
         WeightConverter(
-            ".self_attn.k_proj.weight",
+            r"\.self_attn\.k_proj\.weight",
             ".self_attn.k_proj.weight",
             [ops.PermuteForRope(config_attribute="num_key_value_heads")],
         ),

@@ -24,32 +24,32 @@ from surgery.transforms import WeightTransform
 __all__ = ["ALIASES", "ENTRIES"]
 
 _LAYER_MLP: list[WeightTransform] = [
-    WeightRenaming(r"layers.(\d+).fc1", r"layers.\1.mlp.fc1"),
-    WeightRenaming(r"layers.(\d+).fc2", r"layers.\1.mlp.fc2"),
+    WeightRenaming(r"layers\.(\d+)\.fc1", r"layers.\1.mlp.fc1"),
+    WeightRenaming(r"layers\.(\d+)\.fc2", r"layers.\1.mlp.fc2"),
 ]
 
 _SEGMENTATION_HEAD: list[WeightTransform] = [
-    WeightRenaming("bbox_attention.q_linear", "bbox_attention.q_proj"),
-    WeightRenaming("bbox_attention.k_linear", "bbox_attention.k_proj"),
-    WeightRenaming("mask_head.lay1", "mask_head.conv1.conv"),
-    WeightRenaming("mask_head.gn1", "mask_head.conv1.norm"),
-    WeightRenaming("mask_head.lay2", "mask_head.conv2.conv"),
-    WeightRenaming("mask_head.gn2", "mask_head.conv2.norm"),
-    WeightRenaming("mask_head.adapter1", "mask_head.fpn_stages.0.fpn_adapter"),
-    WeightRenaming("mask_head.lay3", "mask_head.fpn_stages.0.refine.conv"),
-    WeightRenaming("mask_head.gn3", "mask_head.fpn_stages.0.refine.norm"),
-    WeightRenaming("mask_head.adapter2", "mask_head.fpn_stages.1.fpn_adapter"),
-    WeightRenaming("mask_head.lay4", "mask_head.fpn_stages.1.refine.conv"),
-    WeightRenaming("mask_head.gn4", "mask_head.fpn_stages.1.refine.norm"),
-    WeightRenaming("mask_head.adapter3", "mask_head.fpn_stages.2.fpn_adapter"),
-    WeightRenaming("mask_head.lay5", "mask_head.fpn_stages.2.refine.conv"),
-    WeightRenaming("mask_head.gn5", "mask_head.fpn_stages.2.refine.norm"),
-    WeightRenaming("mask_head.out_lay", "mask_head.output_conv"),
+    WeightRenaming(r"bbox_attention\.q_linear", "bbox_attention.q_proj"),
+    WeightRenaming(r"bbox_attention\.k_linear", "bbox_attention.k_proj"),
+    WeightRenaming(r"mask_head\.lay1", "mask_head.conv1.conv"),
+    WeightRenaming(r"mask_head\.gn1", "mask_head.conv1.norm"),
+    WeightRenaming(r"mask_head\.lay2", "mask_head.conv2.conv"),
+    WeightRenaming(r"mask_head\.gn2", "mask_head.conv2.norm"),
+    WeightRenaming(r"mask_head\.adapter1", "mask_head.fpn_stages.0.fpn_adapter"),
+    WeightRenaming(r"mask_head\.lay3", "mask_head.fpn_stages.0.refine.conv"),
+    WeightRenaming(r"mask_head\.gn3", "mask_head.fpn_stages.0.refine.norm"),
+    WeightRenaming(r"mask_head\.adapter2", "mask_head.fpn_stages.1.fpn_adapter"),
+    WeightRenaming(r"mask_head\.lay4", "mask_head.fpn_stages.1.refine.conv"),
+    WeightRenaming(r"mask_head\.gn4", "mask_head.fpn_stages.1.refine.norm"),
+    WeightRenaming(r"mask_head\.adapter3", "mask_head.fpn_stages.2.fpn_adapter"),
+    WeightRenaming(r"mask_head\.lay5", "mask_head.fpn_stages.2.refine.conv"),
+    WeightRenaming(r"mask_head\.gn5", "mask_head.fpn_stages.2.refine.norm"),
+    WeightRenaming(r"mask_head\.out_lay", "mask_head.output_conv"),
 ]
 
 ENTRIES: dict[str, list[WeightTransform]] = {
     "DetrModel": [
-        WeightRenaming("backbone.conv_encoder", "backbone"),
+        WeightRenaming(r"backbone\.conv_encoder", "backbone"),
         WeightRenaming("out_proj", "o_proj"),
         *_LAYER_MLP,
     ],

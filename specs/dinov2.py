@@ -25,15 +25,15 @@ from surgery.transforms import WeightTransform
 __all__ = ["ALIASES", "ENTRIES"]
 
 _DINOV2: list[WeightTransform] = [
-    WeightRenaming("attention.attention.query", "attention.q_proj"),
-    WeightRenaming("attention.attention.key", "attention.k_proj"),
-    WeightRenaming("attention.attention.value", "attention.v_proj"),
-    WeightRenaming("attention.output.dense", "attention.o_proj"),
-    WeightRenaming("mlp.weights_out", "mlp.down_proj"),
+    WeightRenaming(r"attention\.attention\.query", "attention.q_proj"),
+    WeightRenaming(r"attention\.attention\.key", "attention.k_proj"),
+    WeightRenaming(r"attention\.attention\.value", "attention.v_proj"),
+    WeightRenaming(r"attention\.output\.dense", "attention.o_proj"),
+    WeightRenaming(r"mlp\.weights_out", "mlp.down_proj"),
     WeightConverter(
-        "mlp.weights_in.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [ops.Chunk(dim=0)]
+        r"mlp\.weights_in\.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [ops.Chunk(dim=0)]
     ),
-    WeightConverter("mlp.weights_in.bias", ["mlp.gate_proj.bias", "mlp.up_proj.bias"], [ops.Chunk(dim=0)]),
+    WeightConverter(r"mlp\.weights_in\.bias", ["mlp.gate_proj.bias", "mlp.up_proj.bias"], [ops.Chunk(dim=0)]),
 ]
 
 ENTRIES: dict[str, list[WeightTransform]] = {

@@ -152,21 +152,23 @@ ENTRIES: dict[str, list[WeightTransform]] = {
     "ernie4_5_vl_moe": [
         # vision tower and resampler
         WeightRenaming("vision_model", "vision_tower"),
-        WeightRenaming("spatial_linear.0", "spatial_linear.fc1"),
-        WeightRenaming("spatial_linear.2", "spatial_linear.fc2"),
-        WeightRenaming("spatial_linear.3", "spatial_linear.ln"),
-        WeightRenaming("temporal_linear.0", "temporal_linear.fc1"),
-        WeightRenaming("temporal_linear.2", "temporal_linear.fc2"),
-        WeightRenaming("temporal_linear.3", "temporal_linear.ln"),
+        WeightRenaming(r"spatial_linear\.0", "spatial_linear.fc1"),
+        WeightRenaming(r"spatial_linear\.2", "spatial_linear.fc2"),
+        WeightRenaming(r"spatial_linear\.3", "spatial_linear.ln"),
+        WeightRenaming(r"temporal_linear\.0", "temporal_linear.fc1"),
+        WeightRenaming(r"temporal_linear\.2", "temporal_linear.fc2"),
+        WeightRenaming(r"temporal_linear\.3", "temporal_linear.ln"),
         # language model
         WeightRenaming(r"(?<!language_model\.)embed_tokens", "language_model.embed_tokens"),
         WeightRenaming(r"(?<!language_model\.)layers", "language_model.layers"),
         WeightRenaming(r"(?<!language_model\.)(?<!\w)norm\.", "language_model.norm."),
         # routers, router bias and the routed experts
-        WeightConverter("mlp.gate.weight_1", "mlp.vision_moe.gate.weight", [ops.Transpose(dim0=0, dim1=1)]),
-        WeightConverter("mlp.gate.weight", "mlp.text_moe.gate.weight", [ops.Transpose(dim0=0, dim1=1)]),
         WeightConverter(
-            "mlp.moe_statics.e_score_correction_bias",
+            r"mlp\.gate\.weight_1", "mlp.vision_moe.gate.weight", [ops.Transpose(dim0=0, dim1=1)]
+        ),
+        WeightConverter(r"mlp\.gate\.weight", "mlp.text_moe.gate.weight", [ops.Transpose(dim0=0, dim1=1)]),
+        WeightConverter(
+            r"mlp\.moe_statics\.e_score_correction_bias",
             [
                 "mlp.text_moe.gate.moe_statics.e_score_correction_bias",
                 "mlp.vision_moe.gate.moe_statics.e_score_correction_bias",
@@ -174,12 +176,12 @@ ENTRIES: dict[str, list[WeightTransform]] = {
             [ops.Chunk(dim=0)],
         ),
         WeightConverter(
-            "experts.*.down_proj.weight",
+            r"experts\.*\.down_proj\.weight",
             ["text_moe.experts.down_proj", "vision_moe.experts.down_proj"],
             [FuseAndSplitTextVisionExperts(stack_dim=0, concat_dim=1)],
         ),
         WeightConverter(
-            ["experts.*.gate_proj.weight", "experts.*.up_proj.weight"],
+            [r"experts\.*\.gate_proj\.weight", r"experts\.*\.up_proj\.weight"],
             ["text_moe.experts.gate_up_proj", "vision_moe.experts.gate_up_proj"],
             [FuseAndSplitTextVisionExperts(stack_dim=0, concat_dim=1)],
         ),

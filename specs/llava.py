@@ -26,7 +26,7 @@ from surgery.transforms import WeightTransform
 
 __all__ = ["ALIASES", "ENTRIES"]
 
-_LM_HEAD = WeightRenaming(r"^language_model.lm_head", "lm_head")
+_LM_HEAD = WeightRenaming(r"^language_model\.lm_head", "lm_head")
 _LANGUAGE_MODEL = WeightRenaming(r"^language_model", "model.language_model")
 _PROJECTOR = WeightRenaming(r"^multi_modal_projector", "model.multi_modal_projector")
 
@@ -38,7 +38,7 @@ ENTRIES: dict[str, list[WeightTransform]] = {
         _PROJECTOR,
     ],
     "LlavaModel": [
-        WeightRenaming(r"^language_model.model", "language_model"),
+        WeightRenaming(r"^language_model\.model", "language_model"),
     ],
     "llava_next": [
         _LM_HEAD,
@@ -55,7 +55,7 @@ ENTRIES: dict[str, list[WeightTransform]] = {
         _PROJECTOR,
     ],
     "VideoLlavaModel": [
-        WeightRenaming(r"^language_model.model", "language_model"),
+        WeightRenaming(r"^language_model\.model", "language_model"),
     ],
     "fuyu": [
         _LM_HEAD,

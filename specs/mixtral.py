@@ -23,22 +23,22 @@ from surgery.transforms import WeightTransform
 
 __all__ = ["ALIASES", "ENTRIES"]
 
-_RENAME_BLOCK = WeightRenaming(".block_sparse_moe.", ".mlp.")
+_RENAME_BLOCK = WeightRenaming(r"\.block_sparse_moe\.", ".mlp.")
 
 _EXPERTS: list[WeightTransform] = [
     WeightConverter(
-        [".experts.*.w1.weight", ".experts.*.w3.weight"],
+        [r"\.experts\.*\.w1\.weight", r"\.experts\.*\.w3\.weight"],
         ".experts.gate_up_proj",
         [ops.MergeModulelist(dim=0), ops.Concatenate(dim=1)],
     ),
-    WeightConverter(".experts.*.w2.weight", ".experts.down_proj", [ops.MergeModulelist(dim=0)]),
+    WeightConverter(r"\.experts\.*\.w2\.weight", ".experts.down_proj", [ops.MergeModulelist(dim=0)]),
 ]
 
 ENTRIES: dict[str, list[WeightTransform]] = {
     "mixtral": [_RENAME_BLOCK, *_EXPERTS],
     "minimax_m2": [
         _RENAME_BLOCK,
-        WeightRenaming(".block_sparse_moe.e_score_correction_bias", ".mlp.e_score_correction_bias"),
+        WeightRenaming(r"\.block_sparse_moe\.e_score_correction_bias", ".mlp.e_score_correction_bias"),
         *_EXPERTS,
     ],
 }

@@ -31,37 +31,39 @@ __all__ = ["ALIASES", "ENTRIES"]
 
 _EXPERTS: list[WeightTransform] = [
     WeightConverter(
-        ["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
+        [r"mlp\.experts\.*\.gate_proj\.weight", r"mlp\.experts\.*\.up_proj\.weight"],
         "mlp.experts.gate_up_proj",
         [ops.MergeModulelist(dim=0), ops.Concatenate(dim=1)],
     ),
-    WeightConverter("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj", [ops.MergeModulelist(dim=0)]),
+    WeightConverter(
+        r"mlp\.experts\.*\.down_proj\.weight", "mlp.experts.down_proj", [ops.MergeModulelist(dim=0)]
+    ),
 ]
 
 ENTRIES: dict[str, list[WeightTransform]] = {
     "qwen2_moe": [*_EXPERTS],
     "ernie4_5_moe": [
         WeightRenaming(
-            "mlp.moe_statics.e_score_correction_bias", "mlp.gate.moe_statics.e_score_correction_bias"
+            r"mlp\.moe_statics\.e_score_correction_bias", "mlp.gate.moe_statics.e_score_correction_bias"
         ),
         *_EXPERTS,
     ],
     "exaone_moe": [
-        WeightRenaming("mlp.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
+        WeightRenaming(r"mlp\.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
         *_EXPERTS,
     ],
     "kolibri1": [
-        WeightRenaming("moe.router.expert_bias", "mlp.gate.e_score_correction_bias"),
+        WeightRenaming(r"moe\.router\.expert_bias", "mlp.gate.e_score_correction_bias"),
         WeightRenaming("post_attn_norm", "post_self_attn_layernorm"),
         WeightRenaming("post_ffn_norm", "post_mlp_layernorm"),
         *_EXPERTS,
     ],
     "mimo_v2_flash": [
-        WeightRenaming("self_attn.attention_sink_bias", "self_attn.sinks"),
+        WeightRenaming(r"self_attn\.attention_sink_bias", "self_attn.sinks"),
         *_EXPERTS,
     ],
     "flint": [
-        WeightRenaming("self_attn.softmax_offset", "self_attn.sinks"),
+        WeightRenaming(r"self_attn\.softmax_offset", "self_attn.sinks"),
         *_EXPERTS,
     ],
     "hy_v3": [
@@ -71,8 +73,8 @@ ENTRIES: dict[str, list[WeightTransform]] = {
         *_EXPERTS,
     ],
     "laguna": [
-        WeightRenaming("mlp.experts.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
-        WeightRenaming(r"mlp.shared_expert\.", "mlp.shared_experts."),
+        WeightRenaming(r"mlp\.experts\.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
+        WeightRenaming(r"mlp\.shared_expert\.", "mlp.shared_experts."),
         *_EXPERTS,
     ],
     "axk1": [

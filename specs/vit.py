@@ -25,21 +25,21 @@ __all__ = ["ALIASES", "ENTRIES"]
 
 _VIT: list[WeightTransform] = [
     WeightRenaming(r"encoder\.layer\.", "layers."),
-    WeightRenaming("attention.query", "q_proj"),
-    WeightRenaming("attention.key", "k_proj"),
-    WeightRenaming("attention.value", "v_proj"),
-    WeightRenaming("attention.output.dense", "attention.o_proj"),
-    WeightRenaming("intermediate.dense", "mlp.fc1"),
-    WeightRenaming("output.dense", "mlp.fc2"),
+    WeightRenaming(r"attention\.query", "q_proj"),
+    WeightRenaming(r"attention\.key", "k_proj"),
+    WeightRenaming(r"attention\.value", "v_proj"),
+    WeightRenaming(r"attention\.output\.dense", "attention.o_proj"),
+    WeightRenaming(r"intermediate\.dense", "mlp.fc1"),
+    WeightRenaming(r"output\.dense", "mlp.fc2"),
 ]
 
 ENTRIES: dict[str, list[WeightTransform]] = {
     "ViTModel": [*_VIT],
     "BeitModel": [
         *_VIT,
-        WeightRenaming("encoder.relative_position_bias", "shared_position_bias"),
+        WeightRenaming(r"encoder\.relative_position_bias", "shared_position_bias"),
         WeightRenaming(
-            "attention.attention.relative_position_bias.relative_position_bias_table",
+            r"attention\.attention\.relative_position_bias\.relative_position_bias_table",
             "relative_position_bias.relative_position_bias_table",
         ),
     ],

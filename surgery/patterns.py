@@ -3,9 +3,14 @@ r"""Source and target patterns: the small language every weight transform is wri
 A **source pattern** is a full Python regex, matched with :func:`re.search` against a
 (scoped) checkpoint key, with two conveniences:
 
-* ``*`` directly followed by ``.`` is the *index wildcard*: it matches one run of digits and
-  gathers every key it matches under the same pattern, ordered by the index it captured
-  (``mlp.experts.*.w1.weight``). Write ``.*\.`` when you mean the regex "anything, then a dot".
+* ``*`` directly followed by ``.`` (or between two escaped dots, ``\.*\.``) is the *index
+  wildcard*: it matches one index in
+  its canonical spelling (``0`` or digits without a leading zero: ``experts.01`` is no expert)
+  and gathers every key it matches under the same pattern, ordered by the index it captured
+  (``mlp\.experts\.*\.w1\.weight``). Write ``.*\.`` when you mean the regex "anything, then a dot".
+* ``.`` is the regex "any character", as always: ``experts.3Xw2`` matches ``experts.3.w2``.
+  Escape the dots that separate key components (:func:`escape_dots` does it) so that only the
+  canonical spelling of a key matches; the built-in catalog does.
 * A pattern that ends in a letter or digit only matches at the end of a name, so
   ``q_proj.weight`` does not match ``q_proj.weight_scale``.
 
@@ -30,6 +35,7 @@ __all__ = [
     "SourcePattern",
     "TargetPattern",
     "compile_source",
+    "escape_dots",
     "is_digit_blind",
     "parse_target",
     "reverse_pair",
@@ -37,7 +43,7 @@ __all__ = [
 
 STAR_GROUP_PREFIX = "_star"
 _NAME_BOUNDARY = r"(?![A-Za-z0-9_])"
-_DIGITS = r"\d+"
+_DIGITS = r"(?:0|[1-9][0-9]*)"  # canonical indices only (ASCII, no leading zero)
 _BRACE_QUANT = re.compile(r"\{(?:\d+(?:,\d*)?|,\d+)\}\??")
 
 
@@ -109,7 +115,15 @@ def _tokenize(pattern: str) -> list[_Tok]:
         elif c == ")":
             toks.append(_Tok("close", ")"))
             i += 1
-        elif c == "*" and i + 1 < n and pattern[i + 1] == "." and not _after_quantifiable_any(toks):
+        elif (
+            c == "*"
+            and not _after_quantifiable_any(toks)
+            and (
+                pattern.startswith(".", i + 1)
+                # ``\.*\.``: between escaped dots (``.*\.`` stays the regex "anything, then a dot")
+                or (pattern.startswith("\\.", i + 1) and toks[-1].text == "\\.")
+            )
+        ):
             toks.append(_Tok("star", "*"))
             i += 1
         elif c in "*+?":
@@ -134,6 +148,26 @@ def _tokenize(pattern: str) -> list[_Tok]:
             toks.append(_Tok("literal", c, c))
             i += 1
     return toks
+
+
+def escape_dots(pattern: str) -> str:
+    r"""``pattern`` with every ``.`` that is not quantified written ``\.``: dots separate key components.
+
+    ``.*`` / ``.+`` / ``.?`` (the regex "any run") stay as they are, and so does the index
+    wildcard: ``escape_dots("mlp.experts.*.w1.weight")`` is ``mlp\.experts\.*\.w1\.weight``,
+    which matches ``mlp.experts.3.w1.weight`` and neither ``mlp.experts.3Xw1.weight`` nor
+    ``mlp.experts.03.w1.weight``.
+
+    Example:
+        >>> escape_dots("layers.(\\d+).fc1") == r"layers\.(\d+)\.fc1"
+        True
+    """
+    toks = _tokenize(pattern)
+    out = []
+    for i, tok in enumerate(toks):
+        quantified = i + 1 < len(toks) and toks[i + 1].kind == "quant"
+        out.append("\\." if tok.kind == "any" and not quantified else tok.text)
+    return "".join(out)
 
 
 def _after_quantifiable_any(toks: list[_Tok]) -> bool:

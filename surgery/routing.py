@@ -187,7 +187,7 @@ class _ExactRouter:
 # --------------------------------------------------------------------------- the template cache
 
 # A numeric component after a dot; ``split`` yields [text, digits, text, digits, ..., text].
-_NUMERIC = re.compile(r"\.([0-9]+)(?=\.|\Z)")
+_NUMERIC = re.compile(r"\.(0|[1-9][0-9]*)(?=\.|\Z)")  # canonical: "01" stays literal text
 _MISSING = object()
 
 

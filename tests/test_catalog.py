@@ -901,3 +901,48 @@ def test_docs_coverage_line_counts_the_registered_entries_and_aliases() -> None:
     assert m is not None, "docs/catalog.md lost its coverage line"
     assert int(m.group(1)) == sum(len(f.ENTRIES) for f in FAMILIES)
     assert int(m.group(2)) == sum(len(f.ALIASES) for f in FAMILIES)
+
+
+# --------------------------------------------------------------------------- canonical spellings
+
+
+def _all_source_patterns() -> list[tuple[str, str]]:
+    out = []
+    for fam in specs.FAMILIES:
+        for key, transforms in fam.ENTRIES.items():
+            for t in transforms:
+                out.extend((key, p) for p in getattr(t, "source_patterns", ()))
+    return out
+
+
+@pytest.mark.parametrize(("key", "pattern"), _all_source_patterns())
+def test_catalog_source_patterns_escape_the_dots_between_key_components(key: str, pattern: str) -> None:
+    from surgery.patterns import escape_dots
+
+    assert escape_dots(pattern) == pattern, f"{key}: {pattern!r} has an unescaped '.'"
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        "model.layers.0.block_sparse_moe.experts.3Xw2Xweight",
+        "model.layers.0.block_sparse_moe.experts.3/w2.weight",
+        "model.layers.0.block_sparse_moe.experts.03.w2.weight",
+        "model.layers.0.block_sparse_moeXexperts.3.w2.weight",
+    ],
+)
+def test_only_the_canonical_spelling_of_a_key_loads(tmp_path, spelling: str) -> None:
+    import surgery
+    from surgery.checkpoint import write_checkpoint
+    from surgery.examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
+
+    cfg = ExampleMoEConfig()
+    sd = original_state_dict(build_moe_model(cfg, seed=0))
+    canonical = "model.layers.0.block_sparse_moe.experts.3.w2.weight"
+    sd[spelling] = sd.pop(canonical)
+    write_checkpoint(sd, tmp_path)
+    report = surgery.load_checkpoint(build_moe_model(cfg, seed=1), tmp_path)
+    assert spelling in report.unexpected_keys
+    assert not report.ok
+    fused = next(e for e in report.plan.entries if e.target_keys == ("model.layers.0.mlp.experts.down_proj",))
+    assert spelling not in fused.source_keys

@@ -565,7 +565,7 @@ def test_report_lists_the_transforms_that_fired(tmp_path: Path, write_original: 
     write_original(tmp_path)
     report = surgery.load_checkpoint(build_moe_model(CFG), tmp_path)
     assert len(report.transforms_used) == 3
-    assert report.transforms_used[0].startswith("WeightRenaming('.block_sparse_moe.'")
+    assert report.transforms_used[0].startswith(r"WeightRenaming('\\.block_sparse_moe\\.'")
     assert all("MergeModulelist" in t for t in report.transforms_used[1:])
 
 

@@ -84,7 +84,7 @@ def test_plan_describes_each_converter_group(tmp_path: Path, write_original: Wri
     assert entry.source_keys[e] == "model.layers.1.block_sparse_moe.experts.0.w3.weight"
     assert len(entry.source_keys) == 2 * e
     assert entry.operations == ("MergeModulelist(dim=0)", "Concatenate(dim=1)")
-    assert entry.renamings == ("WeightRenaming('.block_sparse_moe.' -> '.mlp.', scope_prefix='')",)
+    assert entry.renamings == (r"WeightRenaming('\\.block_sparse_moe\\.' -> '.mlp.', scope_prefix='')",)
     assert entry.nbytes == 2 * e * CFG.intermediate_size * CFG.hidden_size * 4
     assert entry.target_shapes == ((e, 2 * CFG.intermediate_size, CFG.hidden_size),)
     assert (entry.target_dtype, entry.device, entry.mode, entry.status) == ("float32", "cpu", "direct", "ok")

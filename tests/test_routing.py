@@ -309,7 +309,7 @@ def test_keys_with_lone_surrogates_and_non_ascii_text_route_like_uncached_routin
 
 def test_a_conflict_far_from_the_first_key_is_reported_in_key_order() -> None:
     keys = mixtral_keys(30, 12)
-    keys.insert(600, "model.layers.2.block_sparse_moe.experts.03.w2.weight")  # index 3 again
+    keys.insert(600, "model.layers.2.block_sparse_moe.experts.3.w2.weight")  # index 3 again
     keys.append("model.layers.0.block_sparse_moe.experts.0.w1.weight")  # a duplicate
     transforms = mixtral_mapping()
     routing = route_keys(keys, transforms)
@@ -317,6 +317,17 @@ def test_a_conflict_far_from_the_first_key_is_reported_in_key_order() -> None:
         ("model.layers.2.block_sparse_moe.experts.3.w2.weight", keys[600]),
         ("model.layers.0.block_sparse_moe.experts.0.w1.weight", keys[-1]),
     ]
+    assert_same_routing(routing, uncached(keys, transforms))
+
+
+def test_an_index_with_a_leading_zero_is_not_an_index() -> None:
+    """``experts.03`` is not expert 3: the wildcard matches canonical indices only."""
+    keys = [*mixtral_keys(2, 4), "model.layers.1.block_sparse_moe.experts.03.w2.weight"]
+    transforms = mixtral_mapping()
+    routing = route_keys(keys, transforms)
+    assert routing.conflicts == []
+    odd = routing.routes["model.layers.1.block_sparse_moe.experts.03.w2.weight"]
+    assert odd.converter is None
     assert_same_routing(routing, uncached(keys, transforms))
 
 

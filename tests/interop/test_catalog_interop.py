@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 import torch
 
+from surgery.patterns import escape_dots
+
 transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
@@ -819,7 +821,8 @@ def _theirs(key: str) -> list[tuple[Any, ...]]:
             out.append(("PrefixChange", t.prefix_to_add, t.prefix_to_remove, t.model_prefix or None))
             continue
         adapted = ADAPTED_SOURCES.get(key, {})
-        sources = [adapted.get(s, s) for s in t._original_source_patterns]
+        # Ours escape the dots between key components (only canonical spellings load).
+        sources = [escape_dots(adapted.get(s, s)) for s in t._original_source_patterns]
         ops = [type(o).__name__ for o in (getattr(t, "operations", None) or [])]
         out.append(_signature(type(t).__name__, sources, t._original_target_patterns, ops))
     return out
