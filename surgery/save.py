@@ -40,7 +40,7 @@ from torch import nn
 from .checkpoint import write_checkpoint
 from .converter import WeightConverter, split_transforms
 from .errors import CheckpointError, ConfigurationError, ConversionError
-from .fusion import fusion_config_of, fusion_transforms
+from .fusion import fusion_config_of, fusion_transforms, persistable_fusion_config
 from .load.loader import load_record
 from .load.placement import all_contiguous, flatten_slots, placement_views, shape_of
 from .load.plan import FUSION_METADATA_KEY, FUSION_TAG, fold_indices
@@ -619,9 +619,10 @@ def save_checkpoint(
         >>> surgery.save_checkpoint(model, "out/")  # doctest: +SKIP
     """
     meta = dict(metadata or {})
-    fusion = fusion_config_of(model)
+    fusion = persistable_fusion_config(model)  # pinned to the exact module paths it rewrote
     if not original_format and fusion:
         meta[FUSION_METADATA_KEY] = json.dumps(fusion, sort_keys=True)
+    fusion = fusion_config_of(model)  # config.json keeps the form transformers reads
     state = RevertedState(model, original_format=original_format, quantization=quantization)
     record = load_record(model)
     if not original_format and record is not None and record.quantizer is not None and _has_quantized(model):

@@ -31,6 +31,8 @@ from surgery.load.loader import load_record
 from surgery.load.plan import FUSION_METADATA_KEY
 
 ON = {"patch_embeddings": True}
+PINNED = {"patch_embeddings": {"modules": ["^patch_embed$"]}}
+"""What a runtime-layout save persists in its metadata: the fusion, pinned to the module it rewrote."""
 OFF = {"patch_embeddings": False}
 CONFIG_JSON = {"model_type": "example_vision", "embed_dim": 32, "patch_size": 14}
 
@@ -189,7 +191,7 @@ def test_fused_layout_save_persists_the_fusion_config_in_safetensors_metadata(tm
     write_original(tmp_path / "original")
     save_fused_layout(tmp_path / "original", tmp_path / "fused", persisted_in="metadata")
     meta = metadata_of(tmp_path / "fused" / "model.safetensors")
-    assert json.loads(meta[FUSION_METADATA_KEY]) == ON
+    assert json.loads(meta[FUSION_METADATA_KEY]) == PINNED  # the exact modules it rewrote
     shapes = {
         k: tuple(v.shape) for k, v in tensors_in(tmp_path / "fused").items() if k.startswith("patch_embed.")
     }
@@ -205,7 +207,7 @@ def test_fused_layout_save_writes_the_fusion_config_into_an_existing_config_json
     (target / "config.json").write_text(json.dumps(CONFIG_JSON))
     surgery.save_checkpoint(fused, target, original_format=False)
     assert json.loads((target / "config.json").read_text()) == {**CONFIG_JSON, "fusion_config": ON}
-    assert json.loads(metadata_of(target / "model.safetensors")[FUSION_METADATA_KEY]) == ON
+    assert json.loads(metadata_of(target / "model.safetensors")[FUSION_METADATA_KEY]) == PINNED
 
 
 @pytest.mark.parametrize("persisted_in", ["metadata", "sharded-metadata", "config.json"])
@@ -216,7 +218,8 @@ def test_loading_a_fused_layout_checkpoint_into_an_unfused_model_reapplies_the_f
     surgery.load_checkpoint(reference, tmp_path / "original")
     report = surgery.load_checkpoint(model, tmp_path / "fused")  # no fusion_config given
     assert report.ok, report
-    assert report.fusions == ON and fusion_config_of(model) == ON
+    expected = ON if persisted_in == "config.json" else PINNED
+    assert report.fusions == expected and fusion_config_of(model) == expected
     assert type(model.patch_embed).__name__ == "FusedExamplePatchEmbed"
     conv = original["patch_embed.proj.weight"]
     assert torch.equal(model.patch_embed.linear_proj.weight, conv.reshape(conv.shape[0], -1))
@@ -324,7 +327,7 @@ def test_plan_load_with_a_fusion_leaves_the_model_unfused(tmp_path, checkpoint, 
     model = tower()
     before = structure(model)
     plan = surgery.plan_load(model, tmp_path / checkpoint, fusion_config=fusion_config)
-    assert plan.fusions == ON
+    assert plan.fusions == (ON if fusion_config else PINNED)
     assert_same_structure(structure(model), before)
     assert type(model.patch_embed) is ExamplePatchEmbed
     assert fusion_record(model) is None and load_record(model) is None
@@ -387,3 +390,60 @@ def test_a_strict_fused_load_refused_by_the_headers_leaves_the_model_unfused(tmp
         surgery.load_checkpoint(model, tmp_path, fusion_config=ON, strict=True)
     assert fusion_config_of(model) is None
     assert model.patch_embed is original_patch_embed
+
+
+# --------------------------------------------------------------------------- untrusted persisted configs
+
+
+def _with_persisted(tmp_path: Path, config: object) -> Path:
+    """A fused-layout checkpoint whose metadata carries ``config`` as its fusion config."""
+    write_original(tmp_path / "original")
+    save_fused_layout(tmp_path / "original", tmp_path / "fused", persisted_in="metadata")
+    state = tensors_in(tmp_path / "fused")
+    target = tmp_path / "crafted"
+    write_checkpoint(state, target, metadata={FUSION_METADATA_KEY: json.dumps(config)})
+    return target
+
+
+def _load_in_child(path: str, queue) -> None:
+    report = surgery.load_checkpoint(tower(), path)
+    queue.put((report.fusions, report.notes))
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        ({"patch_embeddings": {"modules": ["^(.*.*)*Z$"]}}, "not an exact module path"),
+        ({"patch_embeddings": {"exclude": ["(a+)+$"]}}, "not an exact module path"),
+        ({"patch_embeddings": {"modules": ["^visual\\.patch_embed$"]}}, "does not have"),
+        ({"no_such_fusion": True}, "not a registered fusion"),
+        (["patch_embeddings"], "not a mapping"),
+    ],
+)
+def test_a_persisted_fusion_config_is_applied_only_as_exact_paths_the_model_has(
+    tmp_path, config, why
+) -> None:
+    """A checkpoint cannot hang the loader with a regex, nor fuse modules the model lacks."""
+    import multiprocessing as mp
+
+    path = _with_persisted(tmp_path, config)
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_load_in_child, args=(str(path), queue))
+    child.start()
+    child.join(30)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("loading a checkpoint with a crafted fusion config hung")
+    fusions, notes = queue.get(timeout=5)
+    assert fusions is None
+    (note,) = notes
+    assert why in note and "fusion_config=" in note
+
+
+def test_a_pinned_persisted_config_fuses_exactly_the_modules_it_names(tmp_path) -> None:
+    path = _with_persisted(tmp_path, PINNED)
+    model = tower()
+    report = surgery.load_checkpoint(model, path)
+    assert report.ok and report.notes == [] and report.fusions == PINNED
+    assert type(model.patch_embed).__name__ == "FusedExamplePatchEmbed"

@@ -113,7 +113,9 @@ def test_runtime_layout_save_loads_back_the_same_state_dict(tmp_path: Path, exam
     assert_same(tensors(tmp_path / "runtime"), model.state_dict())
     again = example.build()  # no fusion_config: a persisted one is re-applied by itself
     report = surgery.load_checkpoint(again, tmp_path / "runtime")
-    assert report.ok and report.fusions == example.load_kwargs.get("fusion_config")
+    fusions = example.load_kwargs.get("fusion_config")
+    pinned = None if fusions is None else {name: {"modules": ["^patch_embed$"]} for name in fusions}
+    assert report.ok and report.fusions == pinned  # re-applied to exactly the modules saved fused
     assert_same(again.state_dict(), model.state_dict())
 
 
@@ -122,7 +124,7 @@ def test_runtime_layout_persists_the_fusion_config(tmp_path: Path) -> None:
     surgery.apply_fusions(model, FUSE)
     surgery.save_checkpoint(model, tmp_path, original_format=False)
     with open_checkpoint(tmp_path) as reader:
-        assert reader.metadata[FUSION_METADATA_KEY] == '{"patch_embeddings": true}'
+        assert reader.metadata[FUSION_METADATA_KEY] == '{"patch_embeddings": {"modules": ["^patch_embed$"]}}'
     surgery.save_checkpoint(model, tmp_path)
     with open_checkpoint(tmp_path) as reader:
         assert FUSION_METADATA_KEY not in reader.metadata

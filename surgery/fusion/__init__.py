@@ -22,7 +22,9 @@ from .apply import (
     fusion_config_of,
     fusion_record,
     fusion_transforms,
+    persistable_fusion_config,
     preview_fusions,
+    trusted_fusion_config,
 )
 from .config import EnabledFusion, FusionConfig, validate_fusion_config
 from .plan import EXCLUDED, FUSED, SKIPPED, WOULD_FUSE, FusionCandidate, FusionPlan, GraphSnapshot, TensorInfo
@@ -60,8 +62,10 @@ __all__ = [
     "fusion_transforms",
     "get_fusion",
     "list_fusions",
+    "persistable_fusion_config",
     "preview_fusions",
     "register_fusion",
     "trace_module",
+    "trusted_fusion_config",
     "validate_fusion_config",
 ]

@@ -32,6 +32,7 @@ from ..graph import swap_module
 from ..transforms import WeightTransform
 from .config import EnabledFusion, FusionConfig, validate_fusion_config
 from .plan import EXCLUDED, FUSED, SKIPPED, FusionCandidate, FusionPlan
+from .registry import find_fusion
 from .rewrite import examine_candidate
 
 __all__ = [
@@ -43,7 +44,9 @@ __all__ = [
     "fusion_config_of",
     "fusion_record",
     "fusion_transforms",
+    "persistable_fusion_config",
     "preview_fusions",
+    "trusted_fusion_config",
 ]
 
 RECORD_ATTRIBUTE = "_surgery_fusions"
@@ -175,6 +178,72 @@ def fusion_config_of(model: nn.Module) -> dict[str, Any] | None:
     """
     record = fusion_record(model)
     return None if record is None else copy.deepcopy(record.config)
+
+
+_EXACT_PATH = re.compile(r"\^((?:[A-Za-z0-9_]|\\\.)*)\$")
+r"""An exact module-path pattern as :func:`persistable_fusion_config` writes it: ``^a\.b_c\.0$``."""
+
+
+def persistable_fusion_config(model: nn.Module) -> dict[str, Any] | None:
+    """The fusions applied to ``model``, pinned to the exact paths they rewrote (what a save persists).
+
+    ``{"patch_embeddings": {"modules": ["^visual\\.patch_embed$"]}}``: a later load re-applies
+    each fusion to exactly those modules, however broad the options it was first applied with.
+    """
+    record = fusion_record(model)
+    if record is None:
+        return None
+    out: dict[str, Any] = {}
+    for name, given in record.config.items():
+        options = (
+            {k: copy.deepcopy(v) for k, v in given.items() if k not in ("modules", "exclude")}
+            if isinstance(given, dict)
+            else {}
+        )
+        options["modules"] = [_exact(e.path) for e in record.entries if e.fusion == name]
+        out[name] = options
+    return out
+
+
+def trusted_fusion_config(model: nn.Module, config: object) -> tuple[dict[str, Any] | None, str]:
+    """A fusion config read from a checkpoint, if it only names modules ``model`` has; else ``None`` and why.
+
+    A checkpoint decides which registered fusions run on the caller's model and where, so what
+    it may say is narrow: fusion names the registry knows, their typed options, and module
+    paths written exactly (``^a\\.b$``, as :func:`persistable_fusion_config` writes them) that
+    exist in ``model``. Regexes are refused (one can run forever in ``re.search``), and so is a
+    config naming modules the model lacks; the caller can always pass ``fusion_config=``.
+    """
+    if not isinstance(config, dict):
+        return None, f"the persisted fusion config is {type(config).__name__}, not a mapping"
+    paths: set[str] | None = None
+    out: dict[str, Any] = {}
+    for name, value in config.items():
+        if not isinstance(name, str) or find_fusion(name) is None:
+            return None, f"it names {str(name)[:80]!r}, which is not a registered fusion"
+        if isinstance(value, bool):
+            out[name] = value
+            continue
+        if not isinstance(value, dict):
+            return None, f"its value for {name!r} is neither True/False nor a mapping of options"
+        for key in ("modules", "exclude"):
+            patterns = value.get(key, [])
+            if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+                return None, f"{name}.{key} is not a list of module paths"
+            for pattern in patterns:
+                m = _EXACT_PATH.fullmatch(pattern)
+                if m is None:
+                    return None, (
+                        f"{name}.{key} holds {pattern[:80]!r}, which is not an exact module path (^path$); "
+                        "a checkpoint may name modules, not regexes"
+                    )
+                if paths is None:
+                    paths = {p for p, _ in model.named_modules()}
+                path = m.group(1).replace("\\", "")
+                if path not in paths:
+                    return None, f"{name}.{key} names the module {path!r}, which this model does not have"
+        out[name] = value
+    return out, ""
 
 
 def check_fusion_conflicts(model: nn.Module, transforms: Sequence[WeightTransform]) -> None:

@@ -662,6 +662,7 @@ def _report(
             for w in prep.work
             if w.sharding is not None and w.sharding.fallback is not None
         ],
+        notes=list(prep.plan.notes),
         plan=prep.plan,
     )
 

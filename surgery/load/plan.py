@@ -86,6 +86,7 @@ class LoadPlan:
     fusions: dict[str, Any] | None = None
     tp_world_size: int | None = None
     tp_rank: int | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -150,6 +151,7 @@ class LoadPlan:
         ]
         if self.fusions:
             lines.append(f"fusions: {self.fusions}")
+        lines.extend(f"note: {n}" for n in self.notes)
         part = f"{'rank part':<28} " if parallel else ""
         header = f"{'runtime key':<60} {'mode':<8} {'shape':<18} {part}{'sources':<8} transform"
         lines.append(header)

@@ -34,7 +34,7 @@ from .. import ops
 from ..checkpoint import CheckpointReader, TensorInfo
 from ..converter import WeightConverter, expand_outputs
 from ..errors import ConfigurationError, ConversionError, LoadError, SurgeryError
-from ..fusion import apply_fusions, fusion_config_of, fusion_transforms
+from ..fusion import apply_fusions, fusion_config_of, fusion_transforms, trusted_fusion_config
 from ..ops import OpContext
 from ..quantization import QuantizerHooks, quantizer_from_metadata
 from ..resolution import get_model_conversion_mapping
@@ -135,8 +135,12 @@ def _resolve_transforms(model: nn.Module, hooks: QuantizerHooks | None = None) -
     return transforms
 
 
-def persisted_fusion_config(reader: CheckpointReader) -> dict[str, Any] | None:
-    """The fusion config a runtime-layout save persisted (metadata, else config.json), or None."""
+def persisted_fusion_config(reader: CheckpointReader) -> Any:
+    """The fusion config a runtime-layout save persisted (metadata, else config.json), or None.
+
+    Returned as parsed: it comes from the file, so :func:`~surgery.fusion.trusted_fusion_config`
+    decides whether it is applied.
+    """
     raw = reader.metadata.get(FUSION_METADATA_KEY)
     if raw is None:
         cfg_path = reader.path / "config.json" if reader.path.is_dir() else reader.path.parent / "config.json"
@@ -155,7 +159,7 @@ def persisted_fusion_config(reader: CheckpointReader) -> dict[str, Any] | None:
             f"{reader.path}: metadata {FUSION_METADATA_KEY!r} is not valid JSON ({exc}); "
             "re-save the checkpoint or pass fusion_config= explicitly."
         ) from exc
-    return value if isinstance(value, dict) else None
+    return value  # checked by trusted_fusion_config before anything is applied
 
 
 def _apply_fusions(
@@ -163,18 +167,32 @@ def _apply_fusions(
     fusion_config: dict[str, Any] | None,
     reader: CheckpointReader,
     *,
+    notes: list[str],
     parallel: bool = False,
 ) -> dict | None:
     """Apply the requested (or persisted) fusions; return the config in force.
 
-    ``parallel``: the model is already parallelized, and fusions cannot rewrite DTensor modules.
+    ``parallel``: the model is already parallelized, and fusions cannot rewrite DTensor modules. A
+    config persisted with the checkpoint is applied only in the exact-path form a save writes
+    (:func:`~surgery.fusion.trusted_fusion_config`); otherwise ``notes`` says why it was not.
     """
     current = fusion_config_of(model)
-    wanted = (
-        fusion_config if fusion_config is not None else (None if current else persisted_fusion_config(reader))
-    )
-    if wanted is None:
+    if fusion_config is not None:
+        wanted: dict[str, Any] | None = fusion_config
+    elif current:
         return current
+    else:
+        persisted = persisted_fusion_config(reader)
+        if persisted is None:
+            return current
+        wanted, why = trusted_fusion_config(model, persisted)
+        if wanted is None:
+            notes.append(
+                f"the fusion config persisted with the checkpoint was not applied: {why}. Pass fusion_config= "
+                "to choose the fusions yourself."
+            )
+            return current
+    assert wanted is not None
     if current is not None and (current == wanted or not any(v is not False for v in wanted.values())):
         return current
     if parallel and any(v is not False for v in wanted.values()):
@@ -288,7 +306,10 @@ def prepare(
     if quantizer is None:
         quantizer = quantizer_from_metadata(reader.metadata, source=str(path))
     hooks = QuantizerHooks(quantizer) if quantizer is not None else None
-    fusions = _apply_fusions(model, fusion_config, reader, parallel=tp is not None and tp.spec is None)
+    notes: list[str] = []
+    fusions = _apply_fusions(
+        model, fusion_config, reader, notes=notes, parallel=tp is not None and tp.spec is None
+    )
     if hooks is not None:
         if tp is not None and hooks.quantizes_on_the_fly:
             raise ConfigurationError(
@@ -310,7 +331,7 @@ def prepare(
         keys, companions_of, key_errors = claim_companions(keys, reader, hooks)
     routing = route_keys(keys, transforms, runtime_keys=runtime.keys(), base_model_prefix=base_prefix)
     config_for = config_lookup(model)
-    plan = LoadPlan(str(path), fusions=fusions)
+    plan = LoadPlan(str(path), fusions=fusions, notes=notes)
     if tp is not None:
         plan.tp_world_size, plan.tp_rank = tp.world_size, tp.rank
     plan.transforms = transform_repr = [repr(t) for t in transforms]

@@ -102,6 +102,8 @@ class LoadReport:
         bytes_read: bytes of tensor data read (or mapped) from the checkpoint by this process.
         tp_world_size / tp_rank: the tensor-parallel mesh size and this rank (``None`` if not parallel).
         tp_fallbacks: targets read whole because an op had no slice rule (:class:`TPFallback`).
+        notes: what the load decided not to do, and why (e.g. a persisted fusion config it did
+            not trust).
         seconds: wall time of the load.
         plan: the :class:`~surgery.LoadPlan` that was executed (not part of the JSON form).
     """
@@ -120,6 +122,7 @@ class LoadReport:
     tp_world_size: int | None = None
     tp_rank: int | None = None
     tp_fallbacks: list[TPFallback] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     plan: LoadPlan | None = field(default=None, repr=False, compare=False)
 
@@ -214,6 +217,7 @@ class LoadReport:
         section("conflicts (not loaded)", self.conflicts)
         section("conversion errors (not loaded)", self.conversion_errors)
         section("tensor-parallel fallbacks (read whole, then sliced)", self.tp_fallbacks)
+        section("notes", self.notes)
         section("transforms used", self.transforms_used, limit=10)
         return "\n".join(lines)
 
