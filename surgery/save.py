@@ -47,7 +47,7 @@ from .load.plan import FUSION_METADATA_KEY, FUSION_TAG, fold_indices
 from .load.planner import config_lookup, tied_groups
 from .ops import OpContext, run_chain
 from .parallel import dtensor_type
-from .quantization import QuantizerHooks
+from .quantization import QUANTIZER_ATTRIBUTE, QuantizerHooks
 from .resolution import get_model_conversion_mapping
 from .routing import route_keys
 from .transforms import PrefixChange, WeightTransform
@@ -624,9 +624,9 @@ def save_checkpoint(
         meta[FUSION_METADATA_KEY] = json.dumps(fusion, sort_keys=True)
     fusion = fusion_config_of(model)  # config.json keeps the form transformers reads
     state = RevertedState(model, original_format=original_format, quantization=quantization)
-    record = load_record(model)
-    if not original_format and record is not None and record.quantizer is not None and _has_quantized(model):
-        meta.update(QuantizerHooks(record.quantizer).metadata())
+    quantizer = _model_quantizer(model)
+    if not original_format and quantizer is not None and _has_quantized(model):
+        meta.update(QuantizerHooks(quantizer).metadata())
     group = _gathering_group(state)
     if group is not None:
         import torch.distributed as dist
@@ -647,6 +647,14 @@ def save_checkpoint(
     files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
     _update_config_json(Path(path), None if original_format else fusion)
     return files
+
+
+def _model_quantizer(model: nn.Module) -> Any:
+    """The quantizer of the model's last load, else the one that prepared it, else ``None``."""
+    record = load_record(model)
+    if record is not None and record.quantizer is not None:
+        return record.quantizer
+    return model.__dict__.get(QUANTIZER_ATTRIBUTE)
 
 
 def _has_quantized(model: nn.Module) -> bool:

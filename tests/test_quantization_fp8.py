@@ -355,3 +355,39 @@ def test_whole_block_and_edge_block_decodes_agree_with_the_reference(shape) -> N
     else:
         for e in range(shape[0]):
             assert torch.equal(got[e], dequantize(q[e], scale[e], (3, 5)))
+
+
+def test_encode_works_where_the_weights_live_not_where_the_scales_were_read() -> None:
+    """The recorded scales are CPU tensors; a model moved to another device still saves."""
+    q, scale = blockwise_quantize(torch.randn(256, 256) * 0.05)
+    w = FP8BlockQuantizer().decode("w", q, {"w_scale_inv": scale})
+    out = FP8BlockQuantizer().encode("w", w.to("meta"), {"w_scale_inv": scale})
+    assert out["w"].device.type == "meta" and out["w"].dtype == torch.float8_e4m3fn
+
+
+def test_a_fresh_scale_is_rounded_to_its_stored_dtype_before_encoding() -> None:
+    """With e8m0 scales and power_of_two=False, the values are encoded with the scale as stored."""
+    stored = torch.tensor([[2.0**-10]]).to(torch.float8_e8m0fnu)
+    w = torch.full((4, 4), 448 * 1.1 * 2**-10)
+    out = FP8BlockQuantizer(block_size=(4, 4), power_of_two=False).encode("w", w, {"w_scale_inv": stored})
+    back = dequantize(out["w"], out["w_scale_inv"].float(), (4, 4))
+    assert torch.allclose(back, w, rtol=0.07)  # within e4m3 precision, not clipped at the old scale
+
+
+def test_blockwise_dequantize_leaves_a_float32_input_alone() -> None:
+    q = torch.ones(4, 4)
+    blockwise_dequantize(q, torch.full((1, 1), 2.0), (4, 4))
+    assert torch.equal(q, torch.ones(4, 4))
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"block_size": None}, {"weight_format": ["e4m3"]}], ids=["block-None", "format-list"]
+)
+def test_bad_constructor_arguments_are_configuration_errors(kwargs) -> None:
+    with pytest.raises(surgery.ConfigurationError):
+        FP8BlockQuantizer(**kwargs)
+
+
+def test_a_scalar_weight_block_size_in_a_config_is_a_configuration_error() -> None:
+    with pytest.raises(surgery.ConfigurationError, match="weight_block_size=128"):
+        FP8BlockQuantizer.from_config({"quant_method": "fp8", "weight_block_size": 128})

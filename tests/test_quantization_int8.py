@@ -314,3 +314,122 @@ def test_an_unknown_persisted_quant_method_is_an_error_saying_what_to_pass(tmp_p
     )
     with pytest.raises(surgery.LoadError, match="quantizer="):
         surgery.load_checkpoint(nn.Linear(2, 2, bias=False), tmp_path)
+
+
+# --------------------------------------------------------------------------- modules that cannot be swapped alone
+
+
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.proj = nn.Linear(32, 32)
+        self.lm_head = nn.Linear(32, 64, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.proj(self.embed(ids)))
+
+
+def test_a_tied_lm_head_stays_in_float_and_stays_tied(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    ref = TiedLM()
+    surgery.save_checkpoint(ref, tmp_path)
+    model = TiedLM()
+    report = surgery.load_checkpoint(model, tmp_path, quantizer=Int8WeightOnlyQuantizer())
+    assert report.ok, report
+    assert type(model.proj) is Int8WeightOnlyLinear and type(model.lm_head) is nn.Linear
+    assert model.lm_head.weight is model.embed.weight
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert relative_error(model(ids), ref(ids)) < 3e-2
+
+
+def test_naming_a_tied_linear_is_an_error_that_suggests_exclude() -> None:
+    with pytest.raises(surgery.ConfigurationError, match=r"shares its weight with 'embed\.weight'.*exclude"):
+        Int8WeightOnlyQuantizer(targets=["lm_head"]).prepare(TiedLM())
+
+
+class Attend(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.attn(x, x, x, need_weights=False)[0])
+
+
+@pytest.mark.parametrize(
+    "build", [Attend, lambda: nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)]
+)
+def test_linears_whose_weight_their_parent_reads_are_left_in_float(tmp_path: Path, build) -> None:
+    torch.manual_seed(0)
+    ref = build().eval()
+    surgery.save_checkpoint(ref, tmp_path)
+    model = build().eval()
+    assert surgery.load_checkpoint(model, tmp_path, quantizer=Int8WeightOnlyQuantizer()).ok
+    assert not isinstance(
+        model.get_submodule("attn.out_proj" if isinstance(model, Attend) else "self_attn.out_proj"),
+        Int8WeightOnlyLinear,
+    )
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        assert relative_error(model(x), ref(x)) < 3e-2
+
+
+def test_inputs_not_contiguous_in_the_last_dim_work_like_nn_linear() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 48)
+    q = Int8WeightOnlyLinear.from_linear(lin)
+    x = torch.randn(1, 32, 5).transpose(1, 2)
+    assert relative_error(q(x), lin(x)) < 3e-2
+
+
+# --------------------------------------------------------------------------- casts across the quantization boundary
+
+
+def test_floats_into_a_quantized_model_without_its_quantizer_are_an_error_not_truncated(
+    tmp_path: Path,
+) -> None:
+    float_checkpoint(tmp_path)
+    model = Model()
+    Int8WeightOnlyQuantizer(targets=["mlp.*"]).prepare(model)
+    before = model.mlp.up_proj.weight.detach().clone()
+    report = surgery.load_checkpoint(model, tmp_path)
+    failure = next(f for f in report.conversion_errors if f.target_keys == ("mlp.up_proj.weight",))
+    assert "quantized Int8WeightOnlyLinear" in failure.message and "quantizer=" in failure.message
+    assert torch.equal(model.mlp.up_proj.weight, before)
+
+
+def test_an_int8_runtime_checkpoint_is_not_cast_into_float_layers(tmp_path: Path) -> None:
+    float_checkpoint(tmp_path / "float")
+    model = Model()
+    surgery.load_checkpoint(model, tmp_path / "float", quantizer=Int8WeightOnlyQuantizer())
+    surgery.save_checkpoint(model, tmp_path / "int8", original_format=False)
+    other = Model()
+    report = surgery.load_checkpoint(
+        other, tmp_path / "int8", quantizer=Int8WeightOnlyQuantizer(targets=["head"])
+    )
+    failure = next(f for f in report.conversion_errors if f.target_keys == ("mlp.gate_proj.weight",))
+    assert "'mlp.gate_proj.weight_scale'" in failure.message and "saved quantized" in failure.message
+
+
+def test_a_model_quantized_outside_a_load_persists_its_quantizer(tmp_path: Path) -> None:
+    model = trained()
+    Int8WeightOnlyQuantizer(targets=["mlp.*"]).prepare(model)  # quantizes the trained values
+    surgery.save_checkpoint(model, tmp_path, original_format=False)
+    again = Model()
+    assert surgery.load_checkpoint(again, tmp_path).ok  # rebuilt from the metadata
+    assert type(again.mlp.gate_proj) is Int8WeightOnlyLinear
+    assert torch.equal(again.mlp.gate_proj.weight, model.mlp.gate_proj.weight)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"exclude": None}, {"targets": 5}, {"targets": [1]}],
+    ids=["exclude-None", "targets-int", "targets-ints"],
+)
+def test_bad_constructor_arguments_are_configuration_errors(kwargs) -> None:
+    with pytest.raises(surgery.ConfigurationError, match="list of module-path patterns"):
+        Int8WeightOnlyQuantizer(**kwargs)

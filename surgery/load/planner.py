@@ -43,7 +43,13 @@ from ..slicing import local_shape
 from ..transforms import WeightTransform
 from .placement import all_contiguous, placement_views, source_slot_shapes
 from .plan import FUSION_METADATA_KEY, FUSION_TAG, LoadPlan, PlanEntry
-from .quantized import claim_companions, decoded_info, plan_quantize, prequantized_sources
+from .quantized import (
+    claim_companions,
+    decoded_info,
+    plan_quantize,
+    prequantized_sources,
+    quantized_cast_problem,
+)
 from .report import ConversionFailure, Mismatch
 from .sharding import (
     Sharding,
@@ -469,6 +475,18 @@ def prepare(
             entry.quantized = tuple(k for ks in work.quantized.values() for k in ks)
             covered.update(entry.quantized)
         work.companions = decoded
+        problem = next(
+            (
+                p
+                for k, d in zip(out_keys, out_dtypes)
+                if k not in work.quantized and not decoded
+                if (p := quantized_cast_problem(model, reader, k, src_keys[0], d, runtime))
+            ),
+            "",
+        )
+        if problem:
+            fail(entry, index, "dequantize", problem)
+            continue
         dts = [
             runtime[k].dtype if k in work.quantized else dest_dtype(k, d)
             for k, d in zip(out_keys, out_dtypes)

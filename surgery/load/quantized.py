@@ -19,7 +19,13 @@ from ..checkpoint import CheckpointReader, TensorInfo
 from ..errors import ConversionError
 from ..quantization import QuantizerHooks
 
-__all__ = ["claim_companions", "decoded_info", "plan_quantize", "prequantized_sources"]
+__all__ = [
+    "claim_companions",
+    "decoded_info",
+    "plan_quantize",
+    "prequantized_sources",
+    "quantized_cast_problem",
+]
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -148,3 +154,40 @@ def plan_quantize(
                 )
         out[key] = tuple(produced)
     return out
+
+
+def quantized_cast_problem(
+    model: nn.Module,
+    reader: CheckpointReader,
+    key: str,
+    source_key: str,
+    dtype: torch.dtype,
+    runtime: dict[str, torch.Tensor],
+) -> str:
+    """Why casting ``source_key`` (``dtype``) into ``key`` would load garbage (``""`` when it would not).
+
+    Two casts across a quantization boundary are refused: floats into a tensor of a quantized
+    module (the values would be truncated to integers; the module needs its quantizer), and an
+    int8 weight stored with its ``weight_scale`` into a float tensor (the values without the
+    scale; the checkpoint needs the quantizer that wrote it).
+    """
+    target = runtime[key]
+    path, _, name = key.rpartition(".")
+    if dtype.is_floating_point and not target.is_floating_point():
+        module = model.get_submodule(path) if path else model
+        if name in (getattr(module, "quantized_names", None) or ()):
+            return (
+                f"{key!r} belongs to the quantized {type(module).__name__} and holds {_name(target.dtype)}, but the "
+                f"checkpoint's {source_key!r} is {_name(dtype)}: pass the quantizer that quantizes it "
+                "(e.g. quantizer=Int8WeightOnlyQuantizer(...)) instead of casting floats to integers."
+            )
+    if dtype in (torch.int8, torch.uint8) and target.is_floating_point() and name == "weight":
+        scale = source_key.removesuffix("weight") + "weight_scale"
+        if scale in reader:
+            return (
+                f"{source_key!r} is {_name(dtype)} with the scales {scale!r}: it was saved quantized, and casting "
+                f"it into the {_name(target.dtype)} {key!r} would load the integers without their scales. Load it "
+                "with the quantizer that wrote it (without quantizer=, one persisted in the checkpoint's metadata "
+                "is rebuilt)."
+            )
+    return ""

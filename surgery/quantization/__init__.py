@@ -21,11 +21,19 @@ from typing import Any
 from ..errors import LoadError
 from .fp8 import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize, expand_block_scales
 from .int8 import Int8WeightOnlyLinear, Int8WeightOnlyQuantizer, int8_kernel_usable, quantize_per_channel
-from .protocol import QUANTIZATION_METADATA_KEY, QuantizedModule, Quantizer, QuantizerHooks, config_metadata
+from .protocol import (
+    QUANTIZATION_METADATA_KEY,
+    QUANTIZER_ATTRIBUTE,
+    QuantizedModule,
+    Quantizer,
+    QuantizerHooks,
+    config_metadata,
+)
 
 __all__ = [
     "BUILTIN_QUANTIZERS",
     "QUANTIZATION_METADATA_KEY",
+    "QUANTIZER_ATTRIBUTE",
     "FP8BlockQuantizer",
     "Int8WeightOnlyLinear",
     "Int8WeightOnlyQuantizer",

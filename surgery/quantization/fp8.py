@@ -96,7 +96,7 @@ def blockwise_dequantize(
     region: Region | None = None,
 ) -> torch.Tensor:
     """``q * scale`` per block, in float32 (``region``: ``q`` is that part of the weight)."""
-    out = q.to(torch.float32)  # the region's dim is indexed by its intervals, the others are whole
+    out = q.to(torch.float32, copy=True)  # the region's dim is indexed by its intervals, the others are whole
     b0, b1 = block_size
     *lead, n, k = q.shape
     if region is None and n % b0 == 0 and k % b1 == 0 and out.device.type != "meta":
@@ -164,16 +164,16 @@ class FP8BlockQuantizer:
         scale_suffix: str = "_scale_inv",
         power_of_two: bool | None = None,
     ) -> None:
-        block = tuple(block_size)
+        block = tuple(block_size) if isinstance(block_size, (list, tuple)) else ()
         if len(block) != 2 or not all(
             isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block
         ):
             raise ConfigurationError(
                 f"block_size={block_size!r}: give two positive ints (rows, columns), e.g. (128, 128)."
             )
-        if weight_format not in _FORMATS:
+        if not isinstance(weight_format, str) or weight_format not in _FORMATS:
             raise ConfigurationError(f"weight_format={weight_format!r}; valid: {sorted(_FORMATS)}.")
-        if not scale_suffix:
+        if not isinstance(scale_suffix, str) or not scale_suffix:
             raise ConfigurationError("scale_suffix must be a non-empty string such as '_scale_inv'.")
         self.block_size: tuple[int, int] = (block[0], block[1])
         self.weight_dtype = _FORMATS[weight_format]
@@ -217,6 +217,8 @@ class FP8BlockQuantizer:
                 f"activation_scheme={scheme!r}: static activation scales are not supported; only 'dynamic'."
             )
         fmt = cfg.get("fmt", "e4m3")
+        if not isinstance(block, (list, tuple)):
+            raise ConfigurationError(f"weight_block_size={block!r}; give two ints, e.g. [128, 128].")
         return cls(
             block_size=tuple(block),
             weight_format=fmt,
@@ -289,15 +291,19 @@ class FP8BlockQuantizer:
         scale = self._scale(key, recorded)
         self._check(key, tuple(tensor.shape), scale, None)
         w = tensor.to(torch.float32)
-        s = scale.to(torch.float32)
+        s = scale.to(device=w.device, dtype=torch.float32)  # the recorded scales live on CPU
         q = w / expand_block_scales(s, w.shape, self.block_size)
         over = _block_amax(q.abs(), self.block_size) > _overflow_threshold(self.weight_dtype)
         if w.device.type != "meta" and bool(over.any()):
             pow2 = self.power_of_two
             if pow2 is None:
-                pow2 = scale.dtype == _E8M0 or bool((torch.frexp(s)[0].abs() == 0.5).all())
+                pow2 = bool((torch.frexp(s)[0].abs() == 0.5).all())
+            pow2 = pow2 or scale.dtype == _E8M0  # e8m0 holds powers of two only: round those up
             fresh = _fresh_scales(_block_amax(w.abs(), self.block_size), self.weight_dtype, pow2)
-            s = torch.where(over, fresh, s)
-            q = w / expand_block_scales(s, w.shape, self.block_size)
-            scale = s.to(scale.dtype)
+            stored = fresh.to(scale.dtype)
+            if scale.dtype.is_floating_point and scale.dtype != _E8M0:  # never round a scale down
+                bumped = (fresh * (1 + torch.finfo(scale.dtype).eps)).to(scale.dtype)
+                stored = torch.where(stored.to(torch.float32) < fresh, bumped, stored)
+            scale = torch.where(over, stored, scale.to(w.device))  # the scale as stored, then encode with it
+            q = w / expand_block_scales(scale.to(torch.float32), w.shape, self.block_size)
         return {key: q.to(self.weight_dtype), key + self.scale_suffix: scale}

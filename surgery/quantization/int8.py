@@ -29,10 +29,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from ..errors import ConfigurationError, ConversionError
 from ..graph import match_modules, swap_module
-from .protocol import config_metadata
+from .protocol import QUANTIZER_ATTRIBUTE, config_metadata
 
 __all__ = ["Int8WeightOnlyLinear", "Int8WeightOnlyQuantizer", "int8_kernel_usable", "quantize_per_channel"]
 
@@ -185,11 +186,11 @@ class Int8WeightOnlyLinear(nn.Module):
                 "activations to `weight.dtype`, which is int8 for a quantized layer, and lost them; leave this "
                 "module out of the quantizer's targets (exclude=[path]) or cast to the activation dtype instead."
             )
-        flat = x.reshape(-1, self.in_features)  # the kernel takes 2-D input only
+        flat = x.reshape(-1, self.in_features)  # the kernel takes 2-D input, contiguous in its last dim
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self._decide():
             out = torch.ops.aten._weight_int8pack_mm(
-                flat.to(torch.bfloat16), self.weight, self.weight_scale.to(torch.bfloat16)
+                flat.to(torch.bfloat16).contiguous(), self.weight, self.weight_scale.to(torch.bfloat16)
             ).to(x.dtype)
             if bias is not None:
                 out = out + bias
@@ -211,6 +212,28 @@ class Int8WeightOnlyLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         )
+
+
+def _unsafe_linears(model: nn.Module) -> dict[str, str]:
+    """``nn.Linear`` paths that cannot be swapped alone, with why: tied weights, MHA's out_proj."""
+    owners: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append(f"{path}.{name}" if path else name)
+    parents = {f"{p}.{n}" if p else n: m for p, m in model.named_modules() for n, _ in m.named_children()}
+    out: dict[str, str] = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        own = f"{path}.weight" if path else "weight"
+        others = [k for k in owners.get(id(module.weight), []) if k != own]
+        if others:
+            out[path] = f"shares its weight with {others[0]!r}"
+        elif isinstance(module, NonDynamicallyQuantizableLinear):
+            out[path] = "is an nn.MultiheadAttention out_proj, whose weight its parent reads directly"
+        elif isinstance(parents.get(path), (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+            out[path] = "belongs to an nn.Transformer layer, whose fast path reads its weight directly"
+    return out
 
 
 class Int8WeightOnlyQuantizer:
@@ -237,7 +260,11 @@ class Int8WeightOnlyQuantizer:
         for name, value in (("targets", targets), ("exclude", exclude)):
             if value is None and name == "targets":
                 continue
-            if isinstance(value, str) or not all(isinstance(p, str) for p in value or ()):
+            if (
+                isinstance(value, str)
+                or not isinstance(value, (list, tuple))
+                or not all(isinstance(p, str) for p in value)
+            ):
                 raise ConfigurationError(
                     f"{name}={value!r}: give a list of module-path patterns, e.g. ['lm_head']."
                 )
@@ -247,6 +274,8 @@ class Int8WeightOnlyQuantizer:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Int8WeightOnlyQuantizer:
         """Rebuild from :meth:`metadata`'s JSON (``{"quant_method": "int8_weight_only", ...}``)."""
+        if not isinstance(config, Mapping):
+            raise ConfigurationError(f"expected a quantization config dict, got {type(config).__name__}.")
         if config.get("quant_method") != cls.method:
             raise ConfigurationError(f"quant_method={config.get('quant_method')!r}, expected {cls.method!r}.")
         return cls(targets=config.get("targets"), exclude=config.get("exclude", ()))
@@ -257,12 +286,19 @@ class Int8WeightOnlyQuantizer:
     def target_paths(self, model: nn.Module) -> list[str]:
         """The module paths :meth:`prepare` swaps (already swapped ones included).
 
+        With ``targets=None`` every ``nn.Linear`` is a target except those whose weight other
+        code reads directly, left in float: a linear whose weight is tied to another tensor
+        (``lm_head`` sharing the embedding), ``nn.MultiheadAttention``'s ``out_proj``, and the
+        linears of ``nn.TransformerEncoderLayer``/``DecoderLayer`` (their fast path).
+
         Raises:
-            ConfigurationError: a pattern matches nothing, or matches a module that is not an ``nn.Linear``.
+            ConfigurationError: a pattern matches nothing, matches a module that is not an
+                ``nn.Linear``, or names one of those.
         """
         kinds = (nn.Linear, Int8WeightOnlyLinear)
+        unsafe = _unsafe_linears(model)
         if self.targets is None:
-            paths = [p for p, m in model.named_modules() if isinstance(m, kinds)]
+            paths = [p for p, m in model.named_modules() if isinstance(m, kinds) and p not in unsafe]
         else:
             paths = []
             for pattern in self.targets:
@@ -279,6 +315,11 @@ class Int8WeightOnlyQuantizer:
                             f"Int8WeightOnlyQuantizer: {path!r} (pattern {pattern!r}) is a "
                             f"{type(module).__name__}; only nn.Linear modules can be quantized."
                         )
+                    if path in unsafe:
+                        raise ConfigurationError(
+                            f"Int8WeightOnlyQuantizer: {path!r} (pattern {pattern!r}) {unsafe[path]}, so it cannot "
+                            f"be quantized on its own; add exclude=[{path!r}]."
+                        )
                     paths.append(path)
         excluded: set[str] = set()
         for pattern in self.exclude:
@@ -292,11 +333,16 @@ class Int8WeightOnlyQuantizer:
 
     # ------------------------------------------------------------------ hooks
     def prepare(self, model: nn.Module) -> None:
-        """Swap every target ``nn.Linear`` (an instance swap; on ``meta`` nothing is computed)."""
+        """Swap every target ``nn.Linear`` (an instance swap; on ``meta`` nothing is computed).
+
+        The model remembers the quantizer, so a runtime-layout save persists its metadata even
+        when the model was quantized outside a load.
+        """
         for path in self.target_paths(model):
             module = model.get_submodule(path)
             if isinstance(module, nn.Linear):
                 swap_module(model, path, Int8WeightOnlyLinear.from_linear(module))
+        model.__dict__[QUANTIZER_ATTRIBUTE] = self
 
     def quantizes(self, key: str, module: nn.Module) -> bool:
         return isinstance(module, Int8WeightOnlyLinear) and key.rpartition(".")[2] == "weight"

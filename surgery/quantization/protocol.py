@@ -42,8 +42,17 @@ from ..errors import ConfigurationError, ConversionError, SurgeryError
 from ..slicing import Region
 from ..transforms import WeightTransform
 
-__all__ = ["QUANTIZATION_METADATA_KEY", "QuantizedModule", "Quantizer", "QuantizerHooks", "config_metadata"]
+__all__ = [
+    "QUANTIZATION_METADATA_KEY",
+    "QUANTIZER_ATTRIBUTE",
+    "QuantizedModule",
+    "Quantizer",
+    "QuantizerHooks",
+    "config_metadata",
+]
 
+QUANTIZER_ATTRIBUTE = "_surgery_quantizer"
+"""The model attribute naming the quantizer that prepared it (a runtime-layout save reads it)."""
 QUANTIZATION_METADATA_KEY = "surgery.quantization"
 """Safetensors metadata key of a quantized runtime-layout save: JSON with ``quant_method``."""
 
@@ -163,7 +172,8 @@ class QuantizerHooks:
     # ------------------------------------------------------------------ model
     def prepare(self, model: nn.Module) -> None:
         if "prepare" in self._hooks:
-            result = self._hooks["prepare"](model)
+            result = self._call("prepare", type(model).__name__, model)
+            model.__dict__[QUANTIZER_ATTRIBUTE] = self.quantizer
             if result is not None and result is not model:
                 raise ConfigurationError(
                     f"{self.name}.prepare returned {type(result).__name__}; it must change the model in place "
@@ -174,7 +184,7 @@ class QuantizerHooks:
         """``get_weight_conversions()``, checked (``[]`` without the hook)."""
         if "get_weight_conversions" not in self._hooks:
             return []
-        result = self._hooks["get_weight_conversions"]()
+        result = self._call("get_weight_conversions", "")
         if not isinstance(result, (list, tuple)) or not all(isinstance(t, WeightTransform) for t in result):
             raise ConfigurationError(
                 f"{self.name}.get_weight_conversions() returned {result!r}; return a list of WeightTransform."
@@ -271,7 +281,7 @@ class QuantizerHooks:
     def metadata(self) -> dict[str, str]:
         if "metadata" not in self._hooks:
             return {}
-        result = self._hooks["metadata"]()
+        result = self._call("metadata", "")
         if not isinstance(result, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in result.items()
         ):
