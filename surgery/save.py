@@ -5,7 +5,9 @@ reversed), then every renaming's inverse in reverse order. Only the transforms t
 load are inverted — a model never loaded through the engine recomputes its mapping and leaves
 out :class:`~surgery.PrefixChange` and the built-in legacy renames, since nothing says the
 original checkpoint had them. Fusions are always inverted in the original format. Tensors loaded
-with a dtype cast are cast back, so load → save reproduces the input bit for bit.
+with a dtype cast are cast back, so load → save reproduces the input bit for bit wherever the
+load's cast was lossless (bfloat16 → float32); a lossy one (float32 → bfloat16, reported as such
+by the load) comes back as the rounded values.
 
 :class:`RevertedState` is the lazy view a save writes from: every output key, shape and dtype is
 known up front (the reversed chains run on ``meta`` tensors), and values are computed one

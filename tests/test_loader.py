@@ -646,3 +646,41 @@ def test_fusion_metadata_nested_too_deeply_is_a_load_error(tmp_path: Path) -> No
     write_checkpoint(nn.Linear(2, 2).state_dict(), tmp_path, metadata={FUSION_METADATA_KEY: deep})
     with pytest.raises(LoadError, match="not valid JSON"):
         surgery.load_checkpoint(nn.Linear(2, 2), tmp_path)
+
+
+# --------------------------------------------------------------------------- lossy casts
+
+
+@pytest.mark.parametrize(
+    ("stored", "model_dtype", "lossy"),
+    [
+        (torch.float32, torch.bfloat16, True),
+        (torch.float32, torch.float16, True),
+        (torch.bfloat16, torch.float16, True),
+        (torch.bfloat16, torch.float32, False),
+        (torch.float16, torch.float32, False),
+    ],
+)
+def test_a_narrowing_cast_nobody_asked_for_is_reported_lossy_and_fails_ok(
+    tmp_path, stored, model_dtype, lossy
+) -> None:
+    write_checkpoint(
+        {"weight": torch.randn(4, 4).to(stored), "bias": torch.zeros(4, dtype=model_dtype)}, tmp_path
+    )
+    model = nn.Linear(4, 4, dtype=model_dtype)
+    report = surgery.load_checkpoint(model, tmp_path)
+    (m,) = report.mismatched
+    assert (m.key, m.kind, m.loaded, m.lossy) == ("weight", "dtype", True, lossy)
+    assert report.ok is (not lossy)
+    assert ("lossy cast" in str(report)) is lossy
+
+
+def test_a_strict_load_refuses_a_lossy_cast_before_reading_and_dtype_asks_for_it(tmp_path) -> None:
+    write_checkpoint({"weight": torch.randn(4, 4), "bias": torch.zeros(4)}, tmp_path)
+    model = nn.Linear(4, 4, dtype=torch.bfloat16)
+    before = model.weight.detach().clone()
+    with pytest.raises(surgery.LoadError, match="lossy cast"):
+        surgery.load_checkpoint(model, tmp_path, strict=True)
+    assert torch.equal(model.weight, before)
+    report = surgery.load_checkpoint(model, tmp_path, dtype=torch.bfloat16, strict=True)  # asked for: fine
+    assert report.ok and report.mismatched == []

@@ -65,6 +65,7 @@ def test_to_dict_is_plain_json() -> None:
         "model": "(4,)",
         "source_keys": ["a.weight"],
         "loaded": False,
+        "lossy": False,
     }
     assert "plan" not in d
 

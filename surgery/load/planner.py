@@ -65,6 +65,7 @@ __all__ = [
     "Prepared",
     "Work",
     "config_lookup",
+    "lossy_cast",
     "meta_clone",
     "model_device",
     "op_context",
@@ -252,6 +253,31 @@ class Prepared:
     placements: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
     quantizer: QuantizerHooks | None = None
     companion_values: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
+
+
+def lossy_cast(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether casting ``source`` to ``target`` can change a value (every value must be representable).
+
+    Example:
+        >>> lossy_cast(torch.bfloat16, torch.float32), lossy_cast(torch.float32, torch.bfloat16)
+        (False, True)
+    """
+    if source == target or source == torch.bool:
+        return False
+    if source.is_complex or target.is_complex or target == torch.bool:
+        return True
+    if source.is_floating_point:
+        if not target.is_floating_point:
+            return True
+        a, b = torch.finfo(source), torch.finfo(target)
+        smallest_a, smallest_b = a.smallest_normal * a.eps, b.smallest_normal * b.eps  # subnormals
+        return not (b.eps <= a.eps and b.max >= a.max and smallest_b <= smallest_a)
+    ia = torch.iinfo(source)
+    if target.is_floating_point:
+        fb = torch.finfo(target)
+        return max(abs(ia.min), ia.max) > 2 / fb.eps  # integers above 2**(mantissa + 1) round
+    ib = torch.iinfo(target)
+    return ia.min < ib.min or ia.max > ib.max
 
 
 def _normalize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
@@ -500,7 +526,15 @@ def prepare(
             if od != d and d != want_dtype and not decoded and k not in work.quantized:
                 # a cast nobody asked for: report it (saving undoes it)
                 mismatches.append(
-                    Mismatch(k, "dtype", _dtype_name(od), _dtype_name(d), src_keys, loaded=True)
+                    Mismatch(
+                        k,
+                        "dtype",
+                        _dtype_name(od),
+                        _dtype_name(d),
+                        src_keys,
+                        loaded=True,
+                        lossy=lossy_cast(od, d),
+                    )
                 )
         entry.mode = _choose_mode(work, [where(p) for p in params], params, cast, runtime, mode_cache)
         if entry.mode == "mmap" and not mmap:

@@ -25,7 +25,10 @@ class Mismatch:
     """A runtime key whose checkpoint tensor has another shape or dtype than the model's.
 
     A shape mismatch is not loaded; a dtype mismatch is loaded, cast to the model's dtype (and
-    cast back when the model is saved in the original format).
+    cast back when the model is saved in the original format). A cast that can change values
+    (``lossy``: float32 → bfloat16, float → integer, int64 → int32, ...) makes the report not
+    ``ok``, so ``strict=True`` refuses it before anything is read; pass ``dtype=`` to ask for it.
+    Only a lossless cast comes back bit for bit on save.
     """
 
     key: str
@@ -34,10 +37,15 @@ class Mismatch:
     model: str
     source_keys: tuple[str, ...] = ()
     loaded: bool = False
+    lossy: bool = False
 
     def __str__(self) -> str:
         src = f" (from {', '.join(self.source_keys[:2])}{' ...' if len(self.source_keys) > 2 else ''})"
-        what = "loaded with a cast" if self.loaded else "not loaded"
+        what = (
+            ("loaded with a lossy cast" if self.lossy else "loaded with a cast")
+            if self.loaded
+            else "not loaded"
+        )
         return f"{self.key}: checkpoint {self.kind} {self.checkpoint} vs model {self.model}{src}; {what}"
 
 
@@ -128,11 +136,11 @@ class LoadReport:
 
     @property
     def ok(self) -> bool:
-        """True when nothing was missing, unexpected, mismatched in shape, conflicting or failed."""
+        """True when nothing was missing, unexpected, mismatched in shape, cast lossily, conflicting or failed."""
         return not (
             self.missing_keys
             or self.unexpected_keys
-            or any(not m.loaded for m in self.mismatched)
+            or any(not m.loaded or m.lossy for m in self.mismatched)
             or self.conflicts
             or self.conversion_errors
         )
