@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 import tempfile
 import threading
@@ -443,11 +444,11 @@ def test_reading_one_key_reads_only_the_headers_and_that_key(tmp_path: Path) -> 
     big = 2**30
     header = {
         "small": {"dtype": "I32", "shape": [3], "data_offsets": [0, 12]},
-        "big": {"dtype": "F32", "shape": [big // 4], "data_offsets": [16, 16 + big]},
+        "big": {"dtype": "F32", "shape": [big // 4], "data_offsets": [12, 12 + big]},
     }
     path = write_raw(tmp_path / "sparse.safetensors", header, struct.pack("<3i", 5, 6, 7))
     with open(path, "r+b") as f:
-        f.truncate(path.stat().st_size - 12 + 16 + big)
+        f.truncate(path.stat().st_size + big)
     with open_checkpoint(path) as reader:
         assert reader.info("big").nbytes == big
         assert reader.get_tensor("small").tolist() == [5, 6, 7]
@@ -1147,3 +1148,40 @@ def test_an_index_file_larger_than_the_limit_is_refused_before_reading(sharded: 
         f.truncate(100_000_001)  # sparse: nothing is read or allocated
     with pytest.raises(CheckpointError, match="more than the 100000000"):
         open_checkpoint(sharded)
+
+
+@pytest.mark.parametrize(
+    ("offsets", "data", "needle"),
+    [
+        ({"a": [0, 4], "b": [8, 12]}, 12, "4 unused byte(s) after tensor 'a', before 'b'"),
+        ({"a": [4, 8]}, 8, "at the start of the data"),
+        ({"a": [0, 4]}, 8, "4 byte(s) after the last tensor"),
+        ({"a": [0, 4], "z": [2, 2]}, 4, "overlap"),
+    ],
+    ids=["hole", "leading-hole", "trailing-bytes", "zero-size-inside"],
+)
+def test_the_reader_is_as_strict_as_safetensors_about_the_data_section(
+    tmp_path: Path, offsets, data, needle
+) -> None:
+    """Holes, trailing bytes and misplaced zero-size tensors are refused, as the safetensors package does."""
+    from safetensors import safe_open
+
+    header = {
+        k: {"dtype": "F32", "shape": [(b - a) // 4], "data_offsets": [a, b]} for k, (a, b) in offsets.items()
+    }
+    path = write_raw(tmp_path / "odd.safetensors", header, bytes(data))
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        open_checkpoint(path)
+    with pytest.raises(Exception), safe_open(path, "pt") as f:  # noqa: B017 - safetensors' own error type
+        f.keys()
+
+
+def test_a_zero_size_tensor_where_the_previous_one_ended_is_fine(tmp_path: Path) -> None:
+    header = {
+        "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+        "empty": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]},
+        "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},
+    }
+    path = write_raw(tmp_path / "ok.safetensors", header, struct.pack("<2f", 1.0, 2.0))
+    with open_checkpoint(path) as reader:
+        assert reader.get_tensor("empty").shape == (0,) and reader.get_tensor("b").tolist() == [2.0]

@@ -292,13 +292,28 @@ def _parse_header_text(
         raise _corrupt(path, "__metadata__ must map strings to strings")
     infos = _parse_entries(path, header, data_start, size)
     infos.sort(key=lambda i: (i.offset, i.nbytes))
-    previous: TensorInfo | None = None
+    # As strict as the safetensors package: the tensors tile the data section exactly, in offset
+    # order, with no hole, no overlap and nothing after the last one (a zero-size tensor sits where
+    # the previous one ended). A file surgery opens then opens everywhere else too.
+    cursor, previous = data_start, None
     for info in infos:
-        if info.nbytes == 0:
-            continue
-        if previous is not None and info.offset < previous.offset + previous.nbytes:
-            raise _corrupt(path, f"the data of tensors {previous.key!r} and {info.key!r} overlap")
-        previous = info
+        if info.offset < cursor:
+            other = f"tensors {previous.key!r} and {info.key!r}" if previous is not None else repr(info.key)
+            raise _corrupt(path, f"the data of {other} overlap")
+        if info.offset > cursor:
+            after = f"after tensor {previous.key!r}" if previous is not None else "at the start of the data"
+            raise _corrupt(
+                path,
+                f"{info.offset - cursor} unused byte(s) {after}, before {info.key!r} (the safetensors format "
+                "requires tensors to follow each other without holes)",
+            )
+        cursor, previous = info.offset + info.nbytes, info
+    if cursor != size:
+        raise _corrupt(
+            path,
+            f"{size - cursor} byte(s) after the last tensor's data (the safetensors format requires the data to "
+            "end with the last tensor)",
+        )
     return metadata, {info.key: info for info in infos}
 
 
