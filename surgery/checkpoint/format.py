@@ -287,7 +287,8 @@ def _parse_header_text(
             raise _corrupt(path, "the header nests JSON too deeply to parse") from None
     if not isinstance(header, dict):
         raise _corrupt(path, "the header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata  # an empty list or string is not a mapping
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise _corrupt(path, "__metadata__ must map strings to strings")
     infos = _parse_entries(path, header, data_start, size)
