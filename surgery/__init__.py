@@ -8,6 +8,7 @@ Map of the package (one concept per module; ``docs/concepts.md`` has the path of
   converters, and sending every checkpoint key through a transform list once).
 * ``registry``, ``graph``, ``resolution``: which conversion mapping applies where.
 * ``checkpoint``: the safetensors format, validated lazy reads, atomic streaming writes.
+* ``empty``: :func:`init_empty`, build a model with parameters on ``meta`` and real buffers.
 * ``load``: plan a load from headers, read straight into place, report.
 * ``save``: export back to the original (or the runtime) layout.
 * ``fusion``: torch.fx rewrites of module instances, with preview.
@@ -17,6 +18,7 @@ Map of the package (one concept per module; ``docs/concepts.md`` has the path of
 from . import ops
 from .checkpoint import CheckpointReader, open_checkpoint, write_checkpoint
 from .converter import WeightConverter
+from .empty import init_empty
 from .errors import (
     CheckpointError,
     ConfigurationError,
@@ -66,6 +68,7 @@ __all__ = [
     "explain_model_conversion_mapping",
     "get_checkpoint_conversion_mapping",
     "get_model_conversion_mapping",
+    "init_empty",
     "load_checkpoint",
     "open_checkpoint",
     "ops",

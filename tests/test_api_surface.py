@@ -40,6 +40,7 @@ TOP_LEVEL = [
     "explain_model_conversion_mapping",
     "get_checkpoint_conversion_mapping",
     "get_model_conversion_mapping",
+    "init_empty",
     "load_checkpoint",
     "open_checkpoint",
     "ops",

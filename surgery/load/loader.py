@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import math
 import os
 import sys
@@ -587,6 +588,7 @@ def load_checkpoint(
             )
             if strict:  # what the headers already show fails the load before a tensor is read
                 early = _report(path, prep, [], [], list(prep.failures))
+                early.left_on_meta = _left_on_meta(model, _planned(prep))
                 if not early.ok:
                     early.seconds = time.perf_counter() - start
                     raise LoadError(
@@ -629,6 +631,7 @@ def load_checkpoint(
             _run_pool(prep, num_workers or DEFAULT_WORKERS, finish, fail)
 
         report = _report(path, prep, loaded, mapped, failures)
+        report.left_on_meta = _left_on_meta(model)
         report.bytes_read = reader.bytes_read
         report.transforms_used = _record(model, prep, [done[i] for i in sorted(done)], path)
         report.seconds = time.perf_counter() - start
@@ -665,6 +668,23 @@ def _report(
         notes=list(prep.plan.notes),
         plan=prep.plan,
     )
+
+
+def _left_on_meta(model: nn.Module, filled: set[str] | None = None) -> list[str]:
+    """Parameters and buffers (persistent or not) on ``meta``, minus ``filled`` (the planned targets)."""
+    out = []
+    for name, t in itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    ):
+        if t.device.type == "meta" and (filled is None or name not in filled):
+            out.append(name)
+    return out
+
+
+def _planned(prep: Prepared) -> set[str]:
+    """Runtime keys the work list fills (tied aliases included)."""
+    keys = {k for w in prep.work for k in (*w.dest_keys, *w.entry.quantized)}
+    return keys | {alias for k in keys for alias in prep.tied.get(k, ())}
 
 
 def _fallback_extra(prep: Prepared, w: Work) -> int:

@@ -112,6 +112,9 @@ class LoadReport:
         tp_fallbacks: targets read whole because an op had no slice rule (:class:`TPFallback`).
         notes: what the load decided not to do, and why (e.g. a persisted fusion config it did
             not trust).
+        left_on_meta: parameters and buffers still on ``meta`` after the load (no data: the model
+            cannot run). Non-persistent buffers are never in a checkpoint; build the model with
+            :func:`surgery.init_empty` so they are computed for real.
         seconds: wall time of the load.
         plan: the :class:`~surgery.LoadPlan` that was executed (not part of the JSON form).
     """
@@ -131,6 +134,7 @@ class LoadReport:
     tp_rank: int | None = None
     tp_fallbacks: list[TPFallback] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    left_on_meta: list[str] = field(default_factory=list)
     seconds: float = 0.0
     plan: LoadPlan | None = field(default=None, repr=False, compare=False)
 
@@ -143,6 +147,7 @@ class LoadReport:
             or any(not m.loaded or m.lossy for m in self.mismatched)
             or self.conflicts
             or self.conversion_errors
+            or self.left_on_meta
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -225,6 +230,11 @@ class LoadReport:
         section("conflicts (not loaded)", self.conflicts)
         section("conversion errors (not loaded)", self.conversion_errors)
         section("tensor-parallel fallbacks (read whole, then sliced)", self.tp_fallbacks)
+        section(
+            "left on meta (no data, the model cannot run; build it with surgery.init_empty() so buffers are "
+            "real, or load or initialize these)",
+            self.left_on_meta,
+        )
         section("notes", self.notes)
         section("transforms used", self.transforms_used, limit=10)
         return "\n".join(lines)
