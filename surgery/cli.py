@@ -1,10 +1,11 @@
-"""Command line: ``surgery demo | preview | inspect | convert | bench`` (also ``python -m surgery``).
+"""Command line: ``surgery demo | preview | inspect | convert | catalog | bench`` (also ``python -m surgery``).
 
 * ``demo``: the main job end to end on the built-in example models.
 * ``preview``: show what a fusion would change on a built-in example (or your own model).
 * ``inspect PATH``: summarize a checkpoint; with ``--model``, show the load plan (``--tp N``:
   what each of N tensor-parallel ranks reads, planned without a process group).
 * ``convert SRC DST --model M``: load a checkpoint into a model and save it in another layout.
+* ``catalog``: the registered conversion mappings (families and aliases).
 * ``bench {route,load,fusion,graph,quantization}``: benchmarks that print ratios against a floor.
 
 ``--model`` takes a built-in example name (``example-dense``, ``example-moe``, ``example-vision``) or
@@ -14,14 +15,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from torch import nn
 
-from .checkpoint import open_checkpoint
+from .checkpoint import open_checkpoint, parse_size
 from .demo import run_demo
 from .errors import SurgeryError
 from .examples.dense import build_dense_model
@@ -70,11 +75,26 @@ def build_model(spec: str) -> nn.Module:
             f"'package.module:factory'.{hint}"
         )
     module_name, _, attr = spec.partition(":")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # modules in the current directory, as ``python -m`` finds them
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise SurgeryError(f"--model {spec!r}: cannot import {attr!r} from {module_name!r} ({exc}).") from exc
-    model = factory()
+    except Exception as exc:  # ImportError, AttributeError, or whatever the module raised on import
+        raise SurgeryError(
+            f"--model {spec!r}: cannot import {attr!r} from {module_name!r} ({type(exc).__name__}: {exc})."
+        ) from exc
+    if not callable(factory):
+        raise SurgeryError(
+            f"--model {spec!r}: {attr!r} is a {type(factory).__name__}, not a factory function."
+        )
+    try:
+        model = factory()
+    except TypeError as exc:
+        raise SurgeryError(
+            f"--model {spec!r}: calling {attr}() failed ({exc}); the factory must take no arguments."
+        ) from exc
+    except Exception as exc:
+        raise SurgeryError(f"--model {spec!r}: {attr}() raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, nn.Module):
         raise SurgeryError(f"--model {spec!r} returned {type(model).__name__}, not an nn.Module.")
     return model
@@ -106,7 +126,12 @@ def _cmd_preview(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.model:
         if args.tp is None:
-            plan = plan_load(build_model(args.model), args.path, fusion_config=_fusion_arg(args.fusion))
+            plan = plan_load(
+                build_model(args.model),
+                args.path,
+                fusion_config=_fusion_arg(args.fusion),
+                allow_pickle=args.allow_pickle,
+            )
             print(plan.to_json(indent=2) if args.json else plan.render())
             return 0
         tp_plan = json.loads(args.tp_plan) if args.tp_plan else "auto"
@@ -119,6 +144,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 tp_plan=tp_plan,
                 tp_size=args.tp,
                 tp_rank=r,
+                allow_pickle=args.allow_pickle,
             )
             for r in ranks
         ]
@@ -127,7 +153,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         else:
             print("\n\n".join(p.render() for p in plans))
         return 0
-    with open_checkpoint(args.path) as reader:
+    with open_checkpoint(args.path, allow_pickle=args.allow_pickle) as reader:
         keys = reader.keys()
         by_sig: dict[tuple[str, str], list[str]] = {}
         total = 0
@@ -145,13 +171,55 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    parse_size(args.max_shard_size)  # a bad size fails before anything is loaded
+    src, dst = Path(args.src).resolve(), Path(args.dst).resolve()
+    if src == dst or (src.is_file() and src.parent == dst):
+        raise SurgeryError(
+            f"convert {args.src} {args.dst}: the output would replace the checkpoint being read; pick another DST."
+        )
     model = build_model(args.model)
-    report = load_checkpoint(model, args.src, fusion_config=_fusion_arg(args.fusion), strict=not args.lenient)
+    report = load_checkpoint(
+        model,
+        args.src,
+        fusion_config=_fusion_arg(args.fusion),
+        strict=not args.lenient,
+        allow_pickle=args.allow_pickle,
+    )
     print(report)
+    replaced = (
+        sorted(p.name for p in dst.iterdir() if p.suffix in (".safetensors", ".json")) if dst.is_dir() else []
+    )
+    if replaced:
+        print(f"replacing in {args.dst}: {', '.join(replaced[:6])}{' ...' if len(replaced) > 6 else ''}")
     files = save_checkpoint(
         model, args.dst, original_format=not args.runtime_layout, max_shard_size=args.max_shard_size
     )
     print(f"wrote {len(files)} file(s) to {args.dst}")
+    return 0
+
+
+def _cmd_catalog(args: argparse.Namespace) -> int:
+    from .registry import checkpoint_conversion_entry, list_checkpoint_conversion_keys
+
+    keys = list_checkpoint_conversion_keys()
+    if args.json:
+        out = {}
+        for key in keys:
+            entry = checkpoint_conversion_entry(key)
+            assert entry is not None  # listed, so registered
+            out[key] = (
+                {"alias_of": entry.alias}
+                if entry.alias
+                else {"transforms": [repr(t) for t in entry.transforms]}
+            )
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{len(keys)} registered keys (class names and model types):")
+    for key in keys:
+        entry = checkpoint_conversion_entry(key)
+        assert entry is not None
+        what = f"-> {entry.alias}" if entry.alias else f"{len(entry.transforms)} transform(s)"
+        print(f"  {key:<44} {what}")
     return 0
 
 
@@ -160,47 +228,85 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return int(module.main(args.rest) or 0)
 
 
+_MODEL_HELP = (
+    "the model: a built-in example (" + ", ".join(_EXAMPLES) + ") or package.module:factory, a "
+    "zero-argument callable returning an nn.Module (modules in the current directory are found)"
+)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="surgery", description="PyTorch-native model surgery.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(
+        prog="surgery",
+        description="PyTorch-native model surgery: fusions, checkpoint conversion, tensor parallelism.",
+        epilog="--model takes " + _MODEL_HELP.removeprefix("the model: ") + ".",
+    )
+    p.add_argument("--version", action="version", version=f"surgery {_version()}")
+    p.add_argument("--verbose", action="store_true", help="print the traceback of an error")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     d = sub.add_parser("demo", help="run the main job on the built-in example models")
-    d.add_argument("--workdir", default=None, help="where to write checkpoints (default: a temp dir)")
+    d.add_argument(
+        "--workdir", default=None, help="where to write checkpoints (default: a temp dir, deleted)"
+    )
     d.add_argument("--quick", action="store_true", help="smaller models")
     d.set_defaults(func=_cmd_demo)
 
     pv = sub.add_parser("preview", help="preview a fusion on a model")
-    pv.add_argument("--model", default="example-vision")
+    pv.add_argument("--model", default="example-vision", help=_MODEL_HELP + "; default example-vision")
     pv.add_argument("--fusion", action="append", help="fusion name (repeatable); default patch_embeddings")
-    pv.add_argument("--json", action="store_true")
-    pv.add_argument("--mermaid", action="store_true")
+    out = pv.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the plan as JSON")
+    out.add_argument("--mermaid", action="store_true", help="print the graphs as a mermaid diagram")
     pv.set_defaults(func=_cmd_preview)
 
     i = sub.add_parser("inspect", help="summarize a checkpoint, or plan a load with --model")
-    i.add_argument("path")
-    i.add_argument("--model", default=None)
-    i.add_argument("--fusion", action="append")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("path", help="a .safetensors file, a checkpoint directory, or an index .json")
+    i.add_argument("--model", default=None, help=_MODEL_HELP)
+    i.add_argument("--fusion", action="append", help="fusion name to apply first (repeatable)")
+    i.add_argument("--json", action="store_true", help="print the plan as JSON")
+    i.add_argument(
+        "--allow-pickle", action="store_true", help="accept .bin/.pt files (read with weights_only=True)"
+    )
     i.add_argument("--tp", type=int, default=None, help="plan a tensor-parallel load for this many ranks")
     i.add_argument("--tp-rank", type=int, default=None, help="only this rank (default: every rank)")
     i.add_argument("--tp-plan", default=None, help="a JSON tp_plan (default: the model's own, 'auto')")
     i.set_defaults(func=_cmd_inspect)
 
     c = sub.add_parser("convert", help="load a checkpoint into a model and save it again")
-    c.add_argument("src")
-    c.add_argument("dst")
-    c.add_argument("--model", required=True)
-    c.add_argument("--fusion", action="append")
+    c.add_argument("src", help="the checkpoint to read")
+    c.add_argument("dst", help="the directory (or .safetensors file) to write; not SRC")
+    c.add_argument("--model", required=True, help=_MODEL_HELP)
+    c.add_argument("--fusion", action="append", help="fusion name to apply first (repeatable)")
     c.add_argument("--runtime-layout", action="store_true", help="save the runtime layout")
-    c.add_argument("--max-shard-size", default="5GB")
+    c.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="bytes per shard: an int, or e.g. 5GB, 500MB, 2GiB (default 5GB)",
+    )
     c.add_argument("--lenient", action="store_true", help="do not fail on report problems")
+    c.add_argument(
+        "--allow-pickle", action="store_true", help="accept .bin/.pt files (read with weights_only=True)"
+    )
     c.set_defaults(func=_cmd_convert)
 
+    cat = sub.add_parser("catalog", help="list the registered conversion mappings (families and aliases)")
+    cat.add_argument("--json", action="store_true", help="print them as JSON, with their transforms")
+    cat.set_defaults(func=_cmd_catalog)
+
     b = sub.add_parser("bench", help="benchmarks (print ratios against a floor)")
-    b.add_argument("which", choices=_BENCHES)
-    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.add_argument("which", choices=_BENCHES, help="which benchmark: " + ", ".join(_BENCHES))
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="its own options (surgery bench WHICH --help)")
     b.set_defaults(func=_cmd_bench)
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch-surgery")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -209,7 +315,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except SurgeryError as exc:
+        if args.verbose:
+            traceback.print_exc()
         print(f"surgery: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # ``surgery inspect X | head``: the reader went away
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        print("surgery: error: output closed early (broken pipe)", file=sys.stderr)
         return 2
 
 

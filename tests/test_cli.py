@@ -136,3 +136,95 @@ def test_python_dash_m_surgery_exits_with_code_2_on_a_bad_model(moe_checkpoint: 
     )
     assert done.returncode == 2
     assert done.stderr.startswith("surgery: error: --model 'nope' is neither a built-in example")
+
+
+# --------------------------------------------------------------------------- a CLI that fits a shell
+
+
+def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "surgery", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+
+
+def test_version_and_help_name_the_examples_and_the_factory_form() -> None:
+    version = _run("--version")
+    assert version.returncode == 0 and version.stdout.startswith("surgery ")
+    text = _run("--help").stdout
+    assert "example-moe" in text and "package.module:factory" in text and "``" not in text
+    convert = _run("convert", "--help").stdout
+    assert "5GB, 500MB, 2GiB" in convert and "usage: surgery convert" in convert
+
+
+def test_a_factory_in_the_current_directory_is_found(tmp_path: Path, moe_checkpoint: Path) -> None:
+    (tmp_path / "mymodels.py").write_text(
+        "from surgery.examples.moe import build_moe_model\n\ndef tiny():\n    return build_moe_model()\n"
+    )
+    done = _run("inspect", str(moe_checkpoint), "--model", "mymodels:tiny", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "LoadPlan" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("source", "needle"),
+    [
+        ("def tiny(size):\n    return None\n", "must take no arguments"),
+        ("def tiny():\n    raise RuntimeError('no GPU here')\n", "tiny() raised RuntimeError: no GPU here"),
+        ("raise ImportError('broken module')\n", "cannot import 'tiny'"),
+    ],
+    ids=["needs-arguments", "raises", "import-fails"],
+)
+def test_a_broken_factory_is_one_line_with_exit_code_2(
+    tmp_path: Path, moe_checkpoint: Path, source, needle
+) -> None:
+    (tmp_path / "broken.py").write_text(source)
+    done = _run("inspect", str(moe_checkpoint), "--model", "broken:tiny", cwd=tmp_path)
+    assert done.returncode == 2
+    assert (
+        needle in done.stderr
+        and len(done.stderr.strip().splitlines()) == 1
+        and "Traceback" not in done.stderr
+    )
+    verbose = _run("--verbose", "inspect", str(moe_checkpoint), "--model", "broken:tiny", cwd=tmp_path)
+    assert "Traceback" in verbose.stderr
+
+
+def test_convert_refuses_to_overwrite_its_source_and_checks_the_shard_size_first(
+    moe_checkpoint: Path, tmp_path
+) -> None:
+    same = _run("convert", str(moe_checkpoint), str(moe_checkpoint), "--model", "example-moe")
+    assert same.returncode == 2 and "replace the checkpoint being read" in same.stderr
+    bad = _run(
+        "convert",
+        str(moe_checkpoint),
+        str(tmp_path / "out"),
+        "--model",
+        "example-moe",
+        "--max-shard-size",
+        "5XB",
+    )
+    assert bad.returncode == 2 and "Cannot parse size '5XB'" in bad.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_json_and_mermaid_together_are_refused() -> None:
+    done = _run("preview", "--json", "--mermaid")
+    assert done.returncode == 2 and "not allowed with argument --json" in done.stderr
+
+
+def test_a_closed_pipe_is_one_line_with_exit_code_2(moe_checkpoint: Path) -> None:
+    done = subprocess.run(
+        f"{sys.executable} -m surgery inspect {moe_checkpoint} --model example-moe --json | head -c 10",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        executable="/bin/bash",
+    )
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
+
+
+def test_catalog_lists_families_and_aliases(capsys) -> None:
+    assert main(["catalog"]) == 0
+    out = capsys.readouterr().out
+    assert "mixtral" in out and "-> LlavaModel" in out
