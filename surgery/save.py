@@ -609,6 +609,10 @@ def save_checkpoint(
             quantizer's metadata, so a later load rebuilds it) and dequantized floats with
             ``original_format=True`` (lossy).
 
+    The ``config.json`` and ``generation_config.json`` of the checkpoint the model was loaded from
+    are copied into a directory that has none, so the output loads in transformers too; a
+    runtime-layout save records its fusions in that ``config.json``.
+
     Returns:
         The files written.
 
@@ -642,13 +646,45 @@ def save_checkpoint(
             files = write_checkpoint(
                 state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs
             )
+            _carry_configs(model, Path(path))
             _update_config_json(Path(path), None if original_format else fusion)
         finally:
             dist.barrier(group)
         return files
     files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
+    _carry_configs(model, Path(path))
     _update_config_json(Path(path), None if original_format else fusion)
     return files
+
+
+_CARRIED_CONFIGS = ("config.json", "generation_config.json")
+
+
+def _carry_configs(model: nn.Module, path: Path) -> None:
+    """Copy ``config.json``/``generation_config.json`` of the checkpoint the model was loaded from.
+
+    Only into a directory that has none yet, so the output loads in transformers with its own
+    config (without one, transformers builds a default config silently). Written atomically.
+    """
+    record = load_record(model)
+    if record is None or not record.checkpoint:
+        return
+    source = Path(record.checkpoint)
+    source_dir = source if source.is_dir() else source.parent
+    target_dir = path if path.is_dir() else path.parent
+    if source_dir.resolve() == target_dir.resolve():
+        return
+    for name in _CARRIED_CONFIGS:
+        src, dst = source_dir / name, target_dir / name
+        if not src.is_file() or dst.exists():
+            continue
+        try:
+            data = src.read_bytes()
+        except OSError:
+            continue
+        tmp = dst.with_name(f".{name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, dst)
 
 
 def _model_quantizer(model: nn.Module) -> Any:

@@ -456,3 +456,20 @@ def test_runtime_layout_checkpoint_resaved_in_runtime_layout_keeps_its_shards(tm
     assert surgery.load_checkpoint(model, tmp_path / "src").ok
     surgery.save_checkpoint(model, tmp_path / "out", original_format=False, max_shard_size=9_000)
     assert same_files(tmp_path / "src", tmp_path / "out")
+
+
+def test_a_save_carries_the_source_checkpoints_config_files(tmp_path: Path) -> None:
+    from surgery.examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
+
+    cfg = ExampleMoEConfig()
+    write_checkpoint(original_state_dict(build_moe_model(cfg, seed=0)), tmp_path / "src")
+    (tmp_path / "src" / "config.json").write_text('{"model_type": "mixtral"}')
+    (tmp_path / "src" / "generation_config.json").write_text('{"max_new_tokens": 4}')
+    model = build_moe_model(cfg, device="meta")
+    surgery.load_checkpoint(model, tmp_path / "src")
+    surgery.save_checkpoint(model, tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").read_text() == '{"model_type": "mixtral"}'
+    assert (tmp_path / "out" / "generation_config.json").read_text() == '{"max_new_tokens": 4}'
+    (tmp_path / "out" / "config.json").write_text('{"mine": 1}')
+    surgery.save_checkpoint(model, tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").read_text() == '{"mine": 1}'  # an existing one is kept
