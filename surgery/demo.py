@@ -55,24 +55,18 @@ def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
-def _moe_part(root: Path, quick: bool, timings: list[tuple[str, float]]) -> bool:
+def _moe_part(root: Path, shown: Callable[[Path], str], timings: list[tuple[str, float]]) -> bool:
 
-    cfg = ExampleMoEConfig(
-        hidden_size=32 if quick else 64,
-        intermediate_size=64 if quick else 128,
-        num_hidden_layers=2 if quick else 4,
-        num_local_experts=4 if quick else 8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    )
+    cfg = ExampleMoEConfig()  # the size of `surgery ... --model example-moe`
     src_dir, out_dir = root / "moe-original", root / "moe-roundtrip"
-    with _step("MoE: write the original per-expert checkpoint (bfloat16, sharded)", timings):
-        reference = build_moe_model(cfg, seed=0, dtype=torch.bfloat16)
+    with _step("MoE: write the original per-expert checkpoint (sharded)", timings):
+        reference = build_moe_model(cfg, seed=0)
         original = original_state_dict(reference)
         write_checkpoint(original, src_dir, max_shard_size=sum(t.nbytes for t in original.values()) // 2 + 1)
-        print(f"{len(original)} tensors in {len(list(src_dir.glob('*.safetensors')))} shards at {src_dir}")
-    model = build_moe_model(cfg, device="meta", dtype=torch.bfloat16)
+        print(
+            f"{len(original)} tensors in {len(list(src_dir.glob('*.safetensors')))} shards: {shown(src_dir)}"
+        )
+    model = build_moe_model(cfg, device="meta")
     with _step("MoE: load plan (headers only)", timings):
         print(plan_load(model, src_dir).render(max_rows=12))
     with _step("MoE: load into the fused-experts model built on meta", timings):
@@ -93,15 +87,15 @@ def _moe_part(root: Path, quick: bool, timings: list[tuple[str, float]]) -> bool
     return report.ok and ok_values and ok_out and same_files and same
 
 
-def _vision_part(root: Path, quick: bool, timings: list[tuple[str, float]]) -> bool:
+def _vision_part(root: Path, shown: Callable[[Path], str], timings: list[tuple[str, float]]) -> bool:
 
-    depth = 2 if quick else 4
     src_dir, out_dir = root / "vision-original", root / "vision-roundtrip"
     with _step("Vision: write the original tower checkpoint (Conv3d patch embedding)", timings):
-        unfused = build_vision_tower(depth=depth, seed=0)
+        unfused = build_vision_tower(seed=0)  # the size of `--model example-vision`
         original = {k: v.clone() for k, v in unfused.state_dict().items()}
         write_checkpoint(original, src_dir)
-    fused = build_vision_tower(depth=depth, seed=1)
+        print(f"{len(original)} tensors: {shown(src_dir)}")
+    fused = build_vision_tower(seed=1)
     with _step("Vision: preview the patch_embeddings fusion", timings):
         print(preview_fusions(fused, {"patch_embeddings": True}).render())
     with _step("Vision: apply the fusion and load the original checkpoint through it", timings):
@@ -119,16 +113,14 @@ def _vision_part(root: Path, quick: bool, timings: list[tuple[str, float]]) -> b
     return report.ok and err < 1e-5 and same_files
 
 
-def _quantization_part(root: Path, quick: bool, timings: list[tuple[str, float]]) -> bool:
+def _quantization_part(root: Path, shown: Callable[[Path], str], timings: list[tuple[str, float]]) -> bool:
 
-    cfg = ExampleMoEConfig(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
-    )
-    block = (32, 32)
+    cfg = ExampleMoEConfig()
+    block = (8, 8)
     reference = build_moe_model(cfg, seed=0)
     original = original_state_dict(reference)
     src_dir, out_dir, float_dir = root / "moe-fp8", root / "moe-fp8-roundtrip", root / "moe-float"
-    with _step("Quantization: store the expert weights as block-wise FP8 (32x32 blocks)", timings):
+    with _step("Quantization: store the expert weights as block-wise FP8 (8x8 blocks)", timings):
         stored: dict[str, torch.Tensor] = {}
         for key, value in original.items():
             if ".experts." in key:
@@ -136,7 +128,9 @@ def _quantization_part(root: Path, quick: bool, timings: list[tuple[str, float]]
             else:
                 stored[key] = value
         write_checkpoint(stored, src_dir)
-        print(f"{sum(k.endswith('_scale_inv') for k in stored)} FP8 weights with their scales at {src_dir}")
+        print(
+            f"{sum(k.endswith('_scale_inv') for k in stored)} FP8 weights with their scales: {shown(src_dir)}"
+        )
     model = build_moe_model(cfg, device="meta")
     quantizer = FP8BlockQuantizer(block_size=block)
     with _step("Quantization: load, decoding each expert before the merge", timings):
@@ -158,7 +152,7 @@ def _quantization_part(root: Path, quick: bool, timings: list[tuple[str, float]]
         want, got = reference(ids), int8(ids)
     err = float((got - want).norm() / want.norm())
     print(f"int8 model vs float model: relative difference {err:.2e}")
-    return report.ok and same_files and int8_report.ok and err < 5e-2
+    return report.ok and same_files and int8_report.ok and err < 0.1
 
 
 def _patch_volume(tower: Any) -> int:
@@ -167,23 +161,46 @@ def _patch_volume(tower: Any) -> int:
 
 
 def run_demo(*, workdir: str | None = None, quick: bool = False) -> int:
-    """Run the three parts of the demo; return 0 when every check passed."""
+    """Run the parts of the demo (``quick``: without the quantization part); 0 when every check passed.
+
+    The models have the sizes of the CLI's built-in examples, so a kept ``workdir`` can be
+    inspected and converted with ``--model example-moe`` / ``example-vision`` afterwards.
+    """
+    start = time.perf_counter()
     timings: list[tuple[str, float]] = []
-    parts: list[tuple[str, Callable[[Path, bool, list[tuple[str, float]]], bool]]] = [
+    parts: list[tuple[str, Callable[[Path, Callable[[Path], str], list[tuple[str, float]]], bool]]] = [
         ("checkpoint conversion (Mixtral-style MoE)", _moe_part),
         ("fusion (Qwen2-VL-like vision tower)", _vision_part),
-        ("quantization (FP8 checkpoint round trip, int8 on the fly)", _quantization_part),
     ]
+    if not quick:
+        parts.append(("quantization (FP8 checkpoint round trip, int8 on the fly)", _quantization_part))
     results: list[tuple[str, bool]] = []
     with tempfile.TemporaryDirectory(prefix="surgery-demo-") as tmp:
         root = Path(workdir) if workdir else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
+
+        def shown(path: Path) -> str:  # a temporary directory is deleted: do not print its paths
+            return str(path) if workdir else f"{path.name}/ (temporary; keep it with --workdir DIR)"
+
         for name, part in parts:
-            results.append((name, part(root, quick, timings)))
+            results.append((name, part(root, shown, timings)))
+    total = time.perf_counter() - start
     print("\n== timings")
     for title, seconds in timings:
         print(f"  {seconds * 1000:9.1f} ms  {title}")
+    rest = total - sum(seconds for _, seconds in timings)
+    print(f"  {rest * 1000:9.1f} ms  the rest: building models, comparing outputs, first-use imports")
+    print(f"  {total * 1000:9.1f} ms  in all")
     print("\n== summary")
     for name, ok in results:
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")
+    if workdir:
+        print(f"\n== next: the checkpoints are kept in {workdir}")
+        print(f"  surgery inspect {root / 'moe-original'} --model example-moe")
+        print(
+            f"  surgery convert {root / 'moe-original'} {root / 'moe-runtime'} --model example-moe --runtime-layout"
+        )
+    else:
+        print("\n== next: surgery demo --workdir DIR keeps the checkpoints, then")
+        print("  surgery inspect DIR/moe-original --model example-moe")
     return 0 if all(ok for _, ok in results) else 1

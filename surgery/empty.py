@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,6 +28,26 @@ from torch import nn
 __all__ = ["init_empty"]
 
 _lock = threading.Lock()
+_INITS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "eye_",
+    "dirac_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "sparse_",
+)
+"""``torch.nn.init`` functions that do nothing on a ``meta`` parameter while :func:`init_empty` is open.
+
+A first random init of a meta tensor makes torch import ``torch._dynamo`` for its meta
+reference (about 1 s, once per process); with nothing to fill there is no reason to pay it."""
 
 
 @contextlib.contextmanager
@@ -34,8 +55,9 @@ def init_empty(*, include_buffers: bool = False) -> Iterator[None]:
     """Build modules with their parameters on ``meta`` (and buffers too with ``include_buffers``).
 
     While the context is active, every parameter a module registers is replaced by a ``meta``
-    parameter of the same shape, dtype, class and ``requires_grad``; buffers stay real unless
-    ``include_buffers=True`` (then this is ``torch.device("meta")``). The patch of
+    parameter of the same shape, dtype, class and ``requires_grad``, and ``torch.nn.init``
+    functions skip ``meta`` tensors; buffers stay real unless ``include_buffers=True`` (then this
+    is ``torch.device("meta")``). The patch of
     ``nn.Module.register_parameter`` is process-wide while the context is open: build one model
     at a time (contexts do not nest across threads).
 
@@ -48,6 +70,7 @@ def init_empty(*, include_buffers: bool = False) -> Iterator[None]:
         return
     with _lock:
         original = nn.Module.register_parameter
+        inits = {name: getattr(nn.init, name) for name in _INITS if hasattr(nn.init, name)}
 
         def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
             original(self, name, param)
@@ -61,8 +84,20 @@ def init_empty(*, include_buffers: bool = False) -> Iterator[None]:
                 new.__dict__.update(kwargs)
                 self._parameters[name] = new
 
+        def skipping(init: Callable[..., Any]) -> Callable[..., Any]:
+            def run(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
+                    return tensor  # nothing to fill; and it spares torch's one-off import of its meta refs
+                return init(tensor, *args, **kwargs)
+
+            return run
+
         nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+        for name, init in inits.items():
+            setattr(nn.init, name, skipping(init))
         try:
             yield
         finally:
             nn.Module.register_parameter = original  # type: ignore[method-assign]
+            for name, init in inits.items():
+                setattr(nn.init, name, init)

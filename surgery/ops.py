@@ -340,7 +340,7 @@ class Concatenate(ConversionOp):
                     f"{self.dim} and in dtype; got {[tuple(x.shape) for x in tensors]} "
                     f"with dtypes {sorted({str(x.dtype) for x in tensors})}.",
                 )
-        return [torch.cat(tensors, dim=self.dim)]
+        return [_cat(tensors, self.dim)]
 
     @property
     def reverse_op(self) -> ConversionOp:
@@ -362,6 +362,34 @@ class Concatenate(ConversionOp):
         return out, self
 
 
+def _all_meta(tensors: list[torch.Tensor]) -> bool:
+    return all(t.device.type == "meta" for t in tensors)
+
+
+def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat``; on ``meta`` by shape arithmetic (checked inputs).
+
+    torch computes a meta ``cat``/``stack`` with a Python reference whose first call imports
+    ``torch._dynamo`` (about 1 s per process); planning runs chains on ``meta`` for every load.
+    """
+    if not _all_meta(tensors):
+        return torch.cat(tensors, dim=dim)
+    first = tensors[0]
+    shape = list(first.shape)
+    d = dim % first.ndim
+    shape[d] = sum(t.shape[d] for t in tensors)
+    return torch.empty(shape, dtype=first.dtype, device="meta")
+
+
+def _stack(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.stack``; on ``meta`` by shape arithmetic (see :func:`_cat`)."""
+    if not _all_meta(tensors):
+        return torch.stack(tensors, dim=dim)
+    shape = list(tensors[0].shape)
+    shape.insert(dim % (len(shape) + 1), len(tensors))
+    return torch.empty(shape, dtype=tensors[0].dtype, device="meta")
+
+
 @dataclass(frozen=True)
 class MergeModulelist(ConversionOp):
     """Stack each gathered list (``experts.*``) into one tensor along a new ``dim``."""
@@ -377,7 +405,10 @@ class MergeModulelist(ConversionOp):
             shapes = {tuple(t.shape) for t in items}
             if len(shapes) != 1 or len({t.dtype for t in items}) != 1:
                 raise self._fail(ctx, f"cannot stack tensors of different shapes/dtypes: {sorted(shapes)}.")
-            out.append(torch.stack(items, dim=self.dim))
+            ndim = items[0].ndim
+            if not -(ndim + 1) <= self.dim <= ndim:
+                raise self._fail(ctx, f"dim {self.dim} is out of range for stacking {ndim}-d tensors.")
+            out.append(_stack(items, self.dim))
         return out
 
     @property

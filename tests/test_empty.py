@@ -75,3 +75,22 @@ def test_a_strict_load_refuses_before_reading_when_a_tensor_would_stay_on_meta(t
     with pytest.raises(surgery.LoadError, match="inv_freq"):
         surgery.load_checkpoint(model, tmp_path, strict=True)
     assert model.proj.weight.device.type == "meta"  # nothing was read
+
+
+def test_planning_a_load_does_not_import_torch_dynamo(tmp_path: Path) -> None:
+    """Meta shape inference of cat/stack is arithmetic: torch's Python meta refs import dynamo (~1 s)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tempfile, surgery\n"
+        "from surgery.checkpoint import write_checkpoint\n"
+        "from surgery.examples.moe import build_moe_model, original_state_dict\n"
+        "d = tempfile.mkdtemp(); write_checkpoint(original_state_dict(build_moe_model()), d)\n"
+        "m = build_moe_model(device='meta')\n"
+        "assert surgery.load_checkpoint(m, d).ok\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..empty import init_empty
 from .layers import ATTENTION_TP_PLAN, Decoder
 
 __all__ = [
@@ -100,6 +101,9 @@ def build_dense_model(
     cfg = config or ExampleDenseConfig()
     if seed is not None:
         torch.manual_seed(seed)
+    if device is not None and torch.device(device).type == "meta":
+        with init_empty():  # no buffers here; this spares the init of meta tensors
+            return ExampleDenseForCausalLM(cfg)
     with torch.device(device or "cpu"):
         return ExampleDenseForCausalLM(cfg)
 

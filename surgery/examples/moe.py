@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..empty import init_empty
 from .layers import ATTENTION_TP_PLAN, Decoder
 
 __all__ = [
@@ -148,8 +149,12 @@ def build_moe_model(
     cfg = config or ExampleMoEConfig()
     if seed is not None:
         torch.manual_seed(seed)
-    with torch.device(device or "cpu"):
-        model = ExampleMoEForCausalLM(cfg)
+    if device is not None and torch.device(device).type == "meta":
+        with init_empty():  # the example has no buffers; this spares the init of meta tensors
+            model = ExampleMoEForCausalLM(cfg)
+    else:
+        with torch.device(device or "cpu"):
+            model = ExampleMoEForCausalLM(cfg)
     if dtype is not None:
         model = model.to(dtype)
     return model
