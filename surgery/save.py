@@ -1,10 +1,10 @@
 """Saving: export a model back to its original checkpoint layout (or its runtime layout).
 
 Reversal runs in two stages, mirroring loading: first every converter's inverse (its op chain
-reversed), then every renaming's inverse in reverse order. Only the transforms that fired at
-load are inverted — a model never loaded through the engine recomputes its mapping and leaves
-out :class:`~surgery.PrefixChange` and the built-in legacy renames, since nothing says the
-original checkpoint had them. Fusions are always inverted in the original format. Tensors loaded
+reversed), then every renaming's inverse in reverse order. The original format is the family's
+layout, however the weights arrived (see :func:`reverting_transforms`): the model's mapping is
+always inverted; legacy renames and the base-model prefix only when they fired at load, since
+nothing else says the checkpoint had them. Fusions are always inverted in the original format. Tensors loaded
 with a dtype cast are cast back, so load → save reproduces the input bit for bit wherever the
 load's cast was lossless (bfloat16 → float32); a lossy one (float32 → bfloat16, reported as such
 by the load) comes back as the rounded values.
@@ -43,7 +43,7 @@ from .checkpoint import write_checkpoint
 from .converter import WeightConverter, split_transforms
 from .errors import CheckpointError, ConfigurationError, ConversionError
 from .fusion import fusion_config_of, fusion_transforms, persistable_fusion_config
-from .load.loader import load_record
+from .load.loader import BASE_PREFIX_TAG, load_record
 from .load.placement import all_contiguous, flatten_slots, placement_views, shape_of
 from .load.plan import FUSION_METADATA_KEY, FUSION_TAG, fold_indices
 from .load.planner import config_lookup, tied_groups
@@ -52,7 +52,7 @@ from .parallel import dtensor_type
 from .quantization import QUANTIZER_ATTRIBUTE, QuantizerHooks
 from .resolution import get_model_conversion_mapping
 from .routing import route_keys
-from .transforms import PrefixChange, WeightTransform
+from .transforms import WeightTransform, legacy_renamings
 
 __all__ = [
     "QUANTIZATION_MODES",
@@ -160,18 +160,32 @@ def _refuse_meta(state: dict[str, torch.Tensor]) -> None:
 
 
 def reverting_transforms(model: nn.Module) -> list[WeightTransform]:
-    """The forward transforms a save in original format inverts (see the module docstring)."""
+    """The forward transforms a save in original format inverts: the family's layout, once defined.
+
+    Structural transforms (the model's conversion mapping: converters, renamings, prefix
+    changes, and every fusion) are always inverted, however the weights arrived (an original
+    checkpoint, a runtime-layout one, ``load_state_dict``): the output is the family's original
+    (hub) layout. Renames that exist only for legacy checkpoints (``LayerNorm.gamma`` →
+    ``.weight``) and the base-model prefix a checkpoint had or lacked are inverted only when they
+    fired on load, so nothing the checkpoint did not have is invented; transforms a load's
+    quantizer added are inverted when they fired.
+    """
     record = load_record(model)
+    fired = [t for t in record.transforms if not t.__dict__.get(FUSION_TAG)] if record is not None else []
+    structural = list(get_model_conversion_mapping(model, include_legacy=False))
+    known = {repr(t) for t in structural}
     fusion = list(fusion_transforms(model))
-    if record is not None:
-        base = [t for t in record.transforms if not t.__dict__.get(FUSION_TAG)]
-    else:
-        base = [
-            t
-            for t in get_model_conversion_mapping(model, include_legacy=False)
-            if not isinstance(t, PrefixChange)
-        ]
-    return base + fusion
+    legacy = {repr(t) for t in legacy_renamings()}
+    first = [t for t in fired[:1] if t.__dict__.get(BASE_PREFIX_TAG) == "first"]
+    last = [t for t in fired[-1:] if t.__dict__.get(BASE_PREFIX_TAG) == "last"]
+    fired_legacy = [t for t in fired if repr(t) in legacy]
+    # What the load's quantizer added to the mapping (update/get_weight_conversions) fired too.
+    added = [
+        t
+        for t in fired
+        if repr(t) not in known and repr(t) not in legacy and not t.__dict__.get(BASE_PREFIX_TAG)
+    ]
+    return first + fired_legacy + structural + added + last + fusion
 
 
 class _Renamer:

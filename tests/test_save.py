@@ -131,16 +131,19 @@ def test_runtime_layout_persists_the_fusion_config(tmp_path: Path) -> None:
         assert "patch_embed.proj.weight" in reader
 
 
-def test_runtime_layout_checkpoint_converts_nothing_and_saves_the_same_keys(tmp_path: Path) -> None:
-    runtime = build_moe_model(CFG, seed=0).state_dict()
-    write_checkpoint(runtime, tmp_path / "src")
+def test_a_runtime_layout_checkpoint_converts_nothing_and_saves_the_family_layout(tmp_path: Path) -> None:
+    """Original format is the family's layout, however the weights arrived."""
+    source = build_moe_model(CFG, seed=0)
+    write_checkpoint(source.state_dict(), tmp_path / "src")
     model = build_moe_model(CFG, device="meta")
     report = surgery.load_checkpoint(model, tmp_path / "src")
     assert report.ok and report.transforms_used == []
     assert all(e.transform is None and e.renamings == () for e in report.plan.entries)
     assert load_record(model).transforms == []
     surgery.save_checkpoint(model, tmp_path / "out")
-    assert_same(tensors(tmp_path / "out"), runtime)
+    assert_same(tensors(tmp_path / "out"), original_state_dict(source))  # per-expert, as the hub has it
+    surgery.save_checkpoint(model, tmp_path / "runtime", original_format=False)
+    assert_same(tensors(tmp_path / "runtime"), source.state_dict())
 
 
 def test_dtype_cast_at_load_is_undone_on_save(tmp_path: Path) -> None:

@@ -58,11 +58,21 @@ from .planner import (
 from .report import ConversionFailure, LoadReport, TPFallback
 from .sharding import local_context, tensor_parallel
 
-__all__ = ["DEFAULT_WORKERS", "SYNC_ENV", "LoadRecord", "load_checkpoint", "load_record", "plan_load"]
+__all__ = [
+    "BASE_PREFIX_TAG",
+    "DEFAULT_WORKERS",
+    "SYNC_ENV",
+    "LoadRecord",
+    "load_checkpoint",
+    "load_record",
+    "plan_load",
+]
 
 DEFAULT_WORKERS = 4
 SYNC_ENV = "SURGERY_SYNC_LOAD"
 _RECORD_ATTR = "_surgery_load_record"
+BASE_PREFIX_TAG = "_surgery_base_prefix"
+"""Marks the base-model prefix change a load recorded (``"first"`` or ``"last"`` renaming)."""
 _READ_AHEAD_BYTES = 512 * 2**20
 _INLINE_BYTES_PER_TENSOR = 256 * 2**10
 """Entries whose tensors average less than this run on the calling thread: their cost is Python
@@ -823,6 +833,7 @@ def _record(model: nn.Module, prep: Prepared, done: list[Work], path: str | os.P
             else PrefixChange(prefix_to_remove=prefix)
         )
         change.mark_used()
+        change.__dict__[BASE_PREFIX_TAG] = "last" if mark.endswith("after") else "first"
         if mark.endswith("after"):
             transforms.append(change)  # applied to the renamed keys: the last renaming
         else:
