@@ -177,7 +177,8 @@ def test_render_lists_problems(tmp_path: Path, write_original: WriteOriginal) ->
 def test_render_limits_rows() -> None:
     plan = LoadPlan("x", entries=[PlanEntry((f"k{i}.w",), (f"k{i}.w",)) for i in range(5)])
     text = plan.render(max_rows=2)
-    assert text.splitlines()[-1] == "... 3 more rows"
+    assert text.splitlines()[-2] == "... 3 more rows"
+    assert text.splitlines()[-1].startswith("mode: mmap = mapped from the file")  # the legend
 
 
 def test_plan_round_trips_through_json(tmp_path: Path, write_original: WriteOriginal) -> None:
@@ -274,3 +275,11 @@ def test_a_layer_with_a_missing_expert_is_an_error_even_after_identical_layers(t
     plan = surgery.plan_load(build_moe_model(cfg, device="meta"), tmp_path)
     status = {k: e.status for e in plan.entries for k in e.target_keys if "gate_up" in k}
     assert [status[k] for k in sorted(status)] == ["ok", "ok", "error"]
+
+
+def test_long_keys_widen_the_key_column_and_the_rest_stays_aligned() -> None:
+    long = "model." + "very_long_component." * 5 + "weight"
+    plan = LoadPlan("x", entries=[PlanEntry((long,), (long,), mode="direct"), PlanEntry(("a",), ("a",))])
+    lines = plan.render().splitlines()
+    rows = [line for line in lines if line.startswith((long, "a "))]
+    assert len(rows) == 2 and rows[0].index("direct") == rows[1].index("convert")

@@ -108,3 +108,17 @@ def test_long_sections_are_cut_with_a_count() -> None:
 
 def test_ok_report_says_ok() -> None:
     assert str(LoadReport(checkpoint="c", loaded_keys=["a"])).startswith("LoadReport(c): OK; 1 loaded")
+
+
+def test_a_model_no_mapping_applies_to_says_so_next_to_its_missing_keys(tmp_path) -> None:
+    import torch
+    from torch import nn
+
+    import surgery
+    from surgery.checkpoint import write_checkpoint
+
+    write_checkpoint({"w": torch.ones(2, 2), "bias": torch.ones(2)}, tmp_path)
+    report = surgery.load_checkpoint(nn.Linear(2, 2), tmp_path)
+    (note,) = report.notes
+    assert "no conversion mapping applied to Linear" in note and "explain_model_conversion_mapping" in note
+    assert "no conversion mapping" in str(report)

@@ -144,6 +144,8 @@ class LoadPlan:
             )
             rows.setdefault(sig, []).append(e)
         parallel = self.tp_world_size is not None
+        width = max([len("runtime key"), *(len(_row_name(g)) for g in rows.values())])
+        width = min(width, 100)  # a longer key overflows its column, but the rest stay aligned
         rank = f" on tensor-parallel rank {self.tp_rank} of {self.tp_world_size}" if parallel else ""
         lines = [
             f"LoadPlan for {self.checkpoint}{rank}: {len(self.entries)} targets, "
@@ -153,7 +155,7 @@ class LoadPlan:
             lines.append(f"fusions: {self.fusions}")
         lines.extend(f"note: {n}" for n in self.notes)
         part = f"{'rank part':<28} " if parallel else ""
-        header = f"{'runtime key':<60} {'mode':<8} {'shape':<18} {part}{'sources':<8} transform"
+        header = f"{'runtime key':<{width}} {'mode':<8} {'shape':<18} {part}{'sources':<8} transform"
         lines.append(header)
         lines.append("-" * len(header))
         for i, group in enumerate(rows.values()):
@@ -161,8 +163,6 @@ class LoadPlan:
                 lines.append(f"... {len(rows) - max_rows} more rows")
                 break
             e = group[0]
-            name = fold_indices([g.target_keys[0] for g in group]) if e.target_keys else "?"
-            extra = f" +{len(e.target_keys) - 1}" if len(e.target_keys) > 1 else ""
             shape = _shape(e.target_shapes[0]) if e.target_shapes else "?"
             what = "" if e.transform is None else f"{e.transform.split('(')[0]} {', '.join(e.operations)}"
             if e.renamings and not what:
@@ -174,8 +174,12 @@ class LoadPlan:
             status = "" if e.status == "ok" else f"  [{e.status}: {e.message}]"
             tp = f"{_part(e.tp[0] if e.tp else None):<28} " if parallel else ""
             lines.append(
-                f"{name + extra:<60} {e.mode:<8} {shape:<18} {tp}{len(e.source_keys):<8} {what}{status}"
+                f"{_row_name(group):<{width}} {e.mode:<8} {shape:<18} {tp}{len(e.source_keys):<8} {what}{status}"
             )
+        lines.append(
+            "mode: mmap = mapped from the file, no copy; direct = read straight into place; convert = read, "
+            "convert, set; skip = not loaded (see its status)"
+        )
         if self.missing_keys:
             lines.append(f"missing ({len(self.missing_keys)}): {fold_indices(self.missing_keys)}")
         if self.unexpected_keys:
@@ -184,6 +188,13 @@ class LoadPlan:
 
     def __str__(self) -> str:
         return self.render()
+
+
+def _row_name(group: list[PlanEntry]) -> str:
+    """A table row's key: the group's first targets folded (``layers.{0..31}.x``), ``+N`` more targets."""
+    e = group[0]
+    name = fold_indices([g.target_keys[0] for g in group]) if e.target_keys else "?"
+    return name + (f" +{len(e.target_keys) - 1}" if len(e.target_keys) > 1 else "")
 
 
 def _entry_from_dict(data: Any) -> PlanEntry:

@@ -40,7 +40,7 @@ from ..quantization import QuantizerHooks, quantizer_from_metadata
 from ..resolution import get_model_conversion_mapping
 from ..routing import Routing, route_keys
 from ..slicing import local_shape
-from ..transforms import WeightTransform
+from ..transforms import WeightTransform, legacy_renamings
 from .placement import all_contiguous, placement_views, source_slot_shapes
 from .plan import FUSION_METADATA_KEY, FUSION_TAG, LoadPlan, PlanEntry
 from .quantized import (
@@ -548,6 +548,13 @@ def prepare(
     for k in list(covered):
         covered.update(tied.get(k, ()))
     plan.missing_keys = [k for k in runtime if k not in covered]
+    legacy = {repr(t) for t in legacy_renamings()}
+    if (plan.missing_keys or plan.unexpected_keys) and all(repr(t) in legacy for t in transforms):
+        notes.append(
+            f"no conversion mapping applied to {type(model).__name__}: no registered class name or model_type "
+            "matched it (surgery.explain_model_conversion_mapping(model) shows the lookup), so checkpoint keys "
+            "were matched by name only; register a mapping if the checkpoint has another layout."
+        )
     return Prepared(
         plan,
         work_list,

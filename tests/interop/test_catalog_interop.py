@@ -696,7 +696,11 @@ def _family_layout(saved: Saved) -> dict[str, torch.Tensor]:
     if saved.spec.id != "llava-partial-tower-layout":
         return original
     return {
-        (k.replace("vision_tower.", "vision_tower.vision_model.", 1) if k.startswith("vision_tower.") else k): v
+        (
+            k.replace("vision_tower.", "vision_tower.vision_model.", 1)
+            if k.startswith("vision_tower.")
+            else k
+        ): v
         for k, v in original.items()
     }
 
