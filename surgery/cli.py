@@ -39,7 +39,7 @@ from .save import save_checkpoint
 
 __all__ = ["build_model", "main"]
 
-_BENCHES = ("route", "load", "fusion", "graph", "quantization")
+_BENCHES = ("route", "load", "fusion", "graph", "io", "quantization")
 
 
 def _example_moe() -> nn.Module:
@@ -133,6 +133,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 allow_pickle=args.allow_pickle,
             )
             print(plan.to_json(indent=2) if args.json else plan.render())
+            _unmatched_fusions(args, plan.fusions)
             return 0
         tp_plan = json.loads(args.tp_plan) if args.tp_plan else "auto"
         ranks = range(args.tp) if args.tp_rank is None else [args.tp_rank]
@@ -186,6 +187,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         allow_pickle=args.allow_pickle,
     )
     print(report)
+    _unmatched_fusions(args, report.fusions)
     replaced = (
         sorted(p.name for p in dst.iterdir() if p.suffix in (".safetensors", ".json")) if dst.is_dir() else []
     )
@@ -196,6 +198,17 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     )
     print(f"wrote {len(files)} file(s) to {args.dst}")
     return 0
+
+
+def _unmatched_fusions(args: argparse.Namespace, applied: dict[str, object] | None) -> None:
+    """Say which requested ``--fusion`` fused nothing in the model (as ``preview`` does)."""
+    for name in args.fusion or ():
+        if name not in (applied or {}):
+            print(
+                f"surgery: note: fusion {name!r} fused nothing in {args.model}; `surgery preview --model "
+                f"{args.model} --fusion {name}` shows why",
+                file=sys.stderr,
+            )
 
 
 def _cmd_catalog(args: argparse.Namespace) -> int:

@@ -228,3 +228,19 @@ def test_catalog_lists_families_and_aliases(capsys) -> None:
     assert main(["catalog"]) == 0
     out = capsys.readouterr().out
     assert "mixtral" in out and "-> LlavaModel" in out
+
+
+def test_a_requested_fusion_that_fuses_nothing_is_reported(moe_checkpoint: Path, capsys) -> None:
+    assert (
+        main(["inspect", str(moe_checkpoint), "--model", "example-moe", "--fusion", "patch_embeddings"]) == 0
+    )
+    assert "fusion 'patch_embeddings' fused nothing in example-moe" in capsys.readouterr().err
+
+
+def test_bench_counts_must_be_positive() -> None:
+    done = _run("bench", "route", "--keys", "0")
+    assert (
+        done.returncode == 2
+        and "--keys: 0 must be at least 1" in done.stderr
+        and "Traceback" not in done.stderr
+    )

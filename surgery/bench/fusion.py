@@ -14,7 +14,6 @@ Run it with ``python -m surgery.bench.fusion`` (``--device cuda`` on a GPU machi
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import time
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 
 from ..examples.vision import build_vision_tower, example_pixel_values
 from ..fusion import apply_fusions, preview_fusions
+from . import parser, positive_int
 
 __all__ = ["main", "run"]
 
@@ -156,16 +156,20 @@ def run(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
-    p = argparse.ArgumentParser(prog="python -m surgery.bench.fusion", description=__doc__.splitlines()[0])
-    p.add_argument("--patches", type=int, default=4096)
-    p.add_argument("--embed-dim", type=int, default=1280)
-    p.add_argument("--depth", type=int, default=32, help="blocks of the tower for the preview/apply timing")
-    p.add_argument("--tower-dim", type=int, default=256, help="embed_dim of that tower")
-    p.add_argument("--device", default="cpu")
+    p = parser("fusion", __doc__)
+    p.add_argument("--patches", type=positive_int, default=4096, help="patches per forward (default 4096)")
+    p.add_argument("--embed-dim", type=positive_int, default=1280, help="output width of the patch embedding")
+    p.add_argument(
+        "--depth", type=positive_int, default=32, help="blocks of the tower for the preview/apply timing"
+    )
+    p.add_argument("--tower-dim", type=positive_int, default=256, help="embed_dim of that tower")
+    p.add_argument("--device", default="cpu", help="where the forward runs (default cpu)")
     p.add_argument(
         "--min-run-time", type=float, default=3.0, help="seconds per forward measurement, over all rounds"
     )
-    p.add_argument("--repeat", type=int, default=7, help="interleaved rounds / preview-apply repeats")
+    p.add_argument(
+        "--repeat", type=positive_int, default=7, help="interleaved rounds / preview-apply repeats"
+    )
     args = p.parse_args(argv)
     run(
         patches=args.patches,

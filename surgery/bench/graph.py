@@ -7,7 +7,6 @@ the best and median build times.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from types import SimpleNamespace
@@ -17,6 +16,9 @@ from torch import nn
 
 from surgery.graph import ModuleGraph
 from surgery.resolution import get_model_conversion_mapping
+
+from . import parser as bench_parser
+from . import positive_int
 
 __all__ = ["build_decoder", "main"]
 
@@ -72,9 +74,9 @@ def build_decoder(layers: int = 100, hidden: int = 4096, vocab: int = 32000) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=100)
-    parser.add_argument("--repeat", type=int, default=7)
+    parser = bench_parser("graph", __doc__)
+    parser.add_argument("--layers", type=positive_int, default=100, help="decoder layers (default 100)")
+    parser.add_argument("--repeat", type=positive_int, default=7, help="timed builds (default 7)")
     args = parser.parse_args(argv)
     model = build_decoder(args.layers)
     ModuleGraph(model)  # warm-up: first registry access loads the catalogs

@@ -9,7 +9,6 @@ tensor by tensor, so this should stay near zero for contiguous CPU tensors).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import mmap
 import os
@@ -22,6 +21,9 @@ from pathlib import Path
 import torch
 
 from surgery.checkpoint import open_checkpoint, write_checkpoint
+
+from . import parser as bench_parser
+from . import positive_int
 
 __all__ = ["main"]
 
@@ -58,10 +60,10 @@ def _peak_rss_growth(fn: Callable[[], object]) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=512, help="checkpoint size in MiB")
-    parser.add_argument("--tensors", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser = bench_parser("io", __doc__)
+    parser.add_argument("--mib", type=positive_int, default=512, help="checkpoint size in MiB")
+    parser.add_argument("--tensors", type=positive_int, default=64, help="tensors in the checkpoint")
+    parser.add_argument("--repeat", type=positive_int, default=3, help="timed runs; the best counts")
     args = parser.parse_args(argv)
 
     from safetensors import safe_open

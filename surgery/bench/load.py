@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ..examples.moe import ExampleMoEConfig, ExampleMoEForCausalLM, build_moe_model, original_state_dict
+from . import parser, positive_int
 
 __all__ = ["config_for_size", "main", "peak_rss", "per_key_config", "reset_peak_rss", "run"]
 
@@ -768,11 +769,13 @@ def _profile(workdir: Path, size_gb: float, which: Sequence[str], top: int) -> N
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line (see the module docstring)."""
-    p = argparse.ArgumentParser(prog="surgery bench load", description=__doc__.splitlines()[0])
+    p = parser("load", __doc__)
     p.add_argument(
         "--size-gb", type=float, default=1.0, help="size of checkpoint A (and C) in GiB (default 1.0)"
     )
-    p.add_argument("--repeat", type=int, default=3, help="fresh-process runs per variant; the best counts")
+    p.add_argument(
+        "--repeat", type=positive_int, default=3, help="fresh-process runs per variant; the best counts"
+    )
     p.add_argument("--skip-transformers", action="store_true", help="do not time transformers")
     p.add_argument(
         "--transformers-b-repeat",

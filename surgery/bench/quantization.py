@@ -18,7 +18,6 @@ first ``meta`` run of torch's decompositions costs most of a second once per pro
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import tempfile
@@ -40,6 +39,8 @@ from surgery.quantization import (
     blockwise_dequantize,
     blockwise_quantize,
 )
+
+from . import parser, positive_int
 
 __all__ = ["main", "run"]
 
@@ -208,11 +209,11 @@ def run(*, hidden: int = 1024, inner: int = 2816, blocks: int = 8, repeat: int =
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="surgery bench quantization", description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--inner", type=int, default=2816)
-    p.add_argument("--blocks", type=int, default=8)
-    p.add_argument("--repeat", type=int, default=5)
+    p = parser("quantization", __doc__)
+    p.add_argument("--hidden", type=positive_int, default=1024, help="H of the MLP (default 1024)")
+    p.add_argument("--inner", type=positive_int, default=2816, help="I of the MLP (default 2816)")
+    p.add_argument("--blocks", type=positive_int, default=8, help="MLPs in the loaded model (default 8)")
+    p.add_argument("--repeat", type=positive_int, default=5, help="rounds; the best counts (default 5)")
     args = p.parse_args(argv)
     print(run(hidden=args.hidden, inner=args.inner, blocks=args.blocks, repeat=args.repeat))
     return 0

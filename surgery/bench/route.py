@@ -13,7 +13,6 @@ Run it with ``python -m surgery bench route`` (``--keys N``, ``--repeat R``).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import re
 import time
@@ -22,6 +21,8 @@ from typing import Any
 
 from ..routing import route_keys
 from ..transforms import WeightTransform, legacy_renamings
+from . import parser as bench_parser
+from . import positive_int
 
 __all__ = ["main", "mixtral_keys", "mixtral_mapping", "run"]
 
@@ -153,11 +154,13 @@ def run(n_keys: int = 100_000, *, repeat: int = 5, exact_sample: int = 2_000) ->
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line: print the numbers of :func:`run`."""
-    parser = argparse.ArgumentParser(prog="python -m surgery bench route", description="Route Mixtral keys.")
+    parser = bench_parser("route", __doc__)
     parser.add_argument(
-        "--keys", type=int, default=100_000, help="number of checkpoint keys (default 100000)"
+        "--keys", type=positive_int, default=100_000, help="number of checkpoint keys (default 100000)"
     )
-    parser.add_argument("--repeat", type=int, default=5, help="timed runs; the best counts (default 5)")
+    parser.add_argument(
+        "--repeat", type=positive_int, default=5, help="timed runs; the best counts (default 5)"
+    )
     args = parser.parse_args(argv)
     r = run(args.keys, repeat=args.repeat)
     print(f"Mixtral mapping: {r['keys']:,} keys -> {r['groups']:,} target groups, best of {args.repeat}")
