@@ -15,32 +15,95 @@ Map of the package (one concept per module; ``docs/concepts.md`` has the path of
 * ``cli``, ``demo``, ``examples``, ``bench``: the command line, the demo, example models, benchmarks.
 """
 
-from . import ops
-from .checkpoint import CheckpointReader, open_checkpoint, write_checkpoint
-from .converter import WeightConverter
-from .empty import init_empty
-from .errors import (
-    CheckpointError,
-    ConfigurationError,
-    ConversionError,
-    FusionError,
-    LoadError,
-    PatternError,
-    RegistryError,
-    SurgeryError,
-)
-from .fusion import FusionPlan, FusionSpec, apply_fusions, preview_fusions, register_fusion
-from .graph import ModuleGraph
-from .load import ConversionFailure, LoadPlan, LoadReport, Mismatch, PlanEntry, load_checkpoint, plan_load
-from .registry import (
-    get_checkpoint_conversion_mapping,
-    register_catalog_modules,
-    register_checkpoint_conversion_mapping,
-    registry_snapshot,
-)
-from .resolution import explain_model_conversion_mapping, get_model_conversion_mapping
-from .save import revert_state_dict, save_checkpoint
-from .transforms import PrefixChange, WeightRenaming, WeightTransform
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names below are imported on first use: ``surgery --help`` needs no torch
+    from . import ops
+    from .checkpoint import CheckpointReader, open_checkpoint, write_checkpoint
+    from .converter import WeightConverter
+    from .empty import init_empty
+    from .errors import (
+        CheckpointError,
+        ConfigurationError,
+        ConversionError,
+        FusionError,
+        LoadError,
+        PatternError,
+        RegistryError,
+        SurgeryError,
+    )
+    from .fusion import FusionPlan, FusionSpec, apply_fusions, preview_fusions, register_fusion
+    from .graph import ModuleGraph
+    from .load import ConversionFailure, LoadPlan, LoadReport, Mismatch, PlanEntry, load_checkpoint, plan_load
+    from .registry import (
+        get_checkpoint_conversion_mapping,
+        register_catalog_modules,
+        register_checkpoint_conversion_mapping,
+        registry_snapshot,
+    )
+    from .resolution import explain_model_conversion_mapping, get_model_conversion_mapping
+    from .save import revert_state_dict, save_checkpoint
+    from .transforms import PrefixChange, WeightRenaming, WeightTransform
+
+_LAZY = {
+    "CheckpointError": ".errors",
+    "CheckpointReader": ".checkpoint",
+    "ConfigurationError": ".errors",
+    "ConversionError": ".errors",
+    "ConversionFailure": ".load",
+    "FusionError": ".errors",
+    "FusionPlan": ".fusion",
+    "FusionSpec": ".fusion",
+    "LoadError": ".errors",
+    "LoadPlan": ".load",
+    "LoadReport": ".load",
+    "Mismatch": ".load",
+    "ModuleGraph": ".graph",
+    "PatternError": ".errors",
+    "PlanEntry": ".load",
+    "PrefixChange": ".transforms",
+    "RegistryError": ".errors",
+    "SurgeryError": ".errors",
+    "WeightConverter": ".converter",
+    "WeightRenaming": ".transforms",
+    "WeightTransform": ".transforms",
+    "apply_fusions": ".fusion",
+    "explain_model_conversion_mapping": ".resolution",
+    "get_checkpoint_conversion_mapping": ".registry",
+    "get_model_conversion_mapping": ".resolution",
+    "init_empty": ".empty",
+    "load_checkpoint": ".load",
+    "open_checkpoint": ".checkpoint",
+    "ops": ".ops",
+    "plan_load": ".load",
+    "preview_fusions": ".fusion",
+    "register_catalog_modules": ".registry",
+    "register_checkpoint_conversion_mapping": ".registry",
+    "register_fusion": ".fusion",
+    "registry_snapshot": ".registry",
+    "revert_state_dict": ".save",
+    "save_checkpoint": ".save",
+    "write_checkpoint": ".checkpoint",
+}
+"""Public name -> the module that defines it (imported on first access, then cached)."""
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'surgery' has no attribute {name!r}")
+    import importlib
+
+    value = importlib.import_module(module, __name__)
+    if name != module.lstrip("."):  # a submodule itself (``ops``) or a name defined in it
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "CheckpointError",

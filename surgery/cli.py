@@ -23,19 +23,14 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from torch import nn
-
-from .checkpoint import open_checkpoint, parse_size
-from .demo import run_demo
 from .errors import SurgeryError
-from .examples.dense import build_dense_model
-from .examples.moe import build_moe_model
-from .examples.vision import build_vision_tower
-from .fusion import preview_fusions
-from .load.loader import load_checkpoint, plan_load
-from .load.plan import fold_indices
-from .save import save_checkpoint
+
+if TYPE_CHECKING:
+    from torch import nn
+# Everything that imports torch is imported by the command that needs it: ``surgery --help``
+# and argument errors answer at once.
 
 __all__ = ["build_model", "main"]
 
@@ -43,14 +38,20 @@ _BENCHES = ("route", "load", "fusion", "graph", "io", "quantization")
 
 
 def _example_moe() -> nn.Module:
+    from .examples.moe import build_moe_model
+
     return build_moe_model()
 
 
 def _example_vision() -> nn.Module:
+    from .examples.vision import build_vision_tower
+
     return build_vision_tower()
 
 
 def _example_dense() -> nn.Module:
+    from .examples.dense import build_dense_model
+
     return build_dense_model()
 
 
@@ -63,6 +64,8 @@ _EXAMPLES: dict[str, Callable[[], nn.Module]] = {
 
 def build_model(spec: str) -> nn.Module:
     """Build a model from a built-in example name or ``package.module:factory``."""
+    from torch import nn
+
     if spec in _EXAMPLES:
         return _EXAMPLES[spec]()
     if ":" not in spec:
@@ -107,10 +110,13 @@ def _fusion_arg(values: Sequence[str] | None) -> dict[str, object] | None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
     return run_demo(workdir=args.workdir, quick=args.quick)
 
 
 def _cmd_preview(args: argparse.Namespace) -> int:
+    from .fusion import preview_fusions
 
     model = build_model(args.model)
     plan = preview_fusions(model, _fusion_arg(args.fusion) or {"patch_embeddings": True})
@@ -124,6 +130,10 @@ def _cmd_preview(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .checkpoint import open_checkpoint
+    from .load.loader import plan_load
+    from .load.plan import fold_indices
+
     if args.model:
         if args.tp is None:
             plan = plan_load(
@@ -172,6 +182,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    from .checkpoint import parse_size
+    from .load.loader import load_checkpoint
+    from .save import save_checkpoint
+
     parse_size(args.max_shard_size)  # a bad size fails before anything is loaded
     src, dst = Path(args.src).resolve(), Path(args.dst).resolve()
     if src == dst or (src.is_file() and src.parent == dst):

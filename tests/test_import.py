@@ -67,3 +67,30 @@ def test_import_does_not_import_torch_distributed_tensor() -> None:
         """
     )
     assert out == "False"
+
+
+def test_surgery_help_imports_no_torch() -> None:
+    """``surgery --help`` and argument errors answer without importing torch (lazy public names)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from surgery.cli import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_public_names_resolve_lazily_and_completely() -> None:
+    import surgery
+
+    for name in surgery.__all__:
+        assert getattr(surgery, name) is not None
+    assert set(surgery.__all__) <= set(dir(surgery))
