@@ -38,6 +38,7 @@ from .registry import RegistryEntry, entry_applies_to, lookup_entry
 from .transforms import WeightTransform, legacy_renamings
 
 __all__ = [
+    "MappingExplanation",
     "Outcome",
     "SubmodelResolution",
     "explain_model_conversion_mapping",
@@ -107,6 +108,37 @@ def _lookup(key: str, cls: type, filtered: list[str]) -> tuple[RegistryEntry, li
     return found
 
 
+class MappingExplanation(list[SubmodelResolution]):
+    """The list :func:`explain_model_conversion_mapping` returns; it prints as a table."""
+
+    def render(self) -> str:
+        """One row per sub-model: path, class, model type, outcome, registry key, transforms."""
+        rows = [
+            (
+                r.path or "<root>",
+                r.class_name,
+                r.model_type or "-",
+                r.outcome + (f" ({r.claimed_by or '<root>'})" if r.claimed_by is not None else ""),
+                r.key or "-",
+                str(len(r.transforms)),
+            )
+            for r in self
+        ]
+        head = ("sub-model", "class", "model_type", "outcome", "key", "transforms")
+        widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
+        line = "  ".join(f"{{:<{w}}}" for w in widths)
+        out = [line.format(*head), line.format(*("-" * w for w in widths))]
+        out.extend(line.format(*row) for row in rows)
+        for r in self:
+            out.extend(f"  {r.path or '<root>'}: {t!r}" for t in r.transforms)
+        if not any(r.transforms for r in self):
+            out.append("no conversion mapping applies: checkpoint keys are matched by name only")
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
 def explain_model_conversion_mapping(
     model: nn.Module, *, graph: ModuleGraph | None = None
 ) -> list[SubmodelResolution]:
@@ -117,7 +149,8 @@ def explain_model_conversion_mapping(
         graph: a :class:`ModuleGraph` of ``model`` already built (else one is built).
 
     Returns:
-        One :class:`SubmodelResolution` per sub-model, in walk order.
+        One :class:`SubmodelResolution` per sub-model, in walk order: a list that prints as a
+        table (``print(explain_model_conversion_mapping(model))``).
 
     Raises:
         RegistryError: a matched alias chain is broken (cycle, unknown target).
@@ -131,7 +164,7 @@ def explain_model_conversion_mapping(
     )
     claimed_class: dict[str, list[str]] = {}
     claimed_type: dict[str, list[str]] = {}
-    records: list[SubmodelResolution] = []
+    records = MappingExplanation()
     for path, module, model_type in walk:
         cls = type(module)
         class_name = cls.__name__

@@ -463,3 +463,20 @@ def test_explanations_with_and_without_a_prebuilt_graph_agree():
     assert described(explain_model_conversion_mapping(model)) == described(
         explain_model_conversion_mapping(model, graph=ModuleGraph(model))
     )
+
+
+def test_the_explanation_prints_as_a_table() -> None:
+    class Toy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = SimpleNamespace(model_type="toy_table")
+            self.proj = nn.Linear(2, 2)
+
+    with registry_snapshot(clear=True):
+        register_checkpoint_conversion_mapping("toy_table", [WeightRenaming(r"\.gamma$", ".weight")])
+        text = str(explain_model_conversion_mapping(Toy()))
+    header, _rule, root, *_ = text.splitlines()
+    assert header.split() == ["sub-model", "class", "model_type", "outcome", "key", "transforms"]
+    assert root.split() == ["<root>", "Toy", "toy_table", "model_type", "toy_table", "1"]
+    plain = str(explain_model_conversion_mapping(nn.Linear(2, 2)))
+    assert plain.splitlines()[-1].startswith("no conversion mapping applies")
