@@ -66,3 +66,86 @@ def test_a_model_built_on_meta_is_reported_as_left_on_meta(tmp_path: Path, famil
     report = surgery.load_checkpoint(model, tmp_path)
     assert not report.ok
     assert any(name.endswith("inv_freq") for name in report.left_on_meta), report.left_on_meta
+
+
+def _qwen2_vl():
+    lm = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0},
+    )
+    return T.Qwen2VLConfig(
+        text_config=dict(model_type="qwen2_vl_text", **lm),
+        vision_config=dict(
+            depth=2,
+            embed_dim=16,
+            hidden_size=16,
+            num_heads=2,
+            mlp_ratio=2,
+            in_channels=3,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=100,
+        video_token_id=101,
+        vision_start_token_id=102,
+    )
+
+
+def test_a_qwen2_vl_model_built_with_init_empty_loads_and_matches_from_pretrained(tmp_path: Path) -> None:
+    config = _qwen2_vl()
+    torch.manual_seed(0)
+    T.Qwen2VLForConditionalGeneration(config).save_pretrained(tmp_path)
+    reference = T.Qwen2VLForConditionalGeneration.from_pretrained(tmp_path).eval()
+    with surgery.init_empty():
+        model = T.Qwen2VLForConditionalGeneration(config)
+    report = surgery.load_checkpoint(model, tmp_path)
+    assert report.ok, report
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    with torch.no_grad():
+        assert torch.equal(model.eval()(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_convert_output_loads_in_transformers_and_equals(tmp_path: Path) -> None:
+    """`surgery convert` with a factory of the user's own: the output has its config and loads in transformers."""
+    import subprocess
+    import sys
+
+    config_cls, model_cls, extra = FAMILIES["mixtral"]
+    torch.manual_seed(0)
+    model_cls(config_cls(**COMMON, **extra)).save_pretrained(tmp_path / "src")
+    reference = model_cls.from_pretrained(tmp_path / "src").eval()
+    (tmp_path / "factory.py").write_text(
+        "import json, surgery, transformers\n"
+        "def build():\n"
+        f"    cfg = transformers.MixtralConfig.from_pretrained({str(tmp_path / 'src')!r})\n"
+        "    with surgery.init_empty():\n"
+        "        return transformers.MixtralForCausalLM(cfg)\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "surgery",
+            "convert",
+            str(tmp_path / "src"),
+            str(tmp_path / "out"),
+            "--model",
+            "factory:build",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "config.json").is_file()
+    again = model_cls.from_pretrained(tmp_path / "out").eval()
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, reference(ids).logits)
