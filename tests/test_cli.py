@@ -244,3 +244,13 @@ def test_bench_counts_must_be_positive() -> None:
         and "--keys: 0 must be at least 1" in done.stderr
         and "Traceback" not in done.stderr
     )
+
+
+def test_a_pickle_checkpoint_needs_allow_pickle_on_the_command_line(tmp_path: Path) -> None:
+    import torch
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.bin")
+    refused = _run("inspect", str(tmp_path / "model.bin"))
+    assert refused.returncode == 2 and "--allow-pickle" in refused.stderr
+    allowed = _run("inspect", str(tmp_path / "model.bin"), "--allow-pickle")
+    assert allowed.returncode == 0 and "1 tensors" in allowed.stdout

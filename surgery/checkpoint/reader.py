@@ -427,8 +427,8 @@ class CheckpointReader:
 def _refuse_pickle(path: Path) -> CheckpointError:
     return CheckpointError(
         f"'{path}' is a pickle checkpoint; unpickling can run arbitrary code, so it is refused by "
-        "default. Convert it to safetensors, or, if you trust its source, pass allow_pickle=True (it is "
-        "then loaded with torch.load(weights_only=True, mmap=True))."
+        "default. Convert it to safetensors, or, if you trust its source, pass allow_pickle=True (on the "
+        "command line: --allow-pickle); it is then loaded with torch.load(weights_only=True, mmap=True)."
     )
 
 
