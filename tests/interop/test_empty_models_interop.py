@@ -149,3 +149,16 @@ def test_convert_output_loads_in_transformers_and_equals(tmp_path: Path) -> None
     ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
     with torch.no_grad():
         assert torch.equal(again(ids).logits, reference(ids).logits)
+
+
+def test_a_qwen2_vl_model_built_on_meta_is_reported_as_left_on_meta(tmp_path: Path) -> None:
+    config = _qwen2_vl()
+    torch.manual_seed(0)
+    T.Qwen2VLForConditionalGeneration(config).save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = T.Qwen2VLForConditionalGeneration(config)
+    report = surgery.load_checkpoint(model, tmp_path)
+    assert not report.ok
+    left = report.left_on_meta
+    assert any("visual" in k and k.endswith("inv_freq") for k in left), left  # the vision tower's rotary
+    assert any("language_model" in k and k.endswith("inv_freq") for k in left), left
