@@ -27,8 +27,8 @@ from surgery.checkpoint import write_checkpoint
 from surgery.examples import build_vision_tower, example_pixel_values
 from surgery.examples.vision import ExamplePatchEmbed, ExampleVisionTower
 from surgery.fusion import fusion_config_of, fusion_record
-from surgery.load.loader import load_record
 from surgery.load.plan import FUSION_METADATA_KEY
+from surgery.load.record import load_record
 
 ON = {"patch_embeddings": True}
 PINNED = {"patch_embeddings": {"modules": ["^patch_embed$"]}}

@@ -18,8 +18,9 @@ from surgery import WeightConverter, ops
 from surgery.checkpoint import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, write_checkpoint
 from surgery.errors import CheckpointError, ConfigurationError, LoadError
 from surgery.examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
-from surgery.load.loader import SYNC_ENV, load_record
+from surgery.load.loader import SYNC_ENV
 from surgery.load.plan import FUSION_METADATA_KEY
+from surgery.load.record import load_record
 from surgery.registry import register_checkpoint_conversion_mapping, registry_snapshot
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ from surgery.checkpoint import SAFE_WEIGHTS_NAME, write_checkpoint
 from surgery.examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
 from surgery.examples.vision import build_vision_tower
 from surgery.fusion import fusion_record
-from surgery.load.loader import load_record
 from surgery.load.plan import LoadPlan, PlanEntry, fold_indices
+from surgery.load.record import load_record
 from surgery.ops import OpContext
 
 if TYPE_CHECKING:

@@ -19,8 +19,8 @@ from surgery.checkpoint import SAFE_WEIGHTS_NAME, open_checkpoint, write_checkpo
 from surgery.errors import CheckpointError, ConversionError
 from surgery.examples.moe import ExampleMoEConfig, ExampleMoEModel, build_moe_model, original_state_dict
 from surgery.examples.vision import build_vision_tower
-from surgery.load.loader import load_record
 from surgery.load.plan import FUSION_METADATA_KEY
+from surgery.load.record import load_record
 from surgery.registry import register_checkpoint_conversion_mapping, registry_snapshot
 from surgery.save import RevertedState
 

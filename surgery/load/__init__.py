@@ -7,8 +7,9 @@
 * :mod:`~surgery.load.report`: :class:`LoadReport`, everything a load did not do as asked.
 """
 
-from .loader import DEFAULT_WORKERS, SYNC_ENV, LoadRecord, load_checkpoint, load_record, plan_load
+from .loader import DEFAULT_WORKERS, SYNC_ENV, load_checkpoint, plan_load
 from .plan import LoadPlan, PlanEntry
+from .record import LoadRecord, load_record
 from .report import ConversionFailure, LoadReport, Mismatch
 
 __all__ = [

@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,7 +41,6 @@ from ..ops import run_chain
 from ..parallel import dtensor_type
 from ..quantization import QUANTIZATION_METADATA_KEY
 from ..slicing import NOT_NEEDED, Region, local_shape
-from ..transforms import PrefixChange, WeightTransform
 from .placement import all_contiguous, flatten_slots, placement_views
 from .plan import LoadPlan
 from .planner import (
@@ -55,61 +53,18 @@ from .planner import (
     persisted_fusion_config,
     prepare,
 )
+from .record import clear_record, record_load
 from .report import ConversionFailure, LoadReport, TPFallback
 from .sharding import local_context, tensor_parallel
 
-__all__ = [
-    "BASE_PREFIX_TAG",
-    "DEFAULT_WORKERS",
-    "SYNC_ENV",
-    "LoadRecord",
-    "load_checkpoint",
-    "load_record",
-    "plan_load",
-]
+__all__ = ["DEFAULT_WORKERS", "SYNC_ENV", "load_checkpoint", "plan_load"]
 
 DEFAULT_WORKERS = 4
 SYNC_ENV = "SURGERY_SYNC_LOAD"
-_RECORD_ATTR = "_surgery_load_record"
-BASE_PREFIX_TAG = "_surgery_base_prefix"
-"""Marks the base-model prefix change a load recorded (``"first"`` or ``"last"`` renaming)."""
 _READ_AHEAD_BYTES = 512 * 2**20
 _INLINE_BYTES_PER_TENSOR = 256 * 2**10
 """Entries whose tensors average less than this run on the calling thread: their cost is Python
 per-key work that holds the GIL, so worker threads only add hand-offs and GIL contention."""
-
-
-@dataclass
-class LoadRecord:
-    """What a load leaves on the model so that saving can invert exactly what happened.
-
-    Attributes:
-        transforms: the transforms whose output was loaded, in mapping order.
-        source_dtypes: checkpoint dtype of every checkpoint key that was loaded (checkpoint order:
-            shard order, then position in the shard).
-        source_shapes: checkpoint shape of every checkpoint key that was loaded (same order).
-        source_shards: per loaded checkpoint key, the index of the file that held it, so a save
-            with the same ``max_shard_size`` puts every key back into the same shard.
-        loaded_keys: runtime keys that were loaded.
-        checkpoint: the path loaded.
-        companions: per checkpoint key decoded by a quantizer, the companion tensors read with
-            it (FP8 block scales), kept so that a save re-encodes with exactly these.
-        quantizer: the quantizer of the load (``None`` without one).
-    """
-
-    transforms: list[WeightTransform] = field(default_factory=list)
-    source_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
-    source_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    source_shards: dict[str, int] = field(default_factory=dict)
-    loaded_keys: set[str] = field(default_factory=set)
-    checkpoint: str = ""
-    companions: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    quantizer: Any = None
-
-
-def load_record(model: nn.Module) -> LoadRecord | None:
-    """The :class:`LoadRecord` of the last successful load into ``model``, if any."""
-    return model.__dict__.get(_RECORD_ATTR)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -582,7 +537,7 @@ def load_checkpoint(
     tp = tensor_parallel(model, tp_plan=tp_plan, device_mesh=device_mesh)
     if tp is not None and tp.mesh is not None and device is None:
         device = tp.mesh.device_type if tp.mesh.device_type == "cpu" else _mesh_device(tp.mesh)
-    model.__dict__.pop(_RECORD_ATTR, None)  # a failed or interrupted load leaves no record behind
+    clear_record(model)  # a failed or interrupted load leaves no record behind
     with _collector_paused(), _opened(path, allow_pickle) as reader:
         with _undo_on_error(model):
             prep = prepare(
@@ -643,7 +598,7 @@ def load_checkpoint(
         report = _report(path, prep, loaded, mapped, failures)
         report.left_on_meta = _left_on_meta(model)
         report.bytes_read = reader.bytes_read
-        report.transforms_used = _record(model, prep, [done[i] for i in sorted(done)], path)
+        report.transforms_used = record_load(model, prep, [done[i] for i in sorted(done)], path)
         report.seconds = time.perf_counter() - start
     if strict and not report.ok:
         raise LoadError(f"strict load of {path} failed:\n{report}", report)
@@ -804,53 +759,3 @@ def _collect(f: Future, w: Work, finish, fail) -> None:
         fail(w, exc)
         return
     finish(w, results)
-
-
-def _record(model: nn.Module, prep: Prepared, done: list[Work], path: str | os.PathLike[str]) -> list[str]:
-    """Mark the transforms whose output was loaded and leave a LoadRecord on the model."""
-    used: set[int] = set()
-    base_changes: set[str] = set()
-    sources: set[str] = set()
-    for w in done:
-        sources.update(w.entry.companions)
-        for src in w.entry.source_keys:
-            sources.add(src)
-            r = prep.routing.routes[src]
-            used.update(r.renamings)
-            if r.converter is not None:
-                used.add(r.converter)
-            if r.base_prefix:
-                base_changes.add(r.base_prefix)
-    transforms = [t for i, t in enumerate(prep.transforms) if i in used]
-    for t in transforms:
-        t.mark_used()
-    prefix = getattr(model, "base_model_prefix", None)
-    if prefix and len(base_changes) == 1:
-        (mark,) = base_changes
-        change = (
-            PrefixChange(prefix_to_add=prefix)
-            if mark.startswith("+")
-            else PrefixChange(prefix_to_remove=prefix)
-        )
-        change.mark_used()
-        change.__dict__[BASE_PREFIX_TAG] = "last" if mark.endswith("after") else "first"
-        if mark.endswith("after"):
-            transforms.append(change)  # applied to the renamed keys: the last renaming
-        else:
-            transforms.insert(0, change)  # applied to the checkpoint keys: the first renaming
-    reader = prep.reader
-    in_order = [k for k in reader if k in sources]  # checkpoint order, not completion order
-    infos = [reader.info(k) for k in in_order]
-    file_index = {f: i for i, f in enumerate(reader.files)}
-    record = LoadRecord(
-        transforms=transforms,
-        source_dtypes={k: i.dtype for k, i in zip(in_order, infos)},
-        source_shapes={k: tuple(i.shape) for k, i in zip(in_order, infos)},
-        source_shards={k: file_index.get(i.file, 0) for k, i in zip(in_order, infos)},
-        loaded_keys={k for w in done for k in (*w.dest_keys, *w.entry.quantized)},
-        checkpoint=str(path),
-        companions={k: v for k, v in prep.companion_values.items() if k in sources},
-        quantizer=None if prep.quantizer is None else prep.quantizer.quantizer,
-    )
-    model.__dict__[_RECORD_ATTR] = record
-    return [repr(t) for t in transforms]
