@@ -41,6 +41,7 @@ from ..ops import run_chain
 from ..parallel import dtensor_type
 from ..quantization import QUANTIZATION_METADATA_KEY
 from ..slicing import NOT_NEEDED, Region, local_shape
+from .inference import op_context
 from .placement import all_contiguous, flatten_slots, placement_views
 from .plan import LoadPlan
 from .planner import (
@@ -48,7 +49,6 @@ from .planner import (
     Work,
     meta_clone,
     model_device,
-    op_context,
     ordered_sources,
     persisted_fusion_config,
     prepare,
