@@ -43,9 +43,9 @@ from .checkpoint import write_checkpoint
 from .converter import WeightConverter, split_transforms
 from .errors import CheckpointError, ConfigurationError, ConversionError
 from .fusion import fusion_config_of, fusion_transforms, persistable_fusion_config
+from .load.model import config_lookup, tied_groups
 from .load.placement import all_contiguous, flatten_slots, placement_views, shape_of
 from .load.plan import FUSION_METADATA_KEY, FUSION_TAG, fold_indices
-from .load.planner import config_lookup, tied_groups
 from .load.record import BASE_PREFIX_TAG, load_record
 from .ops import OpContext, run_chain
 from .parallel import dtensor_type

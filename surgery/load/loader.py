@@ -39,15 +39,9 @@ from ..fusion import RECORD_ATTRIBUTE, fusion_config_of
 from ..quantization import QUANTIZATION_METADATA_KEY
 from ..slicing import local_shape
 from .execute import execute
+from .model import meta_clone, model_device
 from .plan import LoadPlan
-from .planner import (
-    Prepared,
-    Work,
-    meta_clone,
-    model_device,
-    persisted_fusion_config,
-    prepare,
-)
+from .planner import Prepared, Work, persisted_fusion_config, prepare
 from .record import clear_record, record_load
 from .report import ConversionFailure, LoadReport, TPFallback
 from .sharding import tensor_parallel

@@ -19,9 +19,7 @@ The result is a :class:`~surgery.load.plan.LoadPlan` plus the executable work li
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -41,6 +39,13 @@ from ..routing import Routing, route_keys
 from ..slicing import local_shape
 from ..transforms import WeightTransform, legacy_renamings
 from .inference import BUILTIN_OPS, infer_outputs, op_context
+from .model import (
+    config_lookup,
+    dtype_name,
+    lossy_cast,
+    runtime_tensors,
+    tied_groups,
+)
 from .placement import all_contiguous, placement_views, source_slot_shapes
 from .plan import FUSION_METADATA_KEY, FUSION_TAG, LoadPlan, PlanEntry
 from .quantized import (
@@ -61,73 +66,10 @@ from .sharding import (
     target_placements,
 )
 
-__all__ = [
-    "Prepared",
-    "Work",
-    "config_lookup",
-    "lossy_cast",
-    "meta_clone",
-    "model_device",
-    "ordered_sources",
-    "persisted_fusion_config",
-    "prepare",
-    "tied_groups",
-]
+__all__ = ["Prepared", "Work", "ordered_sources", "persisted_fusion_config", "prepare"]
 
 
 # --------------------------------------------------------------------------- model helpers
-
-
-def _runtime_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Runtime keys → the tensor object behind them (parameters and persistent buffers)."""
-    return dict(model.state_dict(keep_vars=True))
-
-
-def tied_groups(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
-    by_id: dict[int, list[str]] = {}
-    for k, t in tensors.items():
-        by_id.setdefault(id(t), []).append(k)
-    return {k: keys for keys in by_id.values() if len(keys) > 1 for k in keys}
-
-
-def config_lookup(model: nn.Module):
-    """``key -> config``: the ``config`` of the nearest module above ``key`` that has one (cached)."""
-    cache: dict[str, Any] = {}
-
-    def config_for(key: str) -> Any:
-        parts = key.split(".")[:-1]
-        while True:
-            path = ".".join(parts)
-            if path in cache:
-                return cache[path]
-            try:
-                mod = model.get_submodule(path) if path else model
-            except AttributeError:
-                mod = None
-            cfg = getattr(mod, "config", None) if mod is not None else None
-            if cfg is not None or not parts:
-                cache[path] = cfg
-                return cfg
-            parts.pop()
-
-    return config_for
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def meta_clone(model: nn.Module) -> nn.Module:
-    """A structural copy of ``model`` whose tensors live on ``meta`` (no data is copied)."""
-    memo: dict[int, Any] = {}
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) in memo:
-            continue
-        meta = t.detach().to("meta")
-        memo[id(t)] = (
-            nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-        )
-    return copy.deepcopy(model, memo)
 
 
 def _resolve_transforms(model: nn.Module, hooks: QuantizerHooks | None = None) -> list[WeightTransform]:
@@ -254,31 +196,6 @@ class Prepared:
     companion_values: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
 
-def lossy_cast(source: torch.dtype, target: torch.dtype) -> bool:
-    """Whether casting ``source`` to ``target`` can change a value (every value must be representable).
-
-    Example:
-        >>> lossy_cast(torch.bfloat16, torch.float32), lossy_cast(torch.float32, torch.bfloat16)
-        (False, True)
-    """
-    if source == target or source == torch.bool:
-        return False
-    if source.is_complex or target.is_complex or target == torch.bool:
-        return True
-    if source.is_floating_point:
-        if not target.is_floating_point:
-            return True
-        a, b = torch.finfo(source), torch.finfo(target)
-        smallest_a, smallest_b = a.smallest_normal * a.eps, b.smallest_normal * b.eps  # subnormals
-        return not (b.eps <= a.eps and b.max >= a.max and smallest_b <= smallest_a)
-    ia = torch.iinfo(source)
-    if target.is_floating_point:
-        fb = torch.finfo(target)
-        return max(abs(ia.min), ia.max) > 2 / fb.eps  # integers above 2**(mantissa + 1) round
-    ib = torch.iinfo(target)
-    return ia.min < ib.min or ia.max > ib.max
-
-
 def _normalize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
@@ -301,14 +218,6 @@ def _normalize_device(device: torch.device | str | None) -> torch.device | None:
         raise ConfigurationError(
             f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'."
         ) from None
-
-
-def model_device(model: nn.Module) -> torch.device | None:
-    """The device of the model's first tensor that is not on ``meta`` (``None`` if all are)."""
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        if t.device.type != "meta":
-            return t.device
-    return None
 
 
 def prepare(
@@ -351,7 +260,7 @@ def prepare(
     if tp is not None:
         apply_tp_plan(model, tp)
     transforms = _resolve_transforms(model, hooks)
-    runtime = _runtime_tensors(model)
+    runtime = runtime_tensors(model)
     tied = tied_groups(runtime)
     placements_of = target_placements(model, runtime, tp, tied) if tp is not None else {}
     base_prefix = getattr(model, "base_model_prefix", None) or None
@@ -416,7 +325,7 @@ def prepare(
             renamings=renamings,
             nbytes=sum(i.nbytes for i in infos),
             source_shapes=tuple(tuple(i.shape) for i in infos),
-            source_dtypes=tuple(_dtype_name(i.dtype) for i in infos),
+            source_dtypes=tuple(dtype_name(i.dtype) for i in infos),
         )
         index = len(plan.entries)
         plan.entries.append(entry)
@@ -514,7 +423,7 @@ def prepare(
             runtime[k].dtype if k in work.quantized else dest_dtype(k, d)
             for k, d in zip(out_keys, out_dtypes)
         ]
-        entry.target_dtype = _dtype_name(dts[0])
+        entry.target_dtype = dtype_name(dts[0])
         cast = any(d != od for d, od in zip(dts, out_dtypes))
         for k, od, d in zip(out_keys, out_dtypes, dts):
             target_dtype[k] = d
@@ -526,8 +435,8 @@ def prepare(
                     Mismatch(
                         k,
                         "dtype",
-                        _dtype_name(od),
-                        _dtype_name(d),
+                        dtype_name(od),
+                        dtype_name(d),
                         src_keys,
                         loaded=True,
                         lossy=lossy_cast(od, d),
