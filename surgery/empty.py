@@ -64,10 +64,6 @@ def init_empty(*, include_buffers: bool = False) -> Iterator[None]:
     Args:
         include_buffers: put buffers on ``meta`` as well.
     """
-    if include_buffers:
-        with torch.device("meta"):
-            yield
-        return
     with _lock:
         original = nn.Module.register_parameter
         inits = {name: getattr(nn.init, name) for name in _INITS if hasattr(nn.init, name)}
@@ -92,11 +88,15 @@ def init_empty(*, include_buffers: bool = False) -> Iterator[None]:
 
             return run
 
-        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
         for name, init in inits.items():
             setattr(nn.init, name, skipping(init))
         try:
-            yield
+            if include_buffers:  # everything on meta: factories too, so nothing is computed
+                with torch.device("meta"):
+                    yield
+            else:
+                nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+                yield
         finally:
             nn.Module.register_parameter = original  # type: ignore[method-assign]
             for name, init in inits.items():

@@ -102,7 +102,7 @@ def build_dense_model(
     if seed is not None:
         torch.manual_seed(seed)
     if device is not None and torch.device(device).type == "meta":
-        with init_empty():  # no buffers here; this spares the init of meta tensors
+        with init_empty(include_buffers=True):  # no buffers here: all on meta, no init computed
             return ExampleDenseForCausalLM(cfg)
     with torch.device(device or "cpu"):
         return ExampleDenseForCausalLM(cfg)

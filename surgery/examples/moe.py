@@ -60,6 +60,11 @@ class ExampleMoEConfig:
         return self.hidden_size // self.num_attention_heads
 
 
+def _normal(t: torch.Tensor, std: float) -> torch.Tensor:
+    """``t`` filled from N(0, std²); a ``meta`` tensor is left as it is (nothing to compute)."""
+    return t if t.device.type == "meta" else t.normal_(0.0, std)
+
+
 class ExampleMoEExperts(nn.Module):
     """All experts of one layer as two fused parameters."""
 
@@ -67,8 +72,8 @@ class ExampleMoEExperts(nn.Module):
         super().__init__()
         e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
         self.num_experts, self.intermediate_size = e, i
-        self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) * h**-0.5)
-        self.down_proj = nn.Parameter(torch.randn(e, h, i) * i**-0.5)
+        self.gate_up_proj = nn.Parameter(_normal(torch.empty(e, 2 * i, h), h**-0.5))
+        self.down_proj = nn.Parameter(_normal(torch.empty(e, h, i), i**-0.5))
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -150,7 +155,7 @@ def build_moe_model(
     if seed is not None:
         torch.manual_seed(seed)
     if device is not None and torch.device(device).type == "meta":
-        with init_empty():  # the example has no buffers; this spares the init of meta tensors
+        with init_empty(include_buffers=True):  # no buffers here: all on meta, no init computed
             model = ExampleMoEForCausalLM(cfg)
     else:
         with torch.device(device or "cpu"):
