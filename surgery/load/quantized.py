@@ -18,6 +18,7 @@ from torch import nn
 from ..checkpoint import CheckpointReader, TensorInfo
 from ..errors import ConversionError
 from ..quantization import QuantizerHooks
+from .model import dtype_name
 
 __all__ = [
     "claim_companions",
@@ -26,10 +27,6 @@ __all__ = [
     "prequantized_sources",
     "quantized_cast_problem",
 ]
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def prequantized_sources(
@@ -45,7 +42,7 @@ def prequantized_sources(
         if info.dtype.is_floating_point and info.dtype.itemsize == 1 and f"{info.key}_scale_inv" in reader:
             which = f"{hooks.name} does not decode it" if hooks is not None else "no quantizer was given"
             return (
-                f"{info.key!r} is {_name(info.dtype)} with the scales {info.key + '_scale_inv'!r}: the "
+                f"{info.key!r} is {dtype_name(info.dtype)} with the scales {info.key + '_scale_inv'!r}: the "
                 f"checkpoint is pre-quantized, and casting its values without the scales would load wrong "
                 f"weights ({which}). Pass quantizer=surgery.quantization.FP8BlockQuantizer() (block size "
                 "from the config's weight_block_size, or FP8BlockQuantizer.from_config(config.json))."
@@ -75,7 +72,7 @@ def claim_companions(
         missing = [c for c in found if c not in reader]
         if missing:
             errors[key] = (
-                f"{key!r} is stored quantized ({_name(reader.info(key).dtype)}), and {hooks.name} needs "
+                f"{key!r} is stored quantized ({dtype_name(reader.info(key).dtype)}), and {hooks.name} needs "
                 f"{', '.join(repr(m) for m in missing)} to decode it, which the checkpoint lacks."
             )
         companions_of[key] = found
@@ -149,8 +146,8 @@ def plan_quantize(
             want = runtime[k]
             if (tuple(t.shape), t.dtype) != (tuple(want.shape), want.dtype):
                 raise ConversionError(
-                    f"{hooks.name}.quantize({key!r}) produced {k!r} as {tuple(t.shape)} {_name(t.dtype)}; "
-                    f"the model holds {tuple(want.shape)} {_name(want.dtype)}."
+                    f"{hooks.name}.quantize({key!r}) produced {k!r} as {tuple(t.shape)} {dtype_name(t.dtype)}; "
+                    f"the model holds {tuple(want.shape)} {dtype_name(want.dtype)}."
                 )
         out[key] = tuple(produced)
     return out
@@ -177,16 +174,16 @@ def quantized_cast_problem(
         module = model.get_submodule(path) if path else model
         if name in (getattr(module, "quantized_names", None) or ()):
             return (
-                f"{key!r} belongs to the quantized {type(module).__name__} and holds {_name(target.dtype)}, but the "
-                f"checkpoint's {source_key!r} is {_name(dtype)}: pass the quantizer that quantizes it "
+                f"{key!r} belongs to the quantized {type(module).__name__} and holds {dtype_name(target.dtype)}, but the "
+                f"checkpoint's {source_key!r} is {dtype_name(dtype)}: pass the quantizer that quantizes it "
                 "(e.g. quantizer=Int8WeightOnlyQuantizer(...)) instead of casting floats to integers."
             )
     if dtype in (torch.int8, torch.uint8) and target.is_floating_point() and name == "weight":
         scale = source_key.removesuffix("weight") + "weight_scale"
         if scale in reader:
             return (
-                f"{source_key!r} is {_name(dtype)} with the scales {scale!r}: it was saved quantized, and casting "
-                f"it into the {_name(target.dtype)} {key!r} would load the integers without their scales. Load it "
+                f"{source_key!r} is {dtype_name(dtype)} with the scales {scale!r}: it was saved quantized, and casting "
+                f"it into the {dtype_name(target.dtype)} {key!r} would load the integers without their scales. Load it "
                 "with the quantizer that wrote it (without quantizer=, one persisted in the checkpoint's metadata "
                 "is rebuilt)."
             )
