@@ -645,7 +645,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False)
         try:
             return _open(given, allow_pickle=allow_pickle)
         except _IndexChanged:
-            pass
+            pass  # a save committed while the shards were opened: open again, after a short wait
         except CheckpointError:
             # Opening raced a save into the directory (an entry point moved away, a shard
             # replaced): wait for the save to commit. Otherwise the error stands.

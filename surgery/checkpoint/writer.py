@@ -438,9 +438,7 @@ def _commit(
             *(m for m, _ in hidden),
         ]:
             try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
+                path.unlink(missing_ok=True)
             except OSError as exc:
                 left.append(f"{path.name} ({exc.strerror or exc})")
     if left:
