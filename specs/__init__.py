@@ -4,7 +4,8 @@
 the engine calls it lazily on the first registry lookup. Each family module is data: ``ENTRIES``
 (registry key → a literal transform list) and ``ALIASES`` (registry key → the key whose mapping
 it shares). :func:`register_family` hands both to the same public function a user extending the
-library calls; the fusion specs register themselves with ``patch_embeddings.register()``.
+library calls; the fusion specs register themselves with ``patch_embeddings.register()`` and
+``sibling_linears.register()``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from . import (
     patch_embeddings,
     qwen2_moe,
     qwen2_vl,
+    sibling_linears,
     vit,
 )
 
@@ -51,3 +53,4 @@ def register_catalog() -> None:
     for family in (*FAMILIES, *EXAMPLE_FAMILIES):
         register_family(family)
     patch_embeddings.register()
+    sibling_linears.register()

@@ -306,7 +306,7 @@ class Split(ConversionOp):
 
     @property
     def reverse_op(self) -> ConversionOp:
-        return Concatenate(dim=self.dim)
+        return Concatenate(dim=self.dim, sizes=self.sizes)
 
     def slice_rule(self, regions, in_shapes, out_shapes, ctx) -> SliceRule:
         """Each output's region, shifted by its offset: q/k/v from a fused ``qkv`` read three row ranges."""
@@ -315,9 +315,27 @@ class Split(ConversionOp):
 
 @dataclass(frozen=True)
 class Concatenate(ConversionOp):
-    """Concatenate every slot, in source-pattern order, along ``dim`` into one tensor."""
+    """Concatenate every slot, in source-pattern order, along ``dim`` into one tensor.
+
+    With ``sizes`` (one per slot, along ``dim``) the inputs must have exactly those sizes, and the
+    reverse is ``Split(sizes=sizes)``, which needs no recorded shapes; without it the reverse takes
+    each part's size from its target.
+    """
 
     dim: int = 0
+    sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sizes is not None:
+            object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+            if not self.sizes or any(s < 0 for s in self.sizes):
+                raise ConversionError(
+                    f"Concatenate(sizes={self.sizes}): sizes must be non-negative and non-empty."
+                )
+
+    def __repr__(self) -> str:
+        sizes = "" if self.sizes is None else f", sizes={self.sizes}"
+        return f"Concatenate(dim={self.dim}{sizes})"
 
     def convert(self, slots: list[Slot], ctx: OpContext) -> list[Slot]:
         if not slots:
@@ -340,11 +358,17 @@ class Concatenate(ConversionOp):
                     f"{self.dim} and in dtype; got {[tuple(x.shape) for x in tensors]} "
                     f"with dtypes {sorted({str(x.dtype) for x in tensors})}.",
                 )
+        if self.sizes is not None:
+            got = tuple(t.shape[self.dim] for t in tensors)
+            if got != self.sizes:
+                raise self._fail(
+                    ctx, f"expected inputs of sizes {self.sizes} along dim {self.dim}, got {got}."
+                )
         return [_cat(tensors, self.dim)]
 
     @property
     def reverse_op(self) -> ConversionOp:
-        return Split(sizes=None, dim=self.dim)
+        return Split(sizes=self.sizes, dim=self.dim)
 
     def slice_rule(self, regions, in_shapes, out_shapes, ctx) -> SliceRule:
         """Across ``dim`` every input gets the output's region; along it, each input its share."""

@@ -7,7 +7,8 @@ Map of the package:
 * ``registry``: :func:`register_fusion` / :func:`get_fusion`; built-in fusions come lazily from
   the ``surgery.catalogs`` entry points.
 * ``config``: :func:`validate_fusion_config` (``{"patch_embeddings": True}``, ``{"name": {...}}``).
-* ``rewrite``: the tracer, the on-the-side rewrite and :class:`FusedModule`.
+* ``tracing``: :func:`trace_module` and what lets real model code trace (leaf functions, ...).
+* ``rewrite``: the on-the-side rewrite and :class:`FusedModule`.
 * ``plan``: :class:`FusionPlan`, rendered as text, dict, Mermaid or DOT.
 * ``apply``: :func:`preview_fusions`, :func:`apply_fusions` and the record the loader and saver
   read (:func:`fusion_transforms`, :func:`fusion_config_of`, :func:`check_fusion_conflicts`).
@@ -29,8 +30,9 @@ from .apply import (
 from .config import EnabledFusion, FusionConfig, validate_fusion_config
 from .plan import EXCLUDED, FUSED, SKIPPED, WOULD_FUSE, FusionCandidate, FusionPlan, GraphSnapshot, TensorInfo
 from .registry import find_fusion, fusion_registry_snapshot, get_fusion, list_fusions, register_fusion
-from .rewrite import FusedModule, FusionTracer, trace_module
+from .rewrite import FusedModule
 from .spec import COMMON_OPTIONS, FusionMatch, FusionOption, FusionSpec, GraphRewrite
+from .tracing import FusionTracer, register_leaf_function, register_none_argument, trace_module
 
 __all__ = [
     "COMMON_OPTIONS",
@@ -65,6 +67,8 @@ __all__ = [
     "persistable_fusion_config",
     "preview_fusions",
     "register_fusion",
+    "register_leaf_function",
+    "register_none_argument",
     "trace_module",
     "trusted_fusion_config",
     "validate_fusion_config",

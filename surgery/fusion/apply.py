@@ -33,7 +33,7 @@ from ..transforms import WeightTransform
 from .config import EnabledFusion, FusionConfig, validate_fusion_config
 from .plan import EXCLUDED, FUSED, SKIPPED, FusionCandidate, FusionPlan
 from .registry import find_fusion
-from .rewrite import examine_candidate
+from .rewrite import FusedModule, examine_candidate
 
 __all__ = [
     "RECORD_ATTRIBUTE",
@@ -298,6 +298,11 @@ def _candidates(
         yield path, module, hit, paths_of[id(module)]
 
 
+def _listed(paths: Sequence[str], limit: int = 4) -> str:
+    shown = ", ".join(repr(p) for p in paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
 def _strict_failure(fusion: str, candidate: FusionCandidate) -> FusionError:
     return FusionError(
         f"Fusion {fusion!r} could not fuse {candidate.display_path!r} ({candidate.class_name}): "
@@ -335,10 +340,16 @@ def _run(
     try:
         for fusion in cfg.fusions:
             fused_paths: list[str] = []
+            already: list[str] = []
             seen = 0
             for path, module, excluded_by, all_paths in _candidates(model, fusion):
                 if any(path.startswith(f + ".") for f in fused_paths):
                     continue  # inside a module this fusion already replaced
+                if fusion.name in getattr(module, "fusion_names", ()) and isinstance(module, FusedModule):
+                    already.append(path)
+                    continue
+                if not fusion.spec.is_candidate(module):
+                    continue
                 seen += 1
                 if excluded_by is not None:
                     plan.candidates.append(
@@ -388,7 +399,11 @@ def _run(
                         ),
                     )
                 )
-            if not fused_paths:
+            if not fused_paths and already:
+                plan.messages[fusion.name] = (
+                    f"Already applied to {len(already)} module(s) ({_listed(already)}); nothing to do."
+                )
+            elif not fused_paths:
                 plan.messages[fusion.name] = _nothing_found(fusion, seen)
                 if strict:
                     raise FusionError(f"Fusion {fusion.name!r}: {plan.messages[fusion.name]}")

@@ -1,10 +1,7 @@
 """The fx rewrite engine: trace one candidate alone, let a spec rewrite it, build the replacement.
 
-* :class:`FusionTracer` traces only the candidate's own ``forward``: every child module is a
-  leaf (a ``call_module`` node), so the graph never reaches into the rest of the model and a
-  child's parameters stay where they are.
-* :func:`trace_module` leaves the candidate untouched: torch.fx stores tensor constants it meets
-  as attributes of the traced root; they are moved to the side instead.
+* :func:`~surgery.fusion.tracing.trace_module` traces the candidate alone (every child a leaf)
+  and leaves it untouched.
 * :func:`examine_candidate` runs one spec on one candidate and returns the plan entry plus the
   replacement module, built entirely on the side (the model is never touched here).
 * :class:`FusedModule` is the replacement: a :class:`torch.fx.GraphModule` named ``Fused`` + the
@@ -23,8 +20,9 @@ from torch import fx, nn
 from ..errors import FusionError
 from .plan import SKIPPED, WOULD_FUSE, FusionCandidate, GraphSnapshot, tensor_infos
 from .spec import FusionSpec, GraphRewrite
+from .tracing import SELF_ATTRIBUTE, trace_module
 
-__all__ = ["FusedModule", "FusionTracer", "build_fused_module", "examine_candidate", "trace_module"]
+__all__ = ["FusedModule", "build_fused_module", "examine_candidate"]
 
 _HOOK_DICTS = (
     "_forward_hooks",
@@ -38,42 +36,6 @@ _HOOK_DICTS = (
 )
 
 
-class FusionTracer(fx.Tracer):
-    """A tracer that traces one module's own ``forward`` and treats every child as a leaf."""
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return True
-
-
-def trace_module(module: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
-    """Trace ``module`` alone with :class:`FusionTracer`, leaving it exactly as it was.
-
-    Returns:
-        ``(graph, constants)``: ``constants`` are the tensor constants the graph reads through
-        ``get_attr`` nodes that are not attributes of ``module``.
-
-    Raises:
-        FusionError: torch.fx could not trace the module (data-dependent control flow, ...).
-    """
-    before = set(module.__dict__)
-    try:
-        graph = FusionTracer().trace(module)
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise FusionError(
-            f"torch.fx could not trace {type(module).__name__}.forward: {type(exc).__name__}: {first}"
-        ) from exc
-    finally:
-        # torch.fx parks constants on the traced root; take them back off so the module is unchanged.
-        added = {k: module.__dict__.pop(k) for k in list(module.__dict__) if k not in before}
-    for node in graph.nodes:
-        if isinstance(node.type, str):
-            # A string annotation (``from __future__ import annotations``) is not a type: fx would
-            # print it mangled and fail to pickle the generated module.
-            node.type = None
-    return graph, added
-
-
 def module_hooks(module: nn.Module) -> list[str]:
     """Names of the hook dicts of ``module`` that are not empty (a rewrite would drop them)."""
     return [name.strip("_") for name in _HOOK_DICTS if getattr(module, name, None)]
@@ -84,12 +46,23 @@ class FusedModule(fx.GraphModule):
 
     A :class:`torch.fx.GraphModule` whose class name is ``Fused`` + the original class name,
     with the original's children (fused ones replaced), parameters, buffers and public
-    attributes. ``fusion_name`` and ``original_class`` say where it came from. Deep copies keep
+    attributes. ``fusion_name`` (the latest), ``fusion_names`` (every fusion applied, in order)
+    and ``original_class`` say where it came from. Deep copies keep
     all of this.
     """
 
     fusion_name: str
+    fusion_names: tuple[str, ...]
     original_class: type
+
+    @property
+    def surgery_self(self) -> FusedModule:
+        """The module itself, for graphs that pass ``self`` to a leaf function (``attention(self, ...)``)."""
+        return self
+
+    @surgery_self.setter
+    def surgery_self(self, value: object) -> None:
+        pass  # GraphModule copies every get_attr target; this one always answers with the module
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FusedModule:
         res = super().__deepcopy__(memo)
@@ -127,6 +100,8 @@ def build_fused_module(
     """
     children: dict[str, nn.Module | None] = {}
     for name, child in module._modules.items():
+        if name in rewrite.removed:
+            continue
         if name in rewrite.replaced:
             new_name = rewrite.replaced[name]
             children[new_name] = rewrite.new_modules[new_name]
@@ -151,6 +126,7 @@ def build_fused_module(
         holder._buffers[name] = b
     for name, value in {**plain, **constants}.items():
         object.__setattr__(holder, name, value)
+    object.__setattr__(holder, SELF_ATTRIBUTE, holder)
 
     fused = FusedModule(holder, graph, class_name)
     # GraphModule copies only what the graph references (and may leave empty stand-ins on the way
@@ -169,9 +145,13 @@ def build_fused_module(
     attrs = {**_public_attributes(module), **plain}
     for k, v in attrs.items():
         object.__setattr__(fused, k, v)
+    earlier = tuple(getattr(module, "fusion_names", ())) if isinstance(module, FusedModule) else ()
     object.__setattr__(fused, "fusion_name", fusion)
-    object.__setattr__(fused, "original_class", type(module))
-    object.__setattr__(fused, "_fusion_attrs", (*attrs, "fusion_name", "original_class"))
+    object.__setattr__(fused, "fusion_names", (*earlier, fusion))
+    object.__setattr__(
+        fused, "original_class", module.original_class if isinstance(module, FusedModule) else type(module)
+    )
+    object.__setattr__(fused, "_fusion_attrs", (*attrs, "fusion_name", "fusion_names", "original_class"))
     return fused
 
 

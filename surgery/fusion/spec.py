@@ -142,10 +142,13 @@ class GraphRewrite:
         new_modules: child modules the rewritten graph calls, by child name.
         replaced: ``{old child name: new child name}``; the old child is dropped and the new one
             takes its place in the child order (so ``state_dict`` keeps its order).
+        removed: further old children the rewritten graph no longer calls (e.g. the ``k_proj`` and
+            ``v_proj`` that ``qkv_proj`` replaces along with ``q_proj``); they are dropped.
     """
 
     new_modules: dict[str, nn.Module]
     replaced: dict[str, str]
+    removed: tuple[str, ...] = ()
 
 
 class FusionSpec:
@@ -179,9 +182,19 @@ class FusionSpec:
 
     def fused_class_name(self, module: nn.Module) -> str:
         """Class name of the replacement for ``module`` (``Fused`` + the original class name)."""
-        return f"{self.fused_class_prefix}{type(module).__name__}"
+        name = type(module).__name__
+        return name if name.startswith(self.fused_class_prefix) else f"{self.fused_class_prefix}{name}"
 
     # ------------------------------------------------------------------ the recipe
+    def is_candidate(self, module: nn.Module) -> bool:
+        """Whether a module whose path matched is worth a plan entry at all (default: yes).
+
+        A fusion found by dataflow anywhere in a model (``modules`` matching every path) uses it
+        to leave modules that cannot hold its pattern out of the plan, instead of listing each as
+        skipped.
+        """
+        return True
+
     def is_fusable(self, module: nn.Module) -> tuple[bool, str]:
         """Cheap structural check of a candidate before it is traced.
 

@@ -1,0 +1,413 @@
+"""Tracing one candidate module alone with :mod:`torch.fx`, so that real model code traces.
+
+:func:`trace_module` traces only the candidate's own ``forward``: every child module is a leaf
+(a ``call_module`` node), so the graph never reaches into the rest of the model. Real attention
+code needs a few things plain symbolic tracing lacks; :class:`FusionTracer` adds them, each
+failing the trace (never guessing) where its assumption does not hold:
+
+* **Leaf functions.** A function registered with :func:`register_leaf_function` (and the
+  built-in list: transformers' attention kernels, which branch on tensor shapes) becomes one
+  ``call_function`` node instead of being traced through. It is swapped for a recording wrapper
+  while the trace runs, where the forward can reach it: the forward's globals, and the attention
+  registries of transformers when that library is loaded. Outside a trace the wrapper calls the
+  original, so another thread running a model meanwhile is not affected.
+* **Arguments that are None in inference.** A forward parameter named in
+  :data:`NONE_IN_INFERENCE` (caches: ``past_key_values``, ``cache``, ``cache_position`` ...) whose
+  default is ``None`` is traced as ``None``; torch.fx keeps the parameter and checks at run time
+  that it is still ``None``, so a fused module called with a cache fails loudly instead of
+  ignoring it. Add names with :func:`register_none_argument`.
+* **Unpacking a shape.** ``(*x.shape[:-1], -1, d)`` and ``y.reshape(*shape, -1)`` become a node
+  that builds the tuple at run time. Any other iteration of a traced value (a ``for`` loop,
+  ``len``, ``tuple(...)``) fails as in torch.fx.
+* **Forwarding ``**kwargs``.** A forward that takes ``**kwargs`` and passes them on to a leaf
+  (``attention(q, k, v, **kwargs)``) keeps doing so at run time. Passing them to anything the
+  tracer steps into (which could read them) fails the trace.
+* **Decorated forwards.** A ``functools.wraps`` decorator on ``forward`` (transformers renames
+  deprecated keyword arguments this way) is traced through to the function it wraps.
+
+The candidate is left exactly as it was: torch.fx parks tensor constants on the traced root, and
+they are moved to the side.
+"""
+
+from __future__ import annotations
+
+import dis
+import inspect
+import itertools
+import operator
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..errors import FusionError
+
+__all__ = [
+    "NONE_IN_INFERENCE",
+    "SELF_ATTRIBUTE",
+    "FusionTracer",
+    "leaf_functions",
+    "register_leaf_function",
+    "register_none_argument",
+    "trace_module",
+]
+
+NONE_IN_INFERENCE: set[str] = {"past_key_value", "past_key_values", "layer_past", "cache", "cache_position"}
+"""Forward parameters traced as ``None`` when their default is ``None`` (extend with :func:`register_none_argument`)."""
+
+SELF_ATTRIBUTE = "surgery_self"
+"""The attribute a traced graph reads when the forward passes the module itself to a leaf function
+(``attention(self, q, k, v)``); a :class:`~surgery.fusion.FusedModule` answers it with itself."""
+
+_LOCK = threading.Lock()
+_USER_LEAVES: list[Callable[..., Any]] = []
+
+
+def register_leaf_function(fn: Callable[..., Any]) -> None:
+    """Make ``fn`` a leaf of every fusion trace: one ``call_function`` node, never traced through.
+
+    Use it for a function whose body symbolic tracing cannot follow (it branches on tensor shapes
+    or values) that a candidate's forward calls by a global name. Registering twice is a no-op.
+
+    Raises:
+        FusionError: ``fn`` is not a plain Python function.
+    """
+    if not inspect.isfunction(fn):
+        raise FusionError(
+            f"register_leaf_function needs a Python function (def ...), got {type(fn).__name__}: {fn!r}."
+        )
+    with _LOCK:
+        if fn not in _USER_LEAVES:
+            _USER_LEAVES.append(fn)
+
+
+def register_none_argument(name: str) -> None:
+    """Trace forward parameters called ``name`` as ``None`` when their default is ``None``."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise FusionError(f"register_none_argument needs a parameter name, got {name!r}.")
+    with _LOCK:
+        NONE_IN_INFERENCE.add(name)
+
+
+def _leaf_registries() -> list[dict[Any, Any]]:
+    """Dicts of attention kernels a forward looks up by name (transformers' ``AttentionInterface``)."""
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    if modeling_utils is None:
+        return []
+    out: list[dict[Any, Any]] = []
+    interface = getattr(modeling_utils, "AttentionInterface", None)
+    mapping = getattr(interface, "_global_mapping", None)
+    if isinstance(mapping, dict):
+        out.append(mapping)
+    local = getattr(getattr(modeling_utils, "ALL_ATTENTION_FUNCTIONS", None), "_local_mapping", None)
+    if isinstance(local, dict):
+        out.append(local)
+    return out
+
+
+def leaf_functions(fn_globals: Mapping[str, Any] | None = None) -> list[Callable[..., Any]]:
+    """Every leaf function of a trace: the registered ones, transformers' attention kernels, and
+    an ``eager_attention_forward`` among ``fn_globals`` (transformers' convention)."""
+    with _LOCK:
+        leaves = list(_USER_LEAVES)
+    for registry in _leaf_registries():
+        leaves += [v for v in registry.values() if inspect.isfunction(v)]
+    eager = (fn_globals or {}).get("eager_attention_forward")
+    if inspect.isfunction(eager):
+        leaves.append(eager)
+    unique: dict[int, Callable[..., Any]] = {id(f): f for f in leaves}
+    return list(unique.values())
+
+
+# ---------------------------------------------------------------------- run-time helpers
+def splice(*pieces: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``(*a, -1, d)`` at run time: the concatenation of ``pieces`` (each a tuple)."""
+    return tuple(itertools.chain.from_iterable(pieces))
+
+
+def call_method_spread(obj: Any, method: str, args: tuple[Any, ...], **kwargs: Any) -> Any:
+    """``obj.method(*args, **kwargs)``: a method call whose arguments were built by unpacking."""
+    return getattr(obj, method)(*args, **kwargs)
+
+
+class ForwardingCall:
+    """A leaf function call that passes the forward's ``**kwargs`` on: ``fn(*args, **kw, **forwarded)``."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.__name__ = f"{fn.__name__}_forwarding_kwargs"
+        self.__qualname__ = self.__name__
+        self.__module__ = __name__
+
+    def __call__(self, *args: Any, forwarded_kwargs: Mapping[str, Any], **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs, **forwarded_kwargs)
+
+    def __repr__(self) -> str:
+        return f"ForwardingCall({self.fn.__module__}.{self.fn.__qualname__})"
+
+
+class _Spread:
+    """Stands for ``*proxy`` inside a list or an argument tuple while the trace builds it."""
+
+    __slots__ = ("proxy",)
+
+    def __init__(self, proxy: fx.Proxy) -> None:
+        self.proxy = proxy
+
+    def __repr__(self) -> str:
+        return f"*{self.proxy.node.name}"
+
+
+class _KwargsKey(str):
+    """The one key a traced ``**kwargs`` shows when it is unpacked into a call."""
+
+    __slots__ = ()
+
+
+_KWARGS_KEY = _KwargsKey("surgery_forwarded_kwargs")
+_SPREAD_OPCODES = frozenset({"LIST_EXTEND", "CALL_FUNCTION_EX"})
+
+
+def _find_proxy(values: Any) -> fx.Proxy | None:
+    found: list[fx.Proxy] = []
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, fx.Proxy) and not found:
+            found.append(x)
+        return x
+
+    torch.fx.node.map_aggregate(values, visit)
+    return found[0] if found else None
+
+
+def _leaf_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        proxy = _find_proxy((args, kwargs))
+        if proxy is None:
+            return fn(*args, **kwargs)
+        return proxy.tracer.create_proxy("call_function", fn, args, kwargs)
+
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    wrapper.__name__ = fn.__name__
+    wrapper.__qualname__ = fn.__qualname__
+    return wrapper
+
+
+@contextmanager
+def _leaves_patched(fn_globals: dict[str, Any]) -> Iterator[None]:
+    """Swap every leaf function the forward can reach for a recording wrapper; restore exactly."""
+    leaves = {id(f): f for f in leaf_functions(fn_globals)}
+    wrappers = {i: _leaf_wrapper(f) for i, f in leaves.items()}
+    saved: list[tuple[dict[Any, Any], Any, Any]] = []
+    try:
+        for d in (fn_globals, *_leaf_registries()):
+            for key, value in list(d.items()):
+                if id(value) in wrappers and value is leaves[id(value)]:
+                    saved.append((d, key, value))
+                    d[key] = wrappers[id(value)]
+        yield
+    finally:
+        for d, key, value in reversed(saved):
+            d[key] = value
+
+
+class _FusionProxy(fx.Proxy):
+    """A proxy that lets ``list.extend`` (``[*x, ...]``) ask for its length and carry on to iteration."""
+
+    def __len__(self) -> int:
+        frame = inspect.currentframe()
+        if _current_opname(frame.f_back if frame is not None else None) == "LIST_EXTEND":
+            raise TypeError("a traced value has no length; list.extend falls back to iterating it")
+        return super().__len__()
+
+
+class FusionTracer(fx.Tracer):
+    """A tracer for one module's own ``forward``: children are leaves, real model code traces
+    (see the module docstring for what it adds to :class:`torch.fx.Tracer`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kwargs_node: fx.Node | None = None
+        self.kwargs_unpacked = 0
+        self.kwargs_forwarded = 0
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _FusionProxy(node, self)
+
+    # -- unpacking traced values
+    def iter(self, obj: fx.Proxy) -> Iterator[Any]:
+        frame = inspect.currentframe()
+        caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+        opname = _current_opname(caller)
+        node = obj.node
+        if (
+            self._kwargs_node is not None
+            and node.op == "call_method"
+            and node.target == "keys"
+            and node.args == (self._kwargs_node,)
+        ):
+            self.kwargs_unpacked += 1
+            return iter([_KWARGS_KEY])
+        if opname in _SPREAD_OPCODES:
+            return iter([_Spread(obj)])
+        return super().iter(obj)
+
+    def create_arg(self, a: Any) -> Any:
+        if a is self.root:
+            return self.create_node("get_attr", SELF_ATTRIBUTE, (), {})
+        if (
+            isinstance(a, (list, tuple))
+            and not hasattr(a, "_fields")
+            and any(isinstance(x, _Spread) for x in a)
+        ):
+            return self.create_node(
+                "call_function", splice, tuple(self.create_arg(p) for p in _pieces(a)), {}
+            )
+        if isinstance(a, _Spread):
+            raise fx.proxy.TraceError(
+                f"the unpacked value {a!r} is used on its own, not inside a tuple or call"
+            )
+        return super().create_arg(a)
+
+    def create_proxy(
+        self, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *rest: Any, **kw: Any
+    ) -> fx.Proxy:  # type: ignore[override]
+        if (
+            kind == "call_function"
+            and target is operator.getitem
+            and len(args) == 2
+            and isinstance(args[1], _KwargsKey)
+            and isinstance(args[0], fx.Proxy)
+        ):
+            return args[0]  # ``kwargs[key]`` while unpacking ``**kwargs``: the whole mapping
+        if _KWARGS_KEY in kwargs:
+            if kind != "call_function":
+                raise fx.proxy.TraceError(
+                    f"forward passes **kwargs on to {kind} {target!r}; only leaf functions can take them"
+                )
+            kwargs = dict(kwargs)
+            kwargs["forwarded_kwargs"] = kwargs.pop(_KWARGS_KEY)
+            target = ForwardingCall(target)
+            self.kwargs_forwarded += 1
+        if any(isinstance(a, _Spread) for a in args[1:]) and kind == "call_method":
+            spread = self.create_proxy("call_function", splice, tuple(_pieces(args[1:])), {})
+            return self.create_proxy("call_function", call_method_spread, (args[0], target, spread), kwargs)
+        if any(isinstance(a, _Spread) for a in args):
+            raise fx.proxy.TraceError(f"unpacked arguments (*x) in a call of {kind} {target!r}")
+        proxy = super().create_proxy(kind, target, args, kwargs, *rest, **kw)
+        if kind == "placeholder" and str(target).startswith("**"):
+            self._kwargs_node = proxy.node
+        return proxy
+
+
+def _pieces(items: Any) -> list[Any]:
+    return [x.proxy if isinstance(x, _Spread) else (x,) for x in items]
+
+
+def _current_opname(frame: Any) -> str | None:
+    if frame is None:
+        return None
+    for inst in dis.get_instructions(frame.f_code):
+        if inst.offset == frame.f_lasti:
+            return inst.opname
+    return None
+
+
+def _twin(module: nn.Module) -> nn.Module:
+    """``module`` itself, or, when its ``forward`` is decorated, a twin sharing its state whose
+    class has the undecorated ``forward`` (the decorator's ``*args, **kwargs`` cannot be traced)."""
+    cls = type(module)
+    inner = inspect.unwrap(cls.forward)
+    if inner is cls.forward:
+        return module
+    twin_cls = type(cls.__name__, (cls,), {"forward": inner, "__module__": cls.__module__})
+    twin = twin_cls.__new__(twin_cls)
+    twin.__dict__ = module.__dict__  # the same attributes, children and parameters
+    return twin
+
+
+def _none_arguments(fn: Callable[..., Any]) -> dict[str, None]:
+    with _LOCK:
+        names = set(NONE_IN_INFERENCE)
+    params = inspect.signature(fn).parameters
+    return {
+        name: None
+        for name, p in params.items()
+        if name in names
+        and p.default is None
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+
+
+def trace_module(module: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
+    """Trace ``module`` alone with :class:`FusionTracer`, leaving it exactly as it was.
+
+    Returns:
+        ``(graph, constants)``: ``constants`` are the tensor constants the graph reads through
+        ``get_attr`` nodes that are not attributes of ``module``.
+
+    Raises:
+        FusionError: torch.fx could not trace the module (data-dependent control flow, ...); the
+            message gives the tracer's reason and where in the forward it stopped.
+    """
+    root = _twin(module)
+    forward = type(root).forward
+    before = set(module.__dict__)
+    tracer = FusionTracer()
+    none_args = _none_arguments(forward)
+    try:
+        with _leaves_patched(forward.__globals__):
+            graph = tracer.trace(root, concrete_args=none_args or None)
+        if tracer.kwargs_unpacked > tracer.kwargs_forwarded:
+            raise fx.proxy.TraceError(
+                "forward passes **kwargs to a function the tracer steps into, which may read them; "
+                "register that function with surgery.fusion.register_leaf_function"
+            )
+    except Exception as exc:
+        raise FusionError(
+            f"torch.fx could not trace {type(module).__name__}.forward: {_reason(exc)}"
+        ) from exc
+    finally:
+        # torch.fx parks constants on the traced root; take them back off so the module is unchanged.
+        added = {k: module.__dict__.pop(k) for k in list(module.__dict__) if k not in before}
+    for node in list(graph.nodes):
+        if (
+            node.op == "placeholder"
+            and str(node.target).endswith("_1")
+            and str(node.target)[:-2] in none_args
+        ):
+            node.target = str(node.target)[
+                :-2
+            ]  # fx names a specialized argument ``cache_1``; callers pass ``cache=``
+        if isinstance(node.type, str):
+            # A string annotation (``from __future__ import annotations``) is not a type: fx would
+            # print it mangled and fail to pickle the generated module.
+            node.type = None
+        if node.op == "call_method" and node.target == "keys" and not node.users:
+            graph.erase_node(node)  # left over from unpacking **kwargs
+    return graph, added
+
+
+def _reason(exc: BaseException) -> str:
+    """``Type: first line`` of the tracer's error, plus the innermost frame of the traced code."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    where = ""
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if "torch/fx" not in filename.replace("\\", "/") and not filename.endswith("tracing.py"):
+            last = tb
+        tb = tb.tb_next
+    if last is not None:
+        code = last.tb_frame.f_code
+        where = f" (at {code.co_name}, {code.co_filename.rsplit('/', 1)[-1]}:{last.tb_lineno})"
+    return f"{type(exc).__name__}: {first}{where}"
