@@ -40,7 +40,7 @@ import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,7 @@ from surgery import WeightConverter, ops
 from surgery.fusion import FusionMatch, FusionSpec, GraphRewrite, register_fusion, trace_module
 from surgery.transforms import WeightTransform
 
-__all__ = ["FUSIONS", "SiblingGroup", "SiblingLinearsFusion", "register"]
+__all__ = ["FUSIONS", "GateUpFusion", "QkvFusion", "SiblingGroup", "SiblingLinearsFusion", "register"]
 
 _SAFE_WEIGHT_READS = frozenset({"dtype", "device", "is_cuda", "is_meta", "requires_grad"})
 _LAYOUT_METHODS = frozenset(
@@ -175,46 +175,31 @@ def _descendants(node: fx.Node) -> set[fx.Node]:
 
 
 class SiblingLinearsFusion(FusionSpec):
-    """Linear children called on the same input become one ``nn.Linear`` and a split.
-
-    Args:
-        role: ``None`` (every group), ``"qkv"`` or ``"gate_up"`` (see the module docstring).
-    """
+    """Linear children called on the same input become one ``nn.Linear`` and a split (every group)."""
 
     target_modules_patterns = (r".",)
+    searches_everywhere = True
     no_match_message = (
         "This fusion looks for a module whose forward calls two or more nn.Linear children on the same "
         "input value, with equal in_features, dtype, device and bias presence."
     )
-
-    _FUSED_NAMES = {"qkv": "qkv_proj", "gate_up": "gate_up_proj"}
-    _SIZES = {"qkv": 3, "gate_up": 2}
-
-    def __init__(self, role: str | None = None) -> None:
-        if role is not None and role not in self._FUSED_NAMES:
-            raise ValueError(f"role must be None, 'qkv' or 'gate_up', got {role!r}")
-        self.role = role
-        if role == "qkv":
-            self.no_match_message = (
-                "The qkv fusion looks for three nn.Linear children called on the same input value whose outputs "
-                "all reach one node (the attention)."
-            )
-        elif role == "gate_up":
-            self.no_match_message = (
-                "The gate_up fusion looks for two nn.Linear children of equal width called on the same input "
-                "value whose outputs meet in one product, one side through an activation (act(gate(x)) * up(x))."
-            )
+    role: ClassVar[str | None] = None
+    fused_name: ClassVar[str | None] = None
+    group_size: ClassVar[int] = 2
 
     def __repr__(self) -> str:
-        return f"SiblingLinearsFusion(role={self.role!r})"
+        return f"{type(self).__name__}()"
 
     # ------------------------------------------------------------------ structure
     def is_candidate(self, module: nn.Module) -> bool:
-        linears = _linears(module)
-        widths: dict[int, int] = {}
-        for linear in linears.values():
-            widths[linear.in_features] = widths.get(linear.in_features, 0) + 1
-        return max(widths.values(), default=0) >= self._SIZES.get(self.role or "", 2)
+        """At least ``group_size`` linear children of one input width (and, for gate_up, one output width)."""
+        counts: dict[tuple[int, ...], int] = {}
+        for linear in _linears(module).values():
+            key = (
+                (linear.in_features, linear.out_features) if self.role == "gate_up" else (linear.in_features,)
+            )
+            counts[key] = counts.get(key, 0) + 1
+        return max(counts.values(), default=0) >= self.group_size
 
     def is_fusable(self, module: nn.Module) -> tuple[bool, str]:
         linears = _linears(module)
@@ -336,7 +321,7 @@ class SiblingLinearsFusion(FusionSpec):
         if isinstance(names_or_why, str):
             return names_or_why
         names = names_or_why
-        fused = self._FUSED_NAMES.get(self.role or "") or _joined_name(names)
+        fused = self.fused_name or _joined_name(names)
         if fused in taken:
             return f"the name {fused!r} for the fused projection of {names} is already taken"
         first = linears[names[0]]
@@ -479,15 +464,39 @@ def _fused_linear(siblings: list[nn.Linear], m: SiblingGroup, *, materialize: bo
     return linear
 
 
-FUSIONS: dict[str, SiblingLinearsFusion] = {
-    "sibling_linears": SiblingLinearsFusion(),
-    "qkv": SiblingLinearsFusion("qkv"),
-    "gate_up": SiblingLinearsFusion("gate_up"),
+class QkvFusion(SiblingLinearsFusion):
+    """Three siblings whose outputs all reach one node (the attention) become ``qkv_proj``."""
+
+    no_match_message = (
+        "The qkv fusion looks for three nn.Linear children called on the same input value whose outputs "
+        "all reach one node (the attention)."
+    )
+    role = "qkv"
+    fused_name = "qkv_proj"
+    group_size = 3
+
+
+class GateUpFusion(SiblingLinearsFusion):
+    """Two siblings of equal width meeting in ``act(gate) * up`` become ``gate_up_proj`` (gate rows first)."""
+
+    no_match_message = (
+        "The gate_up fusion looks for two nn.Linear children of equal width called on the same input "
+        "value whose outputs meet in one product, one side through an activation (act(gate(x)) * up(x))."
+    )
+    role = "gate_up"
+    fused_name = "gate_up_proj"
+    group_size = 2
+
+
+FUSIONS: dict[str, type[SiblingLinearsFusion]] = {
+    "sibling_linears": SiblingLinearsFusion,
+    "qkv": QkvFusion,
+    "gate_up": GateUpFusion,
 }
 """Fusion name -> spec, registered by :func:`register`."""
 
 
 def register(*, overwrite: bool = False) -> None:
     """Register the three fusions through the public API (called by ``specs.register_catalog``)."""
-    for name, spec in FUSIONS.items():
-        register_fusion(name, spec, overwrite=overwrite)
+    for name, spec_cls in FUSIONS.items():
+        register_fusion(name, spec_cls(), overwrite=overwrite)

@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointError",
     "ConfigurationError",
     "ConversionError",
+    "FusionConflictError",
     "FusionError",
     "LoadError",
     "PatternError",
@@ -56,3 +57,11 @@ class LoadError(SurgeryError):
 
 class FusionError(SurgeryError):
     """A fusion config is invalid, or a rewrite could not be applied."""
+
+
+class FusionConflictError(FusionError, ConfigurationError):
+    """A fusion's weight transforms and the model's conversion mapping claim the same checkpoint key.
+
+    Both a :class:`FusionError` (a fusion cannot be loaded through) and a
+    :class:`ConfigurationError` (two converters claim one key).
+    """

@@ -20,6 +20,7 @@ TOP_LEVEL = [
     "ConfigurationError",
     "ConversionError",
     "ConversionFailure",
+    "FusionConflictError",
     "FusionError",
     "FusionPlan",
     "FusionSpec",

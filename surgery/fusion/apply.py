@@ -27,13 +27,13 @@ from typing import Any
 from torch import nn
 
 from ..converter import WeightConverter
-from ..errors import FusionError
+from ..errors import FusionConflictError, FusionError
 from ..graph import swap_module
 from ..transforms import WeightTransform
 from .config import EnabledFusion, FusionConfig, validate_fusion_config
 from .plan import EXCLUDED, FUSED, SKIPPED, FusionCandidate, FusionPlan
 from .registry import find_fusion
-from .rewrite import FusedModule, examine_candidate
+from .rewrite import NO_MATCH, FusedModule, examine_candidate
 
 __all__ = [
     "RECORD_ATTRIBUTE",
@@ -254,7 +254,8 @@ def check_fusion_conflicts(model: nn.Module, transforms: Sequence[WeightTransfor
         transforms: the model's resolved conversion mapping, *without* the fusion transforms.
 
     Raises:
-        FusionError: naming the fusion, the module path, the key and both transforms.
+        FusionConflictError: (a ``FusionError`` and a ``ConfigurationError``) naming the fusion, the
+            module path, the key and both transforms.
     """
     record = fusion_record(model)
     if record is None:
@@ -269,7 +270,7 @@ def check_fusion_conflicts(model: nn.Module, transforms: Sequence[WeightTransfor
                 continue
             for other in converters:
                 if other.match(key) is not None:
-                    raise FusionError(
+                    raise FusionConflictError(
                         f"Fusion {entry.fusion!r} at {entry.path!r} converts {key!r} with {ours!r}, but the "
                         f"model's conversion mapping also claims it with {other!r}. Make that converter's source "
                         f"pattern skip {entry.path!r}, or leave the module unfused with "
@@ -378,7 +379,8 @@ def _run(
                     )
                 plan.candidates.append(candidate)
                 if replacement is None:
-                    if strict:
+                    quiet = fusion.spec.searches_everywhere and candidate.reason.startswith(NO_MATCH)
+                    if strict and not quiet:
                         raise _strict_failure(fusion.name, candidate)
                     continue
                 fused_paths.append(path)

@@ -22,7 +22,10 @@ from .plan import SKIPPED, WOULD_FUSE, FusionCandidate, GraphSnapshot, tensor_in
 from .spec import FusionSpec, GraphRewrite
 from .tracing import SELF_ATTRIBUTE, trace_module
 
-__all__ = ["FusedModule", "build_fused_module", "examine_candidate"]
+__all__ = ["NO_MATCH", "FusedModule", "build_fused_module", "examine_candidate"]
+
+NO_MATCH = "no match: "
+"""How a plan entry's reason starts when the candidate traced but its graph holds no match."""
 
 _HOOK_DICTS = (
     "_forward_hooks",
@@ -201,7 +204,7 @@ def examine_candidate(
     entry.before = GraphSnapshot.of(graph)
     matches, reason = spec.find_matches(module, graph)
     if not matches:
-        entry.reason = f"no match: {reason}"
+        entry.reason = f"{NO_MATCH}{reason}"
         return entry, None
     try:
         transforms = spec.make_transforms(path, module, matches)

@@ -161,12 +161,17 @@ class FusionSpec:
         no_match_message: said when a fusion finds nothing compatible; say what was looked for
             and how to point the fusion elsewhere.
         fused_class_prefix: the fused module's class name is this prefix + the original name.
+        searches_everywhere: the fusion is found by dataflow in any module (its candidates are
+            every module :meth:`is_candidate` accepts), so a candidate whose graph holds no match
+            is normal: it is reported, but ``strict=True`` raises only for candidates that
+            matched and could not be fused, and for finding nothing at all.
     """
 
     target_modules_patterns: ClassVar[tuple[str, ...]] = ()
     options: ClassVar[Mapping[str, FusionOption]] = MappingProxyType({})
     no_match_message: ClassVar[str] = "no candidate module matched this fusion's pattern."
     fused_class_prefix: ClassVar[str] = "Fused"
+    searches_everywhere: ClassVar[bool] = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -39,7 +39,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx, nn
@@ -124,13 +124,20 @@ def leaf_functions(fn_globals: Mapping[str, Any] | None = None) -> list[Callable
 
 
 # ---------------------------------------------------------------------- run-time helpers
+# Each helper records itself when a fused module is traced again (a second fusion on it).
 def splice(*pieces: tuple[Any, ...]) -> tuple[Any, ...]:
     """``(*a, -1, d)`` at run time: the concatenation of ``pieces`` (each a tuple)."""
+    proxy = _find_proxy(pieces)
+    if proxy is not None:
+        return proxy.tracer.create_proxy("call_function", splice, pieces, {})  # type: ignore[return-value]
     return tuple(itertools.chain.from_iterable(pieces))
 
 
 def call_method_spread(obj: Any, method: str, args: tuple[Any, ...], **kwargs: Any) -> Any:
     """``obj.method(*args, **kwargs)``: a method call whose arguments were built by unpacking."""
+    proxy = _find_proxy((obj, args, kwargs))
+    if proxy is not None:
+        return proxy.tracer.create_proxy("call_function", call_method_spread, (obj, method, args), kwargs)
     return getattr(obj, method)(*args, **kwargs)
 
 
@@ -144,6 +151,11 @@ class ForwardingCall:
         self.__module__ = __name__
 
     def __call__(self, *args: Any, forwarded_kwargs: Mapping[str, Any], **kwargs: Any) -> Any:
+        proxy = _find_proxy((args, kwargs, forwarded_kwargs))
+        if proxy is not None:
+            return proxy.tracer.create_proxy(
+                "call_function", self, args, {**kwargs, "forwarded_kwargs": forwarded_kwargs}
+            )
         return self.fn(*args, **kwargs, **forwarded_kwargs)
 
     def __repr__(self) -> str:
@@ -328,7 +340,7 @@ def _twin(module: nn.Module) -> nn.Module:
     if inner is cls.forward:
         return module
     twin_cls = type(cls.__name__, (cls,), {"forward": inner, "__module__": cls.__module__})
-    twin = twin_cls.__new__(twin_cls)
+    twin = cast(nn.Module, object.__new__(twin_cls))
     twin.__dict__ = module.__dict__  # the same attributes, children and parameters
     return twin
 

@@ -31,7 +31,13 @@ from torch import nn
 from ..checkpoint import CheckpointReader, TensorInfo
 from ..converter import WeightConverter
 from ..errors import ConfigurationError, ConversionError, LoadError, SurgeryError
-from ..fusion import apply_fusions, fusion_config_of, fusion_transforms, trusted_fusion_config
+from ..fusion import (
+    apply_fusions,
+    check_fusion_conflicts,
+    fusion_config_of,
+    fusion_transforms,
+    trusted_fusion_config,
+)
 from ..ops import OpContext
 from ..quantization import QuantizerHooks, quantizer_from_metadata
 from ..resolution import get_model_conversion_mapping
@@ -77,6 +83,7 @@ def _resolve_transforms(model: nn.Module, hooks: QuantizerHooks | None = None) -
     transforms = list(get_model_conversion_mapping(model, quantizer=quantizer))
     if hooks is not None:
         transforms.extend(hooks.weight_conversions())
+    check_fusion_conflicts(model, transforms)  # before any byte is read, naming the fusion and the key
     for t in fusion_transforms(model):
         t.__dict__[FUSION_TAG] = True  # saving reverses fusions whether or not they fired
         transforms.append(t)

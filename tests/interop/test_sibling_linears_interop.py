@@ -1,0 +1,102 @@
+"""``qkv`` and ``gate_up`` on transformers' own Llama, Qwen2 and Mistral, eager and sdpa attention.
+
+Each model is built tiny, saved by transformers in its own (original) layout, and loaded by
+``surgery`` into a fused model: every tensor equals what transformers loads, the logits equal
+the unfused model's, and saving in the original layout gives back transformers' file byte for
+byte. The attention modules trace although their forwards are decorated, unpack shapes
+(``(*input_shape, -1, d)``), take ``**kwargs`` and call an attention kernel through
+``ALL_ATTENTION_FUNCTIONS`` (a leaf of the trace). Caches are traced as ``None``: a fused
+attention called with a cache fails loudly.
+"""
+
+from __future__ import annotations
+
+import filecmp
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import surgery
+from surgery.fusion import FusedModule
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.interop, pytest.mark.usefixtures("isolated_fusion_registry")]
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+SIZES = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+)
+BOTH = {"qkv": True, "gate_up": True}
+IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def _build(family: str, attn: str, seed: int) -> Any:
+    config_cls, model_cls = (getattr(transformers, n) for n in FAMILIES[family])
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**SIZES, attn_implementation=attn)).eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for family in FAMILIES:
+        path = tmp_path_factory.mktemp(family)
+        _build(family, "eager", seed=1).save_pretrained(path)
+        out[family] = path
+    return out
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fused_model_loads_transformers_checkpoint_runs_the_same_and_saves_it_back(
+    family: str, attn: str, saved: dict[str, Path], tmp_path: Path
+) -> None:
+    theirs = (
+        type(_build(family, attn, seed=0)).from_pretrained(saved[family], attn_implementation=attn).eval()
+    )
+    model = _build(family, attn, seed=2)
+    plan = surgery.apply_fusions(model, BOTH)
+    fused = {c.path for c in plan.candidates if c.status == "fused"}
+    assert fused == {f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn", "mlp")}, str(plan)
+
+    report = surgery.load_checkpoint(model, saved[family], strict=True)
+    assert report.ok, str(report)
+    attn_module = model.model.layers[0].self_attn
+    assert isinstance(attn_module, FusedModule) and "qkv_proj" in attn_module._modules
+    want = {k: v for k, v in theirs.state_dict().items()}
+    back = surgery.revert_state_dict(model)
+    assert back.keys() == want.keys()
+    assert all(torch.equal(back[k], want[k]) for k in want), [
+        k for k in want if not torch.equal(back[k], want[k])
+    ]
+
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(IDS, use_cache=False).logits, theirs(IDS, use_cache=False).logits, rtol=0, atol=1e-5
+        )
+
+    surgery.save_checkpoint(model, tmp_path / "out")
+    original = saved[family] / "model.safetensors"
+    assert load_file(tmp_path / "out" / "model.safetensors").keys() == load_file(original).keys()
+    assert filecmp.cmp(tmp_path / "out" / "model.safetensors", original, shallow=False)
+
+
+def test_a_fused_attention_called_with_a_cache_fails_loudly() -> None:
+    model = _build("llama", "sdpa", seed=0)
+    surgery.apply_fusions(model, {"qkv": True})
+    with pytest.raises(AssertionError, match="specialized to have value None"):
+        model(IDS, use_cache=True)
+    with torch.no_grad():
+        model(IDS, use_cache=False)  # and runs without one
