@@ -451,7 +451,8 @@ def _fused_linear(siblings: list[nn.Linear], m: SiblingGroup, *, materialize: bo
     """One Linear holding the siblings' rows in order, on their device and dtype (``meta`` in a preview)."""
     weight = siblings[0].weight
     linear = nn.Linear(m.in_features, sum(m.out_features), bias=m.bias, device="meta", dtype=weight.dtype)
-    if materialize:
+    # On meta there is nothing to copy (and torch.cat on meta tensors imports torch._dynamo: ~1 s).
+    if materialize and not weight.is_meta:
         new_w = torch.cat([s.weight.detach() for s in siblings], dim=0)
         new_b = torch.cat([s.bias.detach() for s in siblings if s.bias is not None]) if m.bias else None
     else:

@@ -244,8 +244,9 @@ def test_torch_compile_of_a_fused_model_runs_and_gives_the_same_output() -> None
     model = build_decoder_model().eval()
     surgery.apply_fusions(model, BOTH)
     want = model(IDS)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(IDS), want, rtol=0, atol=1e-6)
+    compiled = torch.compile(model, fullgraph=True)  # dynamo + inductor: one graph through the fused modules
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(IDS), want, rtol=0, atol=1e-5)
 
 
 # ---------------------------------------------------------------------- negative cases

@@ -90,8 +90,9 @@ class GraphSnapshot:
     nodes: tuple[GraphNode, ...]
 
     @classmethod
-    def of(cls, graph: fx.Graph) -> GraphSnapshot:
-        src = graph.python_code(root_module="self").src
+    def of(cls, graph: fx.Graph, *, code: str | None = None) -> GraphSnapshot:
+        """Snapshot ``graph``; ``code``: its generated source if already at hand (``GraphModule.code``)."""
+        src = graph.python_code(root_module="self").src if code is None else code
         code = "\n".join(line.rstrip() for line in src.strip("\n").splitlines()).strip("\n")
         nodes = tuple(
             GraphNode(n.name, n.op, _target_text(n), tuple(a.name for a in n.all_input_nodes))

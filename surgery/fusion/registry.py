@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from ..errors import RegistryError
 from ..registry import current_catalog, load_catalogs
 from .spec import FusionSpec
+from .tracing import restore_tracing_state, tracing_state
 
 __all__ = [
     "find_fusion",
@@ -132,12 +133,13 @@ def _known() -> str:
 
 @contextmanager
 def fusion_registry_snapshot(*, clear: bool = False) -> Iterator[None]:
-    """Restore the fusion registry on exit (for tests and experiments).
+    """Restore the fusion registry, leaf functions and None-in-inference names on exit (for tests).
 
     Args:
         clear: start from an empty fusion registry (the catalogs still count as loaded).
     """
     _ensure_catalogs()
+    tracing = tracing_state()
     with _LOCK:
         saved = dict(_FUSIONS), dict(_PROVENANCE)
         if clear:
@@ -151,3 +153,4 @@ def fusion_registry_snapshot(*, clear: bool = False) -> Iterator[None]:
             _FUSIONS.update(saved[0])
             _PROVENANCE.clear()
             _PROVENANCE.update(saved[1])
+        restore_tracing_state(tracing)

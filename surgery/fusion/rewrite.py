@@ -224,7 +224,7 @@ def examine_candidate(
     entry.status = WOULD_FUSE
     entry.reason = "; ".join(m.description for m in matches)
     entry.fused_class_name = type(fused).__name__
-    entry.after = GraphSnapshot.of(fused.graph)
+    entry.after = GraphSnapshot.of(fused.graph, code=fused.code)
     entry.params_after = tensor_infos(fused)
     entry.transforms = tuple(transforms)
     return entry, fused

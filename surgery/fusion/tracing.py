@@ -32,11 +32,13 @@ they are moved to the side.
 from __future__ import annotations
 
 import dis
+import functools
 import inspect
 import itertools
 import operator
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, cast
@@ -53,7 +55,9 @@ __all__ = [
     "leaf_functions",
     "register_leaf_function",
     "register_none_argument",
+    "restore_tracing_state",
     "trace_module",
+    "tracing_state",
 ]
 
 NONE_IN_INFERENCE: set[str] = {"past_key_value", "past_key_values", "layer_past", "cache", "cache_position"}
@@ -91,6 +95,20 @@ def register_none_argument(name: str) -> None:
         raise FusionError(f"register_none_argument needs a parameter name, got {name!r}.")
     with _LOCK:
         NONE_IN_INFERENCE.add(name)
+
+
+def tracing_state() -> tuple[list[Callable[..., Any]], set[str]]:
+    """A copy of the registered leaf functions and None-in-inference names (for snapshots)."""
+    with _LOCK:
+        return list(_USER_LEAVES), set(NONE_IN_INFERENCE)
+
+
+def restore_tracing_state(state: tuple[list[Callable[..., Any]], set[str]]) -> None:
+    """Put back what :func:`tracing_state` returned."""
+    with _LOCK:
+        _USER_LEAVES[:] = state[0]
+        NONE_IN_INFERENCE.clear()
+        NONE_IN_INFERENCE.update(state[1])
 
 
 def _leaf_registries() -> list[dict[Any, Any]]:
@@ -324,12 +342,13 @@ def _pieces(items: Any) -> list[Any]:
 
 
 def _current_opname(frame: Any) -> str | None:
-    if frame is None:
-        return None
-    for inst in dis.get_instructions(frame.f_code):
-        if inst.offset == frame.f_lasti:
-            return inst.opname
-    return None
+    """The name of the bytecode instruction ``frame`` is executing."""
+    return None if frame is None else _opnames(frame.f_code).get(frame.f_lasti)
+
+
+@functools.lru_cache(maxsize=512)
+def _opnames(code: types.CodeType) -> dict[int, str]:
+    return {inst.offset: inst.opname for inst in dis.get_instructions(code)}
 
 
 def _twin(module: nn.Module) -> nn.Module:
@@ -416,7 +435,7 @@ def _reason(exc: BaseException) -> str:
     last = None
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
-        if "torch/fx" not in filename.replace("\\", "/") and not filename.endswith("tracing.py"):
+        if "torch/fx" not in filename.replace("\\", "/") and filename != __file__:
             last = tb
         tb = tb.tb_next
     if last is not None:
