@@ -8,8 +8,9 @@
 * ``catalog``: the registered conversion mappings (families and aliases).
 * ``bench {route,load,fusion,graph,quantization}``: benchmarks that print ratios against a floor.
 
-``--model`` takes a built-in example name (``example-dense``, ``example-moe``, ``example-vision``) or
-``package.module:factory``, a zero-argument callable returning an ``nn.Module``.
+``--model`` takes a built-in example name (``example-decoder``, ``example-dense``, ``example-moe``,
+``example-vision``) or ``package.module:factory``, a zero-argument callable returning an
+``nn.Module``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,14 @@ def _example_dense() -> nn.Module:
     return build_dense_model()
 
 
+def _example_decoder() -> nn.Module:
+    from .examples.decoder import build_decoder_model
+
+    return build_decoder_model()
+
+
 _EXAMPLES: dict[str, Callable[[], nn.Module]] = {
+    "example-decoder": _example_decoder,
     "example-dense": _example_dense,
     "example-moe": _example_moe,
     "example-vision": _example_vision,

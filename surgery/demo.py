@@ -9,7 +9,11 @@ Part 2 (fusion): a Qwen2-VL-like vision tower's original checkpoint is loaded in
 Conv3d patch embedding is rewritten into one ``nn.Linear``; outputs are compared with the
 unfused tower and the export is compared with the input files.
 
-Part 3 (quantization): the MoE checkpoint is stored as block-wise FP8 (DeepSeek-V3 layout),
+Part 3 (fusion found by dataflow): a Llama-style decoder's checkpoint (separate q/k/v and gate/up
+projections) is loaded into a decoder whose attention and MLP the ``qkv`` and ``gate_up`` fusions
+rewrote into one projection each; logits are compared and the export is compared with the input.
+
+Part 4 (quantization): the MoE checkpoint is stored as block-wise FP8 (DeepSeek-V3 layout),
 decoded per expert as it is read into the fused model, and saved back as the same FP8 files;
 the float checkpoint is then loaded with int8 weight-only quantization on the fly.
 """
@@ -27,6 +31,7 @@ from typing import Any
 import torch
 
 from .checkpoint import open_checkpoint, write_checkpoint
+from .examples.decoder import build_decoder_model
 from .examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
 from .examples.vision import build_vision_tower
 from .fusion import preview_fusions
@@ -113,6 +118,34 @@ def _vision_part(root: Path, shown: Callable[[Path], str], timings: list[tuple[s
     return report.ok and err < 1e-5 and same_files
 
 
+def _siblings_part(root: Path, shown: Callable[[Path], str], timings: list[tuple[str, float]]) -> bool:
+
+    src_dir, out_dir = root / "decoder-original", root / "decoder-roundtrip"
+    config = {"qkv": True, "gate_up": True}
+    with _step("Siblings: write a Llama-style decoder checkpoint (separate q/k/v, gate/up)", timings):
+        unfused = build_decoder_model(seed=0)  # the size of `--model example-decoder`
+        write_checkpoint(dict(unfused.state_dict()), src_dir)
+        print(f"{len(unfused.state_dict())} tensors: {shown(src_dir)}")
+    fused = build_decoder_model(device="meta")
+    with _step("Siblings: preview qkv and gate_up (found in the dataflow, not by name)", timings):
+        plan = preview_fusions(fused, config)
+        for c in plan.matched:
+            print(f"  {c.path}: {c.reason}")
+    with _step("Siblings: apply them and load the original checkpoint through them", timings):
+        report = load_checkpoint(fused, src_dir, fusion_config=config)
+        print(report)
+    ids = torch.randint(0, unfused.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        a, b = unfused(ids), fused(ids)
+    err = (a - b).abs().max().item() / max(a.abs().max().item(), 1e-12)
+    print(f"fused vs unfused logits: max relative difference {err:.2e}")
+    with _step("Siblings: export back to the original layout", timings):
+        save_checkpoint(fused, out_dir)
+    same_files = _same_files(src_dir, out_dir)
+    print(f"exported files byte-identical to the input: {same_files}")
+    return report.ok and err < 1e-5 and same_files
+
+
 def _quantization_part(root: Path, shown: Callable[[Path], str], timings: list[tuple[str, float]]) -> bool:
 
     cfg = ExampleMoEConfig()
@@ -171,6 +204,7 @@ def run_demo(*, workdir: str | None = None, quick: bool = False) -> int:
     parts: list[tuple[str, Callable[[Path, Callable[[Path], str], list[tuple[str, float]]], bool]]] = [
         ("checkpoint conversion (Mixtral-style MoE)", _moe_part),
         ("fusion (Qwen2-VL-like vision tower)", _vision_part),
+        ("fusion (q/k/v and gate/up of a Llama-style decoder)", _siblings_part),
     ]
     if not quick:
         parts.append(("quantization (FP8 checkpoint round trip, int8 on the fly)", _quantization_part))

@@ -106,7 +106,7 @@ def test_preview_json_is_valid(capsys) -> None:
 def test_demo_quick_passes(tmp_path: Path, capsys) -> None:
     assert main(["demo", "--quick", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "FAIL" not in out and out.count("PASS") == 2  # --quick: without the quantization part
+    assert "FAIL" not in out and out.count("PASS") == 3  # --quick: without the quantization part
 
 
 def test_unknown_model_is_a_clear_error_with_exit_code_2(moe_checkpoint: Path, capsys) -> None:

@@ -371,3 +371,35 @@ def test_any_sibling_group_fuses_to_the_same_function_and_back_to_the_same_weigh
     back = surgery.revert_state_dict(model)
     assert back.keys() == original.keys()
     assert all(torch.equal(back[k], v) for k, v in original.items())
+
+
+# ---------------------------------------------------------------------- every built-in example
+def _moe() -> nn.Module:
+    from surgery.examples import build_moe_model
+
+    return build_moe_model()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("build", "fused"),
+    [(build_decoder_model, 4), (build_dense_model, 2), (_moe, 2)],
+    ids=["decoder", "dense", "moe"],
+)
+def test_every_built_in_example_with_siblings_fuses_and_computes_the_same(build, fused: int, dtype) -> None:
+    """q/k/v everywhere; gate/up where the runtime layout keeps them apart (the dense example fuses
+    its MLP already; the MoE experts are not linears)."""
+    model = build().to(dtype).eval()
+    with torch.no_grad():
+        want = model(IDS).float()
+        plan = surgery.apply_fusions(model, BOTH)
+        got = model(IDS).float()
+    assert sum(c.status == "fused" for c in plan.candidates) == fused, str(plan)
+    bound = 1e-5 if dtype == torch.float32 else want.abs().max().item() * 2**-7
+    assert (got - want).abs().max() <= bound
+
+
+def test_the_vision_example_has_nothing_to_fuse_and_says_so() -> None:
+    """Its attention stores one fused ``qkv`` already and its MLP's two linears are in series."""
+    plan = surgery.preview_fusions(build_vision_tower(depth=1), {"sibling_linears": True})
+    assert not plan.matched and "Nothing compatible found" in plan.messages["sibling_linears"]

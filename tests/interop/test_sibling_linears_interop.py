@@ -39,6 +39,7 @@ SIZES = dict(
     vocab_size=128,
 )
 BOTH = {"qkv": True, "gate_up": True}
+CONFIGS = {"presets": (BOTH, "qkv_proj"), "generic": ({"sibling_linears": True}, "q_k_v_proj")}
 IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
@@ -58,23 +59,25 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_fused_model_loads_transformers_checkpoint_runs_the_same_and_saves_it_back(
-    family: str, attn: str, saved: dict[str, Path], tmp_path: Path
+    family: str, attn: str, config: str, saved: dict[str, Path], tmp_path: Path
 ) -> None:
+    fusion_config, qkv_name = CONFIGS[config]
     theirs = (
         type(_build(family, attn, seed=0)).from_pretrained(saved[family], attn_implementation=attn).eval()
     )
     model = _build(family, attn, seed=2)
-    plan = surgery.apply_fusions(model, BOTH)
+    plan = surgery.apply_fusions(model, fusion_config)
     fused = {c.path for c in plan.candidates if c.status == "fused"}
     assert fused == {f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn", "mlp")}, str(plan)
 
     report = surgery.load_checkpoint(model, saved[family], strict=True)
     assert report.ok, str(report)
     attn_module = model.model.layers[0].self_attn
-    assert isinstance(attn_module, FusedModule) and "qkv_proj" in attn_module._modules
+    assert isinstance(attn_module, FusedModule) and qkv_name in attn_module._modules
     want = {k: v for k, v in theirs.state_dict().items()}
     back = surgery.revert_state_dict(model)
     assert back.keys() == want.keys()
