@@ -68,6 +68,7 @@ SELF_ATTRIBUTE = "surgery_self"
 (``attention(self, q, k, v)``); a :class:`~surgery.fusion.FusedModule` answers it with itself."""
 
 _LOCK = threading.Lock()
+_TRACE_LOCK = threading.RLock()
 _USER_LEAVES: list[Callable[..., Any]] = []
 
 
@@ -394,7 +395,9 @@ def trace_module(module: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
     tracer = FusionTracer()
     none_args = _none_arguments(forward)
     try:
-        with _leaves_patched(forward.__globals__):
+        # One trace at a time: torch.fx patches nn.Module.__call__ process-wide while it traces,
+        # and two traces patching the same registries would restore each other's wrappers.
+        with _TRACE_LOCK, _leaves_patched(forward.__globals__):
             graph = tracer.trace(root, concrete_args=none_args or None)
         if tracer.kwargs_unpacked > tracer.kwargs_forwarded:
             raise fx.proxy.TraceError(
