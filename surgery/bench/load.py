@@ -1,7 +1,7 @@
 """Benchmark: loading and saving Mixtral-style checkpoints against plain safetensors (not a test).
 
 Run ``python -m surgery bench load`` (or ``python -m surgery.bench.load``) with
-``--size-gb``, ``--repeat``, ``--only {A,B,C}``, ``--skip-transformers``, ``--workdir``,
+``--size-gb``, ``--repeat``, ``--only {A,B,C,D,E}``, ``--skip-transformers``, ``--workdir``,
 ``--profile``.
 
 * **A** (throughput): a ~1 GB bfloat16 checkpoint with per-expert keys, in 500 MB shards, loaded
@@ -17,6 +17,8 @@ Run ``python -m surgery bench load`` (or ``python -m surgery.bench.load``) with
 * **D** (tensor parallelism): checkpoint A loaded by two gloo ranks with ``tp_plan="auto"``
   against the single-process load: wall time (slowest rank), bytes read and peak RSS growth per
   rank (:mod:`surgery.bench.parallel`; not run by default: ``--only D``).
+* **E** (many-key save): the B model (~100,000 keys) saved in its original layout against
+  ``save_file`` + fsync of the same original-layout tensors (``--only E``).
 
 Every run is a fresh process forked from a server that has only imported the modules (so start-up
 and imports stay out of the time, while the loader's own one-time work such as catalog discovery
@@ -230,6 +232,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = ExampleMoEConfig(**spec["config"])
     if spec["variant"] == "save":
         return _child_save(spec, cfg)
+    if spec["variant"] == "save_many":
+        return _child_save_many(spec, cfg)
     run_once = _runner(spec, cfg)
     gc.collect()
     base = reset_peak_rss()
@@ -479,6 +483,55 @@ def _child_save(spec: dict[str, Any], cfg: ExampleMoEConfig) -> dict[str, Any]:
         }
     shutil.rmtree(target, ignore_errors=True)
     return results
+
+
+def _fsynced_save_file(state: dict[str, torch.Tensor], file: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(state, file)
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _child_save_many(spec: dict[str, Any], cfg: ExampleMoEConfig) -> dict[str, Any]:
+    """Load the B model once, then alternate ``repeat`` times: ``save_file`` + fsync of its
+    original-layout tensors (computed beforehand, not timed) and ``save_checkpoint`` in the
+    original layout (which computes them)."""
+    from ..load.loader import load_checkpoint
+    from ..save import revert_state_dict, save_checkpoint
+
+    model = _empty_model(cfg)
+    load_checkpoint(model, spec["original"], progress=False)
+    original = {k: v.contiguous() for k, v in revert_state_dict(model).items()}
+    target = Path(spec["out"])
+    savers: dict[str, Callable[[Path], object]] = {
+        "save_many_floor": lambda path: _fsynced_save_file(original, path / "model.safetensors"),
+        "save_many_ours": lambda path: save_checkpoint(model, path),
+    }
+    runs: dict[str, list[float]] = {name: [] for name in savers}
+    for _ in range(spec["repeat"]):
+        for name, save in savers.items():
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir(parents=True)
+            gc.collect()
+            start = time.perf_counter()
+            save(target)
+            runs[name].append(time.perf_counter() - start)
+    shutil.rmtree(target, ignore_errors=True)
+    return {
+        name: {
+            "load_s": min(r),
+            "total_s": min(r),
+            "runs": [round(x, 3) for x in r],
+            "delta": 0,
+            "peak": peak_rss(),
+            "notes": f"{len(original)} keys",
+        }
+        for name, r in runs.items()
+    }
 
 
 # --------------------------------------------------------------------------- parent side
@@ -749,6 +802,43 @@ def _bench_c(workdir: Path, size_gb: float, repeat: int) -> tuple[str, list[str]
     return "\n".join([title, _table(rows, "save_floor", mb)]), verdicts, {"rows": rows, "info": info}
 
 
+_SAVES_MANY = {
+    "save_many_floor": "floor: save_file + fsync of the original-layout tensors",
+    "save_many_ours": "surgery.save_checkpoint (original layout, atomic, fsync)",
+}
+
+
+def _bench_e(workdir: Path, repeat: int) -> tuple[str, list[str], dict[str, Any]]:
+    cfg = per_key_config()
+    info = _prepare(workdir, "B", cfg, runtime_file=False)
+    original = workdir / "B" / "original"
+    _warm([original])
+    spec = {"config": asdict(cfg), "original": str(original), "repeat": repeat, "variant": "save_many"}
+    print("  running E (many-key save) ...", file=sys.stderr, flush=True)
+    rows: list[_Row] = []
+    try:
+        saved = _SERVERS.run({**spec, "out": str(workdir / "E_out")})
+        rows.extend(_Row(name, label, saved.get(name)) for name, label in _SAVES_MANY.items())
+    except RuntimeError as exc:
+        rows.extend(_Row(name, label, None, str(exc)[:200]) for name, label in _SAVES_MANY.items())
+    title = (
+        f"E: saving the B model ({info['keys']} keys) in its original layout; the runs alternate, "
+        f"{repeat} of each in one process"
+    )
+    floor, ours = _get(rows, "save_many_floor"), _get(rows, "save_many_ours")
+    what = f"E within {_TARGET_B}x of save_file + fsync"
+    if floor is None or ours is None:
+        verdicts = [_verdict(None, f"{what}: not measured")]
+    else:
+        pairs = [o / f for o, f in zip(ours["runs"], floor["runs"])]
+        worst = max(pairs)
+        text = f"{what}: best {ours['total_s'] / floor['total_s']:.2f}x, per pair " + "/".join(
+            f"{x:.2f}" for x in pairs
+        )
+        verdicts = [_verdict(worst <= _TARGET_B, text)]
+    return "\n".join([title, _table(rows, "save_many_floor", info["model_bytes"])]), verdicts, {"rows": rows}
+
+
 def _bench_d(workdir: Path, size_gb: float, repeat: int) -> tuple[str, list[str], dict[str, Any]]:
     from .parallel import run_tp_benchmark
 
@@ -797,6 +887,8 @@ def run(
             results["C"] = _bench_c(work, size_gb, repeat)
         if "D" in only:
             results["D"] = _bench_d(work, size_gb, repeat)
+        if "E" in only:
+            results["E"] = _bench_e(work, repeat)
     finally:
         _SERVERS.close()
         if tmp is not None:
@@ -852,9 +944,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--only",
-        choices=("A", "B", "C", "D"),
+        choices=("A", "B", "C", "D", "E"),
         action="append",
-        help="run only these (repeatable; D only on request)",
+        help="run only these (repeatable; D and E only on request)",
     )
     p.add_argument("--workdir", default=None, help="keep and reuse checkpoints here (default: a temp dir)")
     p.add_argument("--profile", action="store_true", help="instead: cProfile one sequential load for A and B")
@@ -886,7 +978,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workdir=args.workdir,
     )
     verdicts: list[str] = []
-    for key in ("A", "B", "C", "D"):
+    for key in ("A", "B", "C", "D", "E"):
         if key in results:
             table, v, _ = results[key]
             print(table)
