@@ -227,18 +227,71 @@ def peak_rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _resident_fraction(path: Path) -> float | None:
+    """The fraction of ``path``'s pages in the page cache (``mincore``), or ``None`` off Linux."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    if size == 0 or not sys.platform.startswith("linux"):
+        return None
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
+        page = mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        buf = ctypes.c_char.from_buffer(mm)
+        try:
+            if libc.mincore(ctypes.addressof(buf), size, vec) != 0:
+                return None
+        finally:
+            del buf
+        return sum(v & 1 for v in vec) / len(vec)
+
+
+def _drop_page_cache(paths: Sequence[str]) -> str:
+    """``posix_fadvise(DONTNEED)`` every checkpoint file; say how much of them stayed cached."""
+    files = [
+        f
+        for p in paths
+        if p
+        for f in (sorted(Path(p).rglob("*.safetensors")) if Path(p).is_dir() else [Path(p)])
+    ]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as exc:
+            return f"not allowed ({exc})"
+        finally:
+            os.close(fd)
+    sizes = [f.stat().st_size for f in files]
+    fractions = [_resident_fraction(f) for f in files]
+    if any(x is None for x in fractions):
+        return "dropped (residency unknown)"
+    cached = sum(x * n for x, n in zip(fractions, sizes) if x is not None) / max(sum(sizes), 1)
+    return f"cache dropped, {cached:.0%} still resident"
+
+
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
-    """One run of ``spec["variant"]`` in this (just forked) process."""
+    """One run of ``spec["variant"]`` in this (just forked) process (``*_cold``: page cache dropped first)."""
     cfg = ExampleMoEConfig(**spec["config"])
     if spec["variant"] == "save":
         return _child_save(spec, cfg)
     if spec["variant"] == "save_many":
         return _child_save_many(spec, cfg)
+    cold = spec["variant"].endswith("_cold")
+    dropped = ""
+    if cold:
+        spec = {**spec, "variant": spec["variant"].removesuffix("_cold")}
+        dropped = _drop_page_cache([spec["original"], spec.get("runtime", "")])
     run_once = _runner(spec, cfg)
     gc.collect()
     base = reset_peak_rss()
     res = run_once()
     res["delta"], res["peak"] = peak_rss() - base, peak_rss()
+    if cold:
+        res["notes"] = "; ".join(x for x in (res.get("notes", ""), dropped) if x)
     return res
 
 
@@ -662,8 +715,13 @@ def _bench_a(workdir: Path, size_gb: float, repeat: int, hf: bool) -> tuple[str,
     ]
     if hf and info["hf_config"]:
         plan.append(("hf", "transformers MixtralForCausalLM.from_pretrained"))
+    plan += [
+        ("floor_touched_cold", "cold cache: preadv into touched memory (disk read)"),
+        ("ours_meta_cold", "cold cache: (b) surgery per-expert -> meta model"),
+    ]
     for name, label in plan:
         _measure(rows, name, label, spec, repeat)
+    _warm([original, runtime])
     title = (
         f"A: Mixtral-style bf16, {mb / 2**30:.2f} GiB, {cfg.num_hidden_layers} layers x "
         f"{cfg.num_local_experts} experts (H={cfg.hidden_size}, I={cfg.intermediate_size}), "
@@ -739,6 +797,9 @@ def _bench_b(workdir: Path, repeat: int, hf: bool, hf_repeat: int) -> tuple[str,
     )
     _measure(rows, "ours_meta", "(b) surgery per-expert -> meta model", spec, repeat)
     _measure(rows, "routing", "  info: routing alone (route_keys + read every route)", spec, repeat)
+    _measure(rows, "raw_pread_cold", "cold cache: load_file(pread), every key", raw, repeat)
+    _measure(rows, "ours_meta_cold", "cold cache: (b) surgery per-expert -> meta model", spec, repeat)
+    _warm([original, single])
     if hf and info["hf_config"] and hf_repeat > 0:
         _measure(
             rows,
