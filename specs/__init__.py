@@ -25,13 +25,14 @@ from . import (
     patch_embeddings,
     qwen2_moe,
     qwen2_vl,
+    qwen_omni,
     sibling_linears,
     vit,
 )
 
 __all__ = ["EXAMPLE_FAMILIES", "FAMILIES", "register_catalog", "register_family"]
 
-FAMILIES = (mixtral, qwen2_moe, llava, qwen2_vl, clip, vit, dinov2, detr, ernie4_5_vl_moe)
+FAMILIES = (mixtral, qwen2_moe, llava, qwen2_vl, qwen_omni, clip, vit, dinov2, detr, ernie4_5_vl_moe)
 """Checkpoint-conversion families of transformers model types and classes, registered in this order."""
 
 EXAMPLE_FAMILIES = (dense_example,)

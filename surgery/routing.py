@@ -172,6 +172,13 @@ class _ExactRouter:
             if m is None:
                 continue
             if claimed is not None:
+                if _same_recipe(claimed[1], c) and claimed[1].target_keys(claimed[2]) == c.target_keys(m):
+                    # One mapping resolved for a sub-model and again for an ancestor (Qwen3-Omni's
+                    # thinker under the whole model): the same conversion either way; the
+                    # innermost scope is the one that names this key's sub-model.
+                    if len(c.scope_prefix or "") > len(claimed[1].scope_prefix or ""):
+                        claimed = (i, c, m)
+                    continue
                 raise ConfigurationError(
                     f"Two converters claim checkpoint key {key!r} (renamed to {current!r}): "
                     f"{claimed[1]!r} and {c!r}. Make their source patterns disjoint."
@@ -182,6 +189,16 @@ class _ExactRouter:
         i, c, m = claimed
         index = tuple(map(int, m.stars)) if c.gathers else ()
         return _Decision(c.target_keys(m), tuple(fired), i, m.pattern_index, index)
+
+
+def _same_recipe(a: WeightConverter, b: WeightConverter) -> bool:
+    """Whether two converters differ at most in their scope (copies of one registered mapping)."""
+    return (
+        type(a) is type(b)
+        and a.source_patterns == b.source_patterns
+        and a.target_patterns == b.target_patterns
+        and repr(list(a.operations)) == repr(list(b.operations))
+    )
 
 
 # --------------------------------------------------------------------------- the template cache

@@ -52,7 +52,7 @@ from .parallel import dtensor_type
 from .quantization import QUANTIZER_ATTRIBUTE, QuantizerHooks
 from .resolution import get_model_conversion_mapping
 from .routing import route_keys
-from .transforms import WeightTransform, legacy_renamings
+from .transforms import PrefixChange, WeightTransform, legacy_renamings
 
 __all__ = [
     "QUANTIZATION_MODES",
@@ -172,7 +172,12 @@ def reverting_transforms(model: nn.Module) -> list[WeightTransform]:
     """
     record = load_record(model)
     fired = [t for t in record.transforms if not t.__dict__.get(FUSION_TAG)] if record is not None else []
-    structural = list(get_model_conversion_mapping(model, include_legacy=False))
+    fired_reprs = {repr(t) for t in fired}
+    structural = [
+        t
+        for t in get_model_conversion_mapping(model, include_legacy=False)
+        if not _placed_at_its_prefix(t) or repr(t) in fired_reprs
+    ]
     known = {repr(t) for t in structural}
     fusion = list(fusion_transforms(model))
     legacy = {repr(t) for t in legacy_renamings()}
@@ -186,6 +191,20 @@ def reverting_transforms(model: nn.Module) -> list[WeightTransform]:
         if repr(t) not in known and repr(t) not in legacy and not t.__dict__.get(BASE_PREFIX_TAG)
     ]
     return first + fired_legacy + structural + added + last + fusion
+
+
+def _placed_at_its_prefix(t: WeightTransform) -> bool:
+    """A ``PrefixChange(prefix_to_remove=P)`` scoped to a sub-model that sits at ``P`` itself.
+
+    Such an entry exists for the sub-model loaded on its own from its parent's checkpoint (a
+    Qwen-Omni thinker from ``thinker.*`` keys, a CLIP tower from ``vision_model.*``). Inside the
+    parent, the scope already is that prefix: inverting it would write ``thinker.thinker.*``, so
+    it is inverted only when it fired.
+    """
+    if not isinstance(t, PrefixChange) or t.prefix_to_remove is None or t.model_prefix:
+        return False
+    scope = t.scope_prefix or ""
+    return scope == t.prefix_to_remove or scope.endswith("." + t.prefix_to_remove)
 
 
 class _RecordedShapes:

@@ -26,6 +26,7 @@ from specs import (
     mixtral,
     qwen2_moe,
     qwen2_vl,
+    qwen_omni,
     register_family,
     vit,
 )
@@ -42,7 +43,7 @@ from surgery.registry import (
 from surgery.routing import route_keys
 from surgery.transforms import WeightTransform
 
-FAMILIES = (mixtral, qwen2_moe, llava, qwen2_vl, clip, vit, dinov2, detr, ernie4_5_vl_moe)
+FAMILIES = (mixtral, qwen2_moe, llava, qwen2_vl, qwen_omni, clip, vit, dinov2, detr, ernie4_5_vl_moe)
 CATALOG_MODULES = ("transformers", "surgery.examples")
 
 
@@ -414,6 +415,26 @@ CASES: tuple[Case, ...] = (
             ("SiglipVisionModel", "model.vision_tower"),
         ),
         extra={"image_newline": "model.image_newline"},
+    ),
+    _renames(
+        "qwen3-omni-thinker-alone",  # a thinker loaded from the whole omni checkpoint
+        (("Qwen3OmniMoeThinkerForConditionalGeneration", ""),),
+        {
+            "thinker.audio_tower.conv2d1.weight": "model.audio_tower.conv2d1.weight",
+            "thinker.visual.patch_embed.proj.weight": "model.visual.patch_embed.proj.weight",
+            "thinker.model.layers.0.self_attn.q_proj.weight": "model.language_model.layers.0.self_attn.q_proj.weight",
+            "thinker.lm_head.weight": "lm_head.weight",
+        },
+    ),
+    _renames(
+        "qwen2_5-omni-thinker-in-omni",  # scoped inside the omni model: nothing to strip
+        (("qwen2_5_omni_thinker", "thinker"),),
+        {
+            "thinker.audio_tower.conv1.weight": "thinker.model.audio_tower.conv1.weight",
+            "thinker.visual.blocks.0.attn.qkv.weight": "thinker.model.visual.blocks.0.attn.qkv.weight",
+            "thinker.model.norm.weight": "thinker.model.language_model.norm.weight",
+            "thinker.lm_head.weight": "thinker.lm_head.weight",
+        },
     ),
     _renames(
         "llava-partial-tower-layout",  # what transformers' own save_pretrained writes by default

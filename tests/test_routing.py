@@ -525,3 +525,26 @@ def test_an_index_with_more_digits_than_python_converts_is_a_checkpoint_error() 
     for cache in (True, False):
         with pytest.raises(CheckpointError, match="index too long"):
             route_keys([key], transforms, cache=cache)
+
+
+def test_copies_of_one_converter_at_nested_scopes_do_not_conflict_and_the_innermost_claims() -> None:
+    """One mapping resolved for a sub-model and for its ancestor gives the same conversion."""
+    copies = [
+        WeightConverter(
+            r"mlp\.experts\.*\.w\.weight", "mlp.experts.w", [ops.MergeModulelist(0)], scope_prefix=s
+        )
+        for s in ("", "thinker", "thinker.model")
+    ]
+    keys = [f"thinker.model.layers.0.mlp.experts.{e}.w.weight" for e in range(2)]
+    routing = route_keys(keys, copies)
+    assert not routing.conflicts
+    assert {routing.routes[k].converter for k in keys} == {2}
+
+
+def test_two_different_converters_on_one_key_still_conflict() -> None:
+    a = WeightConverter(r"mlp\.experts\.*\.w\.weight", "mlp.experts.w", [ops.MergeModulelist(0)])
+    b = WeightConverter(
+        r"mlp\.experts\.*\.w\.weight", "mlp.experts.w", [ops.MergeModulelist(1)], scope_prefix="m"
+    )
+    with pytest.raises(ConfigurationError, match="Two converters claim"):
+        route_keys(["m.mlp.experts.0.w.weight"], [a, b])
