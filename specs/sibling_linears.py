@@ -163,6 +163,47 @@ def _is_activation(node: fx.Node, module: nn.Module) -> bool:
     return False
 
 
+_ALIASING_METHODS = frozenset(
+    {
+        "view",
+        "reshape",
+        "transpose",
+        "permute",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "flatten",
+        "unflatten",
+        "narrow",
+    }
+)
+_ALIASING_FUNCTIONS = frozenset(
+    {operator.getitem, torch.transpose, torch.reshape, torch.flatten, torch.narrow}
+)
+
+
+def _aliases_and_users(node: fx.Node) -> list[fx.Node]:
+    """Every user of ``node`` and of the views made from it (``view``, ``transpose``, slicing ...).
+
+    An in-place write through any of them reaches the projection's output; on a slice of the
+    fused output, where ``.view`` became ``.reshape`` (a copy when no view exists), it might not.
+    """
+    out: list[fx.Node] = []
+    stack, seen = [node], {node}
+    while stack:
+        for user in stack.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            out.append(user)
+            aliasing = (user.op == "call_method" and user.target in _ALIASING_METHODS) or (
+                user.op == "call_function" and user.target in _ALIASING_FUNCTIONS
+            )
+            if aliasing and user.args and user.args[0] in seen:
+                stack.append(user)
+    return out
+
+
 def _descendants(node: fx.Node) -> set[fx.Node]:
     seen: set[fx.Node] = set()
     stack = [node]
@@ -266,7 +307,7 @@ class SiblingLinearsFusion(FusionSpec):
             if not safe:
                 users = ", ".join(u.format_node() for u in node.users) or "nothing"
                 return f"forward reads {node.target!r} in {users}; it does not exist in the fused layout"
-        for user in call.users:
+        for user in _aliases_and_users(call):
             if (
                 user.op == "call_method"
                 and (user.target in _LAYOUT_METHODS or str(user.target).endswith("_"))
@@ -287,16 +328,17 @@ class SiblingLinearsFusion(FusionSpec):
         for n in names:
             w = linears[n].weight
             groups.setdefault(
-                (linears[n].in_features, w.dtype, w.device, linears[n].bias is not None), []
+                (linears[n].in_features, w.dtype, w.device, linears[n].bias is not None, w.requires_grad), []
             ).append(n)
         if len(groups) > 1:
             described = "; ".join(
-                f"{g} ({'bias' if k[3] else 'no bias'}, {k[1]}, {k[2]}, in_features {k[0]})"
+                f"{g} ({'bias' if k[3] else 'no bias'}, {k[1]}, {k[2]}, in_features {k[0]}"
+                f"{'' if k[4] else ', frozen'})"
                 for k, g in groups.items()
             )
             reasons.append(
-                f"{names} all read {source.name!r} but differ in in_features, dtype, device or bias presence: "
-                f"{described}"
+                f"{names} all read {source.name!r} but differ in in_features, dtype, device, bias presence or "
+                f"requires_grad: {described}"
             )
         return [g for g in groups.values() if len(g) >= 2]
 
@@ -321,6 +363,9 @@ class SiblingLinearsFusion(FusionSpec):
         if isinstance(names_or_why, str):
             return names_or_why
         names = names_or_why
+        params = [p for n in names for p in linears[n].parameters(recurse=False)]
+        if len({id(p) for p in params}) != len(params):
+            return f"{names} share a parameter (tied weights); one fused weight would untie them"
         fused = self.fused_name or _joined_name(names)
         if fused in taken:
             return f"the name {fused!r} for the fused projection of {names} is already taken"

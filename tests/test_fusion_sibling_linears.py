@@ -274,6 +274,31 @@ class _CalledTwice(_Two):
         return self.a(x) + self.b(x) + self.b(x * 2)
 
 
+class _AliasWritten(_Two):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.b(x)
+        out.view(-1).mul_(2)  # through a view: the write must reach ``out``
+        return self.a(x) + out
+
+
+class _Frozen(_Two):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * self.b(x)
+
+
+class _Tied(_Two):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * self.b(x)
+
+
 class _Plain(_Two):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.a(x) * self.b(x)
@@ -303,10 +328,13 @@ class _Holder(nn.Module):
         (_DifferentInputs(), "no two of the nn.Linear children ['a', 'b'] are called on the same input"),
         (_LayoutDependent(), "the output of 'b' goes to %add_"),
         (_CalledTwice(), "'b' is called 2 times"),
-        (_Plain(dtype=torch.float64), "differ in in_features, dtype, device or bias presence"),
+        (_Plain(dtype=torch.float64), "differ in in_features, dtype, device, bias presence or requires_grad"),
         (_Plain(bias=False), "(no bias, torch.float32, cpu, in_features 8)"),
         (_Branchy(), "untraceable: torch.fx could not trace _Branchy.forward: TraceError"),
         (_ReadsWeight(), "forward reads 'b.weight'"),
+        (_AliasWritten(), "the output of 'b' goes to %mul_"),
+        (_Frozen(), "frozen"),
+        (_Tied(), "share a parameter (tied weights)"),
     ],
     ids=[
         "different-inputs",
@@ -316,6 +344,9 @@ class _Holder(nn.Module):
         "bias-on-one",
         "untraceable",
         "reads-weight",
+        "in-place-through-a-view",
+        "frozen",
+        "tied",
     ],
 )
 def test_a_module_that_cannot_be_fused_is_skipped_with_its_reason_and_left_alone(
