@@ -17,6 +17,7 @@ import surgery
 from surgery import FusionError
 from surgery.fusion import FusedModule, register_leaf_function, register_none_argument, trace_module
 from surgery.fusion.rewrite import build_fused_module
+from surgery.fusion.tracing import TRANSPARENT_DECORATOR_MODULES
 from surgery.fusion.spec import GraphRewrite
 
 pytestmark = pytest.mark.usefixtures("isolated_fusion_registry")
@@ -49,8 +50,13 @@ class _Decorated(nn.Module):
         return self.proj(x) * scale
 
 
-def test_a_decorated_forward_is_traced_through_to_the_function_it_wraps() -> None:
+def test_a_forward_decorated_by_unknown_code_is_refused_and_a_transparent_one_traced_through() -> None:
+    """A decorator may change dtypes or grad mode (``torch.autocast``, ``no_grad``): refused, unless
+    its module is declared to only rename arguments (as transformers' ``deprecate_kwarg``)."""
     module, x = _Decorated(), torch.randn(3, 8)
+    with pytest.raises(FusionError, match=r"wrapped by a decorator defined in .*test_fusion_tracing\.py"):
+        trace_module(module)
+    TRANSPARENT_DECORATOR_MODULES.add(__name__)
     traced = _retraced(module)
     torch.testing.assert_close(traced(x), module(x))
     assert "proj" in traced.code
@@ -212,3 +218,56 @@ def test_tracing_leaves_the_module_and_the_leaf_functions_as_they_were() -> None
     trace_module(module)
     assert module.__dict__ == before
     assert globals()["_kernel"] is _kernel  # the recording wrapper is gone after the trace
+
+
+class _Remembers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.last_len = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last_len = x.shape[0]
+        return self.proj(x)
+
+
+def test_a_forward_that_assigns_attributes_is_refused_and_the_module_keeps_its_values() -> None:
+    module = _Remembers()
+    with pytest.raises(FusionError, match=r"forward assigns self\.last_len"):
+        trace_module(module)
+    assert module.last_len == 0
+
+
+class _CopiesKwargs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.factor = 1.0
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        kwargs = dict(kwargs)
+        bias = kwargs.pop("bias", 0.0)
+        return _kernel(self, self.q(x), self.k(x), scale=0.5, **kwargs) + bias
+
+
+def _reads_then_forwards(module: nn.Module, q: torch.Tensor, k: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    return _kernel(module, q, k, scale=kwargs.get("scale", 1.0), **kwargs)
+
+
+class _HelperReadsKwargs(_CopiesKwargs):
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return _reads_then_forwards(self, self.q(x), self.k(x), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("module", "reason"),
+    [
+        (_CopiesKwargs(), "forward copies or inspects \\*\\*kwargs"),
+        (_HelperReadsKwargs(), "reach '_kernel' through a function the tracer steps into"),
+    ],
+    ids=["copied", "read-by-a-helper"],
+)
+def test_kwargs_that_are_read_on_the_way_to_a_leaf_are_refused(module: nn.Module, reason: str) -> None:
+    register_leaf_function(_kernel)
+    with pytest.raises(FusionError, match=reason):
+        trace_module(module)

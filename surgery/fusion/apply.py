@@ -346,7 +346,7 @@ def _run(
             for path, module, excluded_by, all_paths in _candidates(model, fusion):
                 if any(path.startswith(f + ".") for f in fused_paths):
                     continue  # inside a module this fusion already replaced
-                if fusion.name in getattr(module, "fusion_names", ()) and isinstance(module, FusedModule):
+                if isinstance(module, FusedModule) and fusion.name in module.fusion_names:
                     already.append(path)
                     continue
                 if not fusion.spec.is_candidate(module):

@@ -36,6 +36,7 @@ import functools
 import inspect
 import itertools
 import operator
+import re
 import sys
 import threading
 import types
@@ -51,7 +52,9 @@ from ..errors import FusionError
 __all__ = [
     "NONE_IN_INFERENCE",
     "SELF_ATTRIBUTE",
+    "TRANSPARENT_DECORATOR_MODULES",
     "FusionTracer",
+    "check_inference_state",
     "leaf_functions",
     "register_leaf_function",
     "register_none_argument",
@@ -98,18 +101,46 @@ def register_none_argument(name: str) -> None:
         NONE_IN_INFERENCE.add(name)
 
 
-def tracing_state() -> tuple[list[Callable[..., Any]], set[str]]:
-    """A copy of the registered leaf functions and None-in-inference names (for snapshots)."""
+TRANSPARENT_DECORATOR_MODULES: set[str] = {"transformers.utils.deprecation"}
+"""Modules whose ``functools.wraps`` decorators on ``forward`` only rename keyword arguments
+(transformers' ``deprecate_kwarg``): the tracer traces through them. A forward wrapped by anything
+else (``torch.autocast``, ``torch.no_grad`` ...) does not trace."""
+
+
+def _transparent_files() -> set[str]:
     with _LOCK:
-        return list(_USER_LEAVES), set(NONE_IN_INFERENCE)
+        names = set(TRANSPARENT_DECORATOR_MODULES)
+    files = (getattr(sys.modules.get(n), "__file__", None) for n in names)
+    return {f for f in files if f}
 
 
-def restore_tracing_state(state: tuple[list[Callable[..., Any]], set[str]]) -> None:
+def check_inference_state(kwargs: Mapping[str, Any], names: tuple[str, ...]) -> None:
+    """Fail when ``**kwargs`` hold a non-None cache that the trace took as ``None`` (``past_key_values=``
+    under a deprecated spelling would otherwise be passed on and ignored)."""
+    proxy = _find_proxy(kwargs)
+    if proxy is not None:
+        proxy.tracer.create_proxy("call_function", check_inference_state, (kwargs, names), {})
+        return
+    given = [n for n in names if kwargs.get(n) is not None]
+    if given:
+        raise AssertionError(
+            f"{given} were specialized to have value None when this module was fused; run it without a cache"
+        )
+
+
+def tracing_state() -> tuple[list[Callable[..., Any]], set[str], set[str]]:
+    """A copy of the leaf functions, None-in-inference names and transparent decorator modules."""
+    with _LOCK:
+        return list(_USER_LEAVES), set(NONE_IN_INFERENCE), set(TRANSPARENT_DECORATOR_MODULES)
+
+
+def restore_tracing_state(state: tuple[list[Callable[..., Any]], set[str], set[str]]) -> None:
     """Put back what :func:`tracing_state` returned."""
     with _LOCK:
         _USER_LEAVES[:] = state[0]
-        NONE_IN_INFERENCE.clear()
-        NONE_IN_INFERENCE.update(state[1])
+        for target, saved in ((NONE_IN_INFERENCE, state[1]), (TRANSPARENT_DECORATOR_MODULES, state[2])):
+            target.clear()
+            target.update(saved)
 
 
 def _leaf_registries() -> list[dict[Any, Any]]:
@@ -201,6 +232,8 @@ class _KwargsKey(str):
 
 _KWARGS_KEY = _KwargsKey("surgery_forwarded_kwargs")
 _SPREAD_OPCODES = frozenset({"LIST_EXTEND", "CALL_FUNCTION_EX"})
+_KWARGS_SPLAT_OPCODES = frozenset({"CALL_FUNCTION_EX", "DICT_MERGE"})
+_CONSTANT = re.compile(r"_tensor_constant\d+")
 
 
 def _find_proxy(values: Any) -> fx.Proxy | None:
@@ -263,6 +296,7 @@ class FusionTracer(fx.Tracer):
     def __init__(self) -> None:
         super().__init__()
         self._kwargs_node: fx.Node | None = None
+        self.root_code: types.CodeType | None = None
         self.kwargs_unpacked = 0
         self.kwargs_forwarded = 0
 
@@ -284,6 +318,11 @@ class FusionTracer(fx.Tracer):
             and node.target == "keys"
             and node.args == (self._kwargs_node,)
         ):
+            if opname not in _KWARGS_SPLAT_OPCODES:
+                raise fx.proxy.TraceError(
+                    "forward copies or inspects **kwargs (dict(kwargs), a loop over it ...); only passing "
+                    "them on unchanged to a leaf function traces"
+                )
             self.kwargs_unpacked += 1
             return iter([_KWARGS_KEY])
         if opname in _SPREAD_OPCODES:
@@ -323,6 +362,11 @@ class FusionTracer(fx.Tracer):
                 raise fx.proxy.TraceError(
                     f"forward passes **kwargs on to {kind} {target!r}; only leaf functions can take them"
                 )
+            if not _called_from(self.root_code):
+                raise fx.proxy.TraceError(
+                    f"**kwargs reach {getattr(target, '__name__', target)!r} through a function the tracer "
+                    "steps into, which may read them; register that function with register_leaf_function"
+                )
             kwargs = dict(kwargs)
             kwargs["forwarded_kwargs"] = kwargs.pop(_KWARGS_KEY)
             target = ForwardingCall(target)
@@ -336,6 +380,29 @@ class FusionTracer(fx.Tracer):
         if kind == "placeholder" and str(target).startswith("**"):
             self._kwargs_node = proxy.node
         return proxy
+
+
+def _called_from(code: types.CodeType | None) -> bool:
+    """Whether the leaf call being recorded was made by ``code`` (the traced forward itself; torch.fx
+    runs a patched copy of it, so it is recognised by name, file and first line)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        c = frame.f_code
+        if code is not None and (c.co_name, c.co_filename, c.co_firstlineno) == (
+            code.co_name,
+            code.co_filename,
+            code.co_firstlineno,
+        ):
+            return True
+        name = frame.f_code.co_filename
+        if (
+            frame.f_code.co_name != "wrapper"
+            and name != __file__
+            and "torch/fx" not in name.replace("\\", "/")
+        ):
+            return False  # the first frame outside the tracer and the leaf wrapper
+        frame = frame.f_back
+    return False
 
 
 def _pieces(items: Any) -> list[Any]:
@@ -356,7 +423,17 @@ def _twin(module: nn.Module) -> nn.Module:
     """``module`` itself, or, when its ``forward`` is decorated, a twin sharing its state whose
     class has the undecorated ``forward`` (the decorator's ``*args, **kwargs`` cannot be traced)."""
     cls = type(module)
-    inner = inspect.unwrap(cls.forward)
+    inner = cls.forward
+    while hasattr(inner, "__wrapped__"):
+        # functools.wraps copies the wrapped function's names: where the wrapper's code lives says who wrote it.
+        code = getattr(inner, "__code__", None)
+        where = code.co_filename if code is not None else "?"
+        if where not in _transparent_files():
+            raise fx.proxy.TraceError(
+                f"forward is wrapped by a decorator defined in {where}, which a fused module would drop (it "
+                "may change dtypes, grad mode or arguments)"
+            )
+        inner = inner.__wrapped__
     if inner is cls.forward:
         return module
     twin_cls = type(cls.__name__, (cls,), {"forward": inner, "__module__": cls.__module__})
@@ -389,16 +466,31 @@ def trace_module(module: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
         FusionError: torch.fx could not trace the module (data-dependent control flow, ...); the
             message gives the tracer's reason and where in the forward it stopped.
     """
-    root = _twin(module)
-    forward = type(root).forward
-    before = set(module.__dict__)
-    tracer = FusionTracer()
-    none_args = _none_arguments(forward)
+    before = dict(module.__dict__)
+    added: dict[str, Any] = {}
     try:
-        # One trace at a time: torch.fx patches nn.Module.__call__ process-wide while it traces,
-        # and two traces patching the same registries would restore each other's wrappers.
-        with _TRACE_LOCK, _leaves_patched(forward.__globals__):
-            graph = tracer.trace(root, concrete_args=none_args or None)
+        root = _twin(module)
+        forward = type(root).forward
+        tracer = FusionTracer()
+        tracer.root_code = forward.__code__
+        none_args = _none_arguments(forward)
+        try:
+            # One trace at a time: torch.fx patches nn.Module.__call__ process-wide while it traces,
+            # and two traces patching the same registries would restore each other's wrappers.
+            with _TRACE_LOCK, _leaves_patched(forward.__globals__):
+                graph = tracer.trace(root, concrete_args=none_args or None)
+        finally:
+            # torch.fx parks tensor constants on the traced root; a forward may also assign
+            # attributes (``self.last_len = x.shape[1]``). Put the module back exactly as it was.
+            changed = [k for k, v in module.__dict__.items() if k in before and before[k] is not v]
+            added = {k: module.__dict__.pop(k) for k in list(module.__dict__) if k not in before}
+            for k in changed:
+                module.__dict__[k] = before[k]
+        written = changed + [k for k in added if not _CONSTANT.fullmatch(k)]
+        if written:
+            raise fx.proxy.TraceError(
+                f"forward assigns self.{written[0]}; a fused module would keep the value of the trace"
+            )
         if tracer.kwargs_unpacked > tracer.kwargs_forwarded:
             raise fx.proxy.TraceError(
                 "forward passes **kwargs to a function the tracer steps into, which may read them; "
@@ -408,9 +500,6 @@ def trace_module(module: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
         raise FusionError(
             f"torch.fx could not trace {type(module).__name__}.forward: {_reason(exc)}"
         ) from exc
-    finally:
-        # torch.fx parks constants on the traced root; take them back off so the module is unchanged.
-        added = {k: module.__dict__.pop(k) for k in list(module.__dict__) if k not in before}
     for node in list(graph.nodes):
         if (
             node.op == "placeholder"
@@ -426,7 +515,21 @@ def trace_module(module: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
             node.type = None
         if node.op == "call_method" and node.target == "keys" and not node.users:
             graph.erase_node(node)  # left over from unpacking **kwargs
+    _guard_forwarded_kwargs(graph)
     return graph, added
+
+
+def _guard_forwarded_kwargs(graph: fx.Graph) -> None:
+    """After the placeholders, check that ``**kwargs`` carry no cache the trace took as ``None``."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    star = next((n for n in placeholders if str(n.target).startswith("**")), None)
+    already = any(n.op == "call_function" and n.target is check_inference_state for n in graph.nodes)
+    if star is None or already:
+        return
+    with _LOCK:
+        names = tuple(sorted(NONE_IN_INFERENCE))
+    with graph.inserting_after(placeholders[-1]):
+        graph.call_function(check_inference_state, (star, names))
 
 
 def _reason(exc: BaseException) -> str:

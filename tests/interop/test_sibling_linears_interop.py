@@ -103,3 +103,15 @@ def test_a_fused_attention_called_with_a_cache_fails_loudly() -> None:
         model(IDS, use_cache=True)
     with torch.no_grad():
         model(IDS, use_cache=False)  # and runs without one
+
+
+def test_a_cache_under_the_deprecated_keyword_is_refused_not_ignored() -> None:
+    """``deprecate_kwarg`` renames ``past_key_values`` to ``cache``; the fused forward takes the inner
+    signature, so the old spelling lands in ``**kwargs``, where it is checked, not passed on."""
+    model = _build("llama", "sdpa", seed=0)
+    surgery.apply_fusions(model, {"qkv": True})
+    attn = model.model.layers[0].self_attn
+    hidden = torch.randn(1, 3, SIZES["hidden_size"])
+    cos_sin = model.model.rotary_emb(hidden, torch.arange(3)[None])
+    with pytest.raises(AssertionError, match="specialized to have value None"):
+        attn(hidden, cos_sin, None, past_key_values=transformers.DynamicCache(config=model.config))
