@@ -48,7 +48,15 @@ from torch import fx, nn
 from torch.nn.utils import parametrize
 
 from surgery import WeightConverter, ops
-from surgery.fusion import FusionMatch, FusionSpec, GraphRewrite, register_fusion, trace_module
+from surgery.fusion import (
+    NOTHING_HERE,
+    FusionMatch,
+    FusionSpec,
+    GraphRewrite,
+    register_fusion,
+    trace_module,
+)
+from surgery.fusion.matching import is_passthrough
 from surgery.transforms import WeightTransform
 
 __all__ = ["FUSIONS", "GateUpFusion", "QkvFusion", "SiblingGroup", "SiblingLinearsFusion", "register"]
@@ -122,6 +130,10 @@ class SiblingGroup(FusionMatch):
     reads: tuple[str, ...]
 
 
+class _Quiet(str):
+    """A reason that only says the pattern is not there (not a refusal of something that is)."""
+
+
 def _linear_problem(linear: nn.Linear) -> str | None:
     if type(linear).forward is not nn.Linear.forward:
         return f"its class {type(linear).__name__} overrides forward"
@@ -175,11 +187,35 @@ _ALIASING_METHODS = frozenset(
         "flatten",
         "unflatten",
         "narrow",
+        "contiguous",
+        "to",
+        "float",
+        "half",
+        "bfloat16",
+        "type",
+        "detach",
+        "view_as",
+        "t",
     }
 )
 _ALIASING_FUNCTIONS = frozenset(
     {operator.getitem, torch.transpose, torch.reshape, torch.flatten, torch.narrow}
 )
+
+
+def _writes_in_place(node: fx.Node, module: nn.Module) -> bool:
+    """``x.add_(...)``, ``torch.relu_(x)``, ``x += 1``, ``F.relu(x, inplace=True)``, ``ReLU(inplace=True)``."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return node.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+    if node.op == "call_module":
+        return getattr(module.get_submodule(str(node.target)), "inplace", False) is True
+    return False
 
 
 def _aliases_and_users(node: fx.Node) -> list[fx.Node]:
@@ -264,16 +300,22 @@ class SiblingLinearsFusion(FusionSpec):
         reasons: list[str] = []
         by_input: dict[fx.Node, list[str]] = {}
         for name, nodes in calls.items():
-            problem = self._sibling_problem(module, graph, name, nodes)
-            if problem is not None:
-                reasons.append(problem)
-                continue
-            (call,) = nodes
-            if isinstance(call.args[0], fx.Node):
-                by_input.setdefault(call.args[0], []).append(name)
+            for call in nodes:
+                source = call.args[0] if call.args else None
+                if isinstance(source, fx.Node) and name not in by_input.setdefault(source, []):
+                    by_input[source].append(name)
         matches: list[FusionMatch] = []
         taken = set(module._modules) | set(module._parameters) | set(module._buffers) | set(module.__dict__)
-        for source, names in by_input.items():
+        for source, readers in by_input.items():
+            if len(readers) < 2:
+                continue
+            names = []
+            for name in readers:
+                problem = self._sibling_problem(module, graph, name, calls[name])
+                if problem is None:
+                    names.append(name)
+                else:
+                    reasons.append(problem)
             for group in self._compatible(linears, names, source, reasons):
                 found = self._match_group(module, graph, linears, group, calls, taken)
                 if isinstance(found, str):
@@ -282,8 +324,12 @@ class SiblingLinearsFusion(FusionSpec):
                     matches.append(found)
                     taken.add(found.fused)
         if not matches and not reasons:
-            reasons.append(f"no two of the nn.Linear children {sorted(calls)} are called on the same input")
-        return matches, "; ".join(reasons)
+            reasons.append(
+                _Quiet(f"no two of the nn.Linear children {sorted(calls)} are called on the same input")
+            )
+        if matches or not all(isinstance(r, _Quiet) for r in reasons):
+            return matches, "; ".join(reasons)
+        return matches, NOTHING_HERE + "; ".join(reasons)
 
     def _sibling_problem(
         self, module: nn.Module, graph: fx.Graph, name: str, nodes: list[fx.Node]
@@ -308,10 +354,9 @@ class SiblingLinearsFusion(FusionSpec):
                 users = ", ".join(u.format_node() for u in node.users) or "nothing"
                 return f"forward reads {node.target!r} in {users}; it does not exist in the fused layout"
         for user in _aliases_and_users(call):
-            if (
-                user.op == "call_method"
-                and (user.target in _LAYOUT_METHODS or str(user.target).endswith("_"))
-            ) or (user.op == "call_function" and user.target in _INPLACE_OPERATORS):
+            if (user.op == "call_method" and user.target in _LAYOUT_METHODS) or _writes_in_place(
+                user, module
+            ):
                 return (
                     f"the output of {name!r} goes to {user.format_node()}, which depends on its memory or writes "
                     "it in place; a slice of the fused output would behave differently"
@@ -363,6 +408,14 @@ class SiblingLinearsFusion(FusionSpec):
         if isinstance(names_or_why, str):
             return names_or_why
         names = names_or_why
+        order = list(graph.nodes)
+        start, stop = (order.index(nodes[n]) for n in (names[0], names[-1]))
+        between = [n for n in order[start + 1 : stop] if _writes_in_place(n, module)]
+        if between:
+            return (
+                f"{between[0].format_node()} writes in place between the calls of {names}; the fused call "
+                "would read the input before it"
+            )
         params = [p for n in names for p in linears[n].parameters(recurse=False)]
         if len({id(p) for p in params}) != len(params):
             return f"{names} share a parameter (tied weights); one fused weight would untie them"
@@ -396,11 +449,11 @@ class SiblingLinearsFusion(FusionSpec):
     @staticmethod
     def _as_qkv(names: list[str], nodes: dict[str, fx.Node]) -> list[str] | str:
         if len(names) != 3:
-            return f"qkv needs three siblings; {names} are {len(names)}"
+            return _Quiet(f"qkv needs three siblings; {names} are {len(names)}")
         reach = [_descendants(nodes[n]) for n in names]
         common = reach[0] & reach[1] & reach[2]
         if not common:
-            return f"the outputs of {names} never meet in one node, so they do not feed one attention"
+            return _Quiet(f"the outputs of {names} never meet in one node, so they do not feed one attention")
         return names
 
     @staticmethod
@@ -408,10 +461,12 @@ class SiblingLinearsFusion(FusionSpec):
         module: nn.Module, linears: dict[str, nn.Linear], names: list[str], nodes: dict[str, fx.Node]
     ) -> list[str] | str:
         if len(names) != 2:
-            return f"gate_up needs two siblings; {names} are {len(names)}"
+            return _Quiet(f"gate_up needs two siblings; {names} are {len(names)}")
         a, b = names
         if linears[a].out_features != linears[b].out_features:
-            return f"gate_up needs equal widths; {a!r} has {linears[a].out_features}, {b!r} {linears[b].out_features}"
+            return _Quiet(
+                f"gate_up needs equal widths; {a!r} has {linears[a].out_features}, {b!r} {linears[b].out_features}"
+            )
         for gate, up in ((a, b), (b, a)):
             for act in nodes[gate].users:
                 if not _is_activation(act, module) or act.args[:1] != (nodes[gate],):
@@ -423,7 +478,7 @@ class SiblingLinearsFusion(FusionSpec):
                         and set(product.args[:2]) == {act, nodes[up]}
                     ):
                         return [gate, up]
-        return f"the outputs of {names} do not meet in act(gate) * up"
+        return _Quiet(f"the outputs of {names} do not meet in act(gate) * up")
 
     def rewrite(
         self,
@@ -452,9 +507,7 @@ class SiblingLinearsFusion(FusionSpec):
             for call, piece in zip(call_nodes, pieces):
                 call.replace_all_uses_with(piece)
                 graph.erase_node(call)
-                for user in piece.users:
-                    if user.op == "call_method" and user.target == "view" and user.args[0] is piece:
-                        user.target = "reshape"
+                _views_become_reshapes(piece)
             for read_name in m.reads:
                 read = by_name[read_name]
                 attr = str(read.target).split(".", 1)[1]
@@ -490,6 +543,23 @@ class SiblingLinearsFusion(FusionSpec):
                     )
                 )
         return out
+
+
+def _views_become_reshapes(piece: fx.Node) -> None:
+    """``.view(shape)`` of a slice (directly or after a no-op cast) becomes ``.reshape(shape)``:
+    the same view where the slice's strides allow one, a copy where the original view needed the
+    whole contiguous output. A dtype view (``.view(torch.int32)``) is left alone."""
+    stack = [piece]
+    while stack:
+        node = stack.pop()
+        for user in list(node.users):
+            if not user.args or user.args[0] is not node:
+                continue
+            if user.op == "call_method" and user.target == "view":
+                if not any(isinstance(a, torch.dtype) for a in (*user.args[1:], *user.kwargs.values())):
+                    user.target = "reshape"
+            elif is_passthrough(user):
+                stack.append(user)
 
 
 def _fused_linear(siblings: list[nn.Linear], m: SiblingGroup, *, materialize: bool) -> nn.Linear:

@@ -281,6 +281,33 @@ class _AliasWritten(_Two):
         return self.a(x) + out
 
 
+class _InputWrittenBetween(_Two):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1
+        a = self.a(h)
+        h.mul_(2)
+        return a + self.b(h)
+
+
+class _InplaceActivationBetween(_Two):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1
+        a = self.a(h)
+        self.act(h)
+        return a + self.b(h)
+
+
+class _WrittenThroughContiguous(_Two):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.b(x)
+        torch.relu_(b.contiguous())
+        return self.a(x) + b
+
+
 class _Frozen(_Two):
     def __init__(self) -> None:
         super().__init__()
@@ -333,6 +360,9 @@ class _Holder(nn.Module):
         (_Branchy(), "untraceable: torch.fx could not trace _Branchy.forward: TraceError"),
         (_ReadsWeight(), "forward reads 'b.weight'"),
         (_AliasWritten(), "the output of 'b' goes to %mul_"),
+        (_InputWrittenBetween(), "writes in place between the calls of ['a', 'b']"),
+        (_InplaceActivationBetween(), "writes in place between the calls of ['a', 'b']"),
+        (_WrittenThroughContiguous(), "the output of 'b' goes to %relu_"),
         (_Frozen(), "frozen"),
         (_Tied(), "share a parameter (tied weights)"),
     ],
@@ -345,6 +375,9 @@ class _Holder(nn.Module):
         "untraceable",
         "reads-weight",
         "in-place-through-a-view",
+        "input-written-between",
+        "inplace-module-between",
+        "written-through-contiguous",
         "frozen",
         "tied",
     ],
@@ -434,3 +467,53 @@ def test_the_vision_example_has_nothing_to_fuse_and_says_so() -> None:
     """Its attention stores one fused ``qkv`` already and its MLP's two linears are in series."""
     plan = surgery.preview_fusions(build_vision_tower(depth=1), {"sibling_linears": True})
     assert not plan.matched and "Nothing compatible found" in plan.messages["sibling_linears"]
+
+
+class _FlattensAfterACast(_Two):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.a(x).float().view(-1)  # a no-op cast, then a view that needs the whole output
+        bits = self.b(x).view(torch.int32)  # a dtype view: kept a view
+        return a + bits.view(torch.float32).reshape(-1)
+
+
+def test_views_after_no_op_casts_become_reshapes_and_dtype_views_stay() -> None:
+    model, x = _Holder(_FlattensAfterACast()), torch.randn(3, 8)
+    want = model.inner(x)
+    surgery.apply_fusions(model, {"sibling_linears": True}, strict=True)
+    assert ".reshape(-1)" in model.inner.code and "view(torch.int32)" in model.inner.code
+    torch.testing.assert_close(model.inner(x), want, rtol=0, atol=1e-6)
+
+
+def test_strict_raises_for_a_group_that_is_there_and_refused_not_for_modules_without_one() -> None:
+    with pytest.raises(FusionError, match=r"could not fuse 'inner' \(_Frozen\).*frozen"):
+        surgery.apply_fusions(_Holder(_Frozen()), {"sibling_linears": True}, strict=True)
+    model = build_decoder_model()  # gate_up also looks at the attentions: no gated product there
+    plan = surgery.apply_fusions(model, {"gate_up": True}, strict=True)
+    attn = next(c for c in plan.candidates if c.path.endswith("self_attn"))
+    assert attn.status == "skipped" and "nothing to fuse" in attn.reason
+
+
+class _CausalFlag(nn.Module):
+    is_causal = False  # a class attribute, read by the kernel from the module
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _flagged_kernel(self, self.q(x), self.k(x))
+
+
+def _flagged_kernel(module: nn.Module, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return q * k if getattr(module, "is_causal", True) else q + k
+
+
+def test_the_fused_module_answers_class_level_attributes_of_the_original() -> None:
+    from surgery.fusion import register_leaf_function
+
+    register_leaf_function(_flagged_kernel)
+    model, x = _Holder(_CausalFlag()), torch.randn(2, 8)
+    want = model.inner(x)
+    surgery.apply_fusions(model, {"sibling_linears": True}, strict=True)
+    assert model.inner.is_causal is False
+    torch.testing.assert_close(model.inner(x), want)

@@ -17,8 +17,8 @@ import surgery
 from surgery import FusionError
 from surgery.fusion import FusedModule, register_leaf_function, register_none_argument, trace_module
 from surgery.fusion.rewrite import build_fused_module
-from surgery.fusion.tracing import TRANSPARENT_DECORATOR_MODULES
 from surgery.fusion.spec import GraphRewrite
+from surgery.fusion.tracing import TRANSPARENT_DECORATOR_MODULES
 
 pytestmark = pytest.mark.usefixtures("isolated_fusion_registry")
 

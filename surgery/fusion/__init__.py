@@ -30,7 +30,7 @@ from .apply import (
 from .config import EnabledFusion, FusionConfig, validate_fusion_config
 from .plan import EXCLUDED, FUSED, SKIPPED, WOULD_FUSE, FusionCandidate, FusionPlan, GraphSnapshot, TensorInfo
 from .registry import find_fusion, fusion_registry_snapshot, get_fusion, list_fusions, register_fusion
-from .rewrite import FusedModule
+from .rewrite import NOTHING_HERE, FusedModule
 from .spec import COMMON_OPTIONS, FusionMatch, FusionOption, FusionSpec, GraphRewrite
 from .tracing import FusionTracer, register_leaf_function, register_none_argument, trace_module
 
@@ -38,6 +38,7 @@ __all__ = [
     "COMMON_OPTIONS",
     "EXCLUDED",
     "FUSED",
+    "NOTHING_HERE",
     "RECORD_ATTRIBUTE",
     "SKIPPED",
     "WOULD_FUSE",

@@ -33,7 +33,7 @@ from ..transforms import WeightTransform
 from .config import EnabledFusion, FusionConfig, validate_fusion_config
 from .plan import EXCLUDED, FUSED, SKIPPED, FusionCandidate, FusionPlan
 from .registry import find_fusion
-from .rewrite import NO_MATCH, FusedModule, examine_candidate
+from .rewrite import NO_MATCH, NOTHING_HERE, FusedModule, examine_candidate
 
 __all__ = [
     "RECORD_ATTRIBUTE",
@@ -379,7 +379,9 @@ def _run(
                     )
                 plan.candidates.append(candidate)
                 if replacement is None:
-                    quiet = fusion.spec.searches_everywhere and candidate.reason.startswith(NO_MATCH)
+                    quiet = fusion.spec.searches_everywhere and candidate.reason.startswith(
+                        NO_MATCH + NOTHING_HERE
+                    )
                     if strict and not quiet:
                         raise _strict_failure(fusion.name, candidate)
                     continue

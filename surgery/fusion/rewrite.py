@@ -22,10 +22,14 @@ from .plan import SKIPPED, WOULD_FUSE, FusionCandidate, GraphSnapshot, tensor_in
 from .spec import FusionSpec, GraphRewrite
 from .tracing import SELF_ATTRIBUTE, trace_module
 
-__all__ = ["NO_MATCH", "FusedModule", "build_fused_module", "examine_candidate"]
+__all__ = ["NOTHING_HERE", "NO_MATCH", "FusedModule", "build_fused_module", "examine_candidate"]
 
 NO_MATCH = "no match: "
 """How a plan entry's reason starts when the candidate traced but its graph holds no match."""
+
+NOTHING_HERE = "nothing to fuse: "
+"""How a spec that searches everywhere starts its no-match reason when the pattern is simply not in
+the graph (as opposed to being there and refused); ``strict=True`` does not raise for those."""
 
 _HOOK_DICTS = (
     "_forward_hooks",
@@ -77,13 +81,27 @@ class FusedModule(fx.GraphModule):
         return res  # type: ignore[return-value]
 
 
+_PLAIN = (int, float, str, bool, type(None), tuple, frozenset)
+
+
 def _public_attributes(module: nn.Module) -> dict[str, Any]:
+    """The instance's public attributes, then plain class-level values of its class and bases
+    (``is_causal = False`` on a class: a leaf attention kernel reads it from the module)."""
     reserved = set(dir(FusedModule))
-    return {
+    out = {
         k: v
         for k, v in module.__dict__.items()
         if not k.startswith("_") and k != "training" and k not in reserved
     }
+    if isinstance(module, FusedModule):
+        return out
+    for klass in type(module).__mro__:
+        if klass is nn.Module or not issubclass(klass, nn.Module):
+            break
+        for k, v in vars(klass).items():
+            if not k.startswith("_") and k not in reserved and k not in out and isinstance(v, _PLAIN):
+                out[k] = v
+    return out
 
 
 def build_fused_module(

@@ -162,9 +162,10 @@ class FusionSpec:
             and how to point the fusion elsewhere.
         fused_class_prefix: the fused module's class name is this prefix + the original name.
         searches_everywhere: the fusion is found by dataflow in any module (its candidates are
-            every module :meth:`is_candidate` accepts), so a candidate whose graph holds no match
-            is normal: it is reported, but ``strict=True`` raises only for candidates that
-            matched and could not be fused, and for finding nothing at all.
+            every module :meth:`is_candidate` accepts), so a candidate whose graph does not hold
+            the pattern is normal: when :meth:`find_matches` starts its reason with
+            ``NOTHING_HERE`` it is reported, but ``strict=True`` does not raise for it (it still
+            does for a pattern that is there and refused, and for finding nothing at all).
     """
 
     target_modules_patterns: ClassVar[tuple[str, ...]] = ()
