@@ -517,3 +517,27 @@ def test_the_fused_module_answers_class_level_attributes_of_the_original() -> No
     surgery.apply_fusions(model, {"sibling_linears": True}, strict=True)
     assert model.inner.is_causal is False
     torch.testing.assert_close(model.inner(x), want)
+
+
+class _SharesALinear(nn.Module):
+    """ALBERT-style sharing: the second block reuses the first block's ``q``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = _Plain()
+        self.second = _Plain()
+        self.second.a = self.first.a
+
+
+def test_a_candidate_whose_child_or_parameter_is_shared_with_another_module_is_left_alone() -> None:
+    model = _SharesALinear()
+    plan = surgery.apply_fusions(model, {"sibling_linears": True})
+    reasons = {c.path: c.reason for c in plan.candidates}
+    assert "also registered at 'second.a' (shared)" in reasons["first"]
+    assert not isinstance(model.first, FusedModule) and model.second.a is model.first.a
+    tied = _Holder(_Plain())
+    tied.inner.b.weight = nn.Parameter(torch.randn(8, 8))
+    tied.head = nn.Linear(8, 8)
+    tied.head.weight = tied.inner.b.weight
+    plan = surgery.apply_fusions(tied, {"sibling_linears": True})
+    assert "its parameter 'inner.b.weight' is tied to 'head.weight'" in plan.candidates[0].reason

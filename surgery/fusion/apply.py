@@ -299,6 +299,49 @@ def _candidates(
         yield path, module, hit, paths_of[id(module)]
 
 
+class _Ties:
+    """Every path of every module and parameter of the model, computed once per run on demand."""
+
+    def __init__(self) -> None:
+        self.modules: dict[int, list[str]] | None = None
+        self.params: dict[int, list[str]] | None = None
+
+    def load(self, model: nn.Module) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
+        if self.modules is None or self.params is None:
+            self.modules, self.params = {}, {}
+            for p, m in model.named_modules(remove_duplicate=False):
+                self.modules.setdefault(id(m), []).append(p)
+            for n, t in model.named_parameters(remove_duplicate=False):
+                self.params.setdefault(id(t), []).append(n)
+        return self.modules, self.params
+
+
+def _tied_outside(
+    model: nn.Module, path: str, module: nn.Module, all_paths: list[str], ties: _Ties
+) -> str | None:
+    """Why replacing ``module`` would untie something (it, a child or a parameter is shared), or ``None``."""
+    if len(all_paths) > 1:
+        return (
+            f"the same instance is registered at {all_paths}; replacing it at one path would untie the others"
+        )
+    if not path:
+        return None  # the root: examine_candidate says it cannot be replaced
+    modules, params = ties.load(model)
+    inside = path + "."
+    for sub_path, sub in module.named_modules(prefix=path):
+        outside = [p for p in modules.get(id(sub), []) if p != sub_path and not p.startswith(inside)]
+        if outside and sub is not module:
+            return (
+                f"its child {sub_path!r} is also registered at {outside[0]!r} (shared); replacing this module "
+                "would untie them"
+            )
+    for name, t in module.named_parameters(prefix=path):
+        outside = [n for n in params.get(id(t), []) if not n.startswith(inside)]
+        if outside:
+            return f"its parameter {name!r} is tied to {outside[0]!r}; a fused copy would untie them"
+    return None
+
+
 def _listed(paths: Sequence[str], limit: int = 4) -> str:
     shown = ", ".join(repr(p) for p in paths[:limit])
     return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
@@ -338,6 +381,7 @@ def _run(
     plan = FusionPlan(config=cfg.to_dict(), applied=apply, fusions=cfg.names)
     swaps: list[tuple[str, nn.Module]] = []
     entries: list[FusionEntry] = []
+    ties = _Ties()
     try:
         for fusion in cfg.fusions:
             fused_paths: list[str] = []
@@ -363,15 +407,9 @@ def _run(
                         )
                     )
                     continue
-                if len(all_paths) > 1:
-                    candidate = FusionCandidate(
-                        fusion.name,
-                        path,
-                        type(module).__name__,
-                        SKIPPED,
-                        f"the same instance is registered at {all_paths}; replacing it at one path would "
-                        "untie the others",
-                    )
+                tie = _tied_outside(model, path, module, all_paths, ties)
+                if tie is not None:
+                    candidate = FusionCandidate(fusion.name, path, type(module).__name__, SKIPPED, tie)
                     replacement = None
                 else:
                     candidate, replacement = examine_candidate(
