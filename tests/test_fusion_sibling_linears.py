@@ -7,6 +7,7 @@ writer, so "byte-identical" means identical to a file the library did not write 
 
 from __future__ import annotations
 
+import copy
 import filecmp
 import math
 from pathlib import Path
@@ -541,3 +542,26 @@ def test_a_candidate_whose_child_or_parameter_is_shared_with_another_module_is_l
     tied.head.weight = tied.inner.b.weight
     plan = surgery.apply_fusions(tied, {"sibling_linears": True})
     assert "its parameter 'inner.b.weight' is tied to 'head.weight'" in plan.candidates[0].reason
+
+
+class _DropsOut(_Two):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = 0.5 if self.training else 0.0  # evaluated while tracing
+        return torch.nn.functional.dropout(self.a(x), p, self.training) * self.b(x)
+
+
+def test_a_forward_that_reads_self_training_keeps_one_graph_per_mode() -> None:
+    model, x = _Holder(_DropsOut()), torch.randn(4, 8)
+    assert model.training
+    surgery.apply_fusions(model, {"sibling_linears": True}, strict=True)
+    fused = model.inner
+    assert "0.5" in fused.code
+    model.eval()
+    assert "0.5" not in fused.code
+    reference = _DropsOut().eval()
+    original = surgery.revert_state_dict(model)
+    reference.load_state_dict({k.removeprefix("inner."): v for k, v in original.items()})
+    torch.testing.assert_close(fused(x), reference(x), rtol=0, atol=1e-6)
+    copied = copy.deepcopy(model)
+    copied.train()
+    assert "0.5" in copied.inner.code and "0.5" not in fused.code

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch import fx, nn
 from ..errors import FusionError
 from .plan import SKIPPED, WOULD_FUSE, FusionCandidate, GraphSnapshot, tensor_infos
 from .spec import FusionSpec, GraphRewrite
-from .tracing import SELF_ATTRIBUTE, trace_module
+from .tracing import SELF_ATTRIBUTE, TRACE_LOCK, trace_module
 
 __all__ = ["NOTHING_HERE", "NO_MATCH", "FusedModule", "build_fused_module", "examine_candidate"]
 
@@ -41,6 +42,32 @@ _HOOK_DICTS = (
     "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks",
 )
+
+
+def _reads_training(module: nn.Module) -> bool:
+    forward = inspect.unwrap(type(module).forward)
+    code = getattr(forward, "__code__", None)
+    return code is not None and "training" in code.co_names
+
+
+def _other_mode_trace(module: nn.Module, graph: fx.Graph, constants: dict[str, Any]) -> fx.Graph | None:
+    """The graph of ``module`` traced in the other train/eval mode, when its forward reads
+    ``self.training`` and the two graphs differ (``dropout=0.0 if not self.training else p`` is
+    evaluated while tracing); else ``None``. The module's mode is put back."""
+    if not _reads_training(module):
+        return None
+    mode = module.training
+    with TRACE_LOCK:
+        object.__setattr__(module, "training", not mode)
+        try:
+            other, other_constants = trace_module(module)
+        finally:
+            object.__setattr__(module, "training", mode)
+    if other.python_code(root_module="self").src == graph.python_code(root_module="self").src:
+        return None
+    if set(other_constants) - set(constants):
+        raise FusionError("its train-mode and eval-mode graphs read different tensor constants")
+    return other
 
 
 def module_hooks(module: nn.Module) -> list[str]:
@@ -71,8 +98,26 @@ class FusedModule(fx.GraphModule):
     def surgery_self(self, value: object) -> None:
         pass  # GraphModule copies every get_attr target; this one always answers with the module
 
+    def set_mode_graphs(self, graphs: dict[bool, fx.Graph]) -> None:
+        """Keep one graph per mode (``True``: training) for a forward that branches on
+        ``self.training``; :meth:`train` switches to the graph of the new mode."""
+        object.__setattr__(self, "_mode_graphs", dict(graphs))
+
+    def train(self, mode: bool = True) -> FusedModule:
+        super().train(mode)
+        graphs = self.__dict__.get("_mode_graphs")
+        if graphs and graphs.get(mode) is not None and graphs[mode] is not self.graph:
+            self.graph = graphs[mode]
+        return self
+
     def __deepcopy__(self, memo: dict[int, Any]) -> FusedModule:
         res = super().__deepcopy__(memo)
+        graphs = self.__dict__.get("_mode_graphs")
+        if graphs:
+            copies = {
+                m: (res.graph if g is self.graph else copy.deepcopy(g, memo)) for m, g in graphs.items()
+            }
+            object.__setattr__(res, "_mode_graphs", copies)
         res.__class__.__name__ = type(self).__name__  # GraphModule.__init__ resets it
         for key in self.__dict__.get("_fusion_attrs", ()):
             object.__setattr__(res, key, copy.deepcopy(self.__dict__[key], memo))
@@ -216,6 +261,7 @@ def examine_candidate(
         return entry, None
     try:
         graph, constants = trace_module(module)
+        other = _other_mode_trace(module, graph, constants)
     except FusionError as exc:
         entry.reason = f"untraceable: {exc}"
         return entry, None
@@ -224,6 +270,17 @@ def examine_candidate(
     if not matches:
         entry.reason = f"{NO_MATCH}{reason}"
         return entry, None
+    other_matches: list[Any] = []
+    if other is not None:
+        other_matches, _ = spec.find_matches(module, other)
+        if [type(m) for m in other_matches] != [type(m) for m in matches] or [
+            m.description for m in other_matches
+        ] != [m.description for m in matches]:
+            entry.reason = (
+                "untraceable: forward depends on self.training and the pattern differs between train and "
+                "eval mode; fuse a module whose forward does not branch on it"
+            )
+            return entry, None
     try:
         transforms = spec.make_transforms(path, module, matches)
         rewrite = spec.rewrite(module, graph, matches, materialize=materialize)
@@ -231,6 +288,10 @@ def examine_candidate(
         fused = build_fused_module(
             module, graph, rewrite, constants, class_name=spec.fused_class_name(module), fusion=fusion
         )
+        if other is not None:
+            spec.rewrite(module, other, other_matches, materialize=False)  # the graph only: same children
+            other.lint()
+            fused.set_mode_graphs({module.training: fused.graph, not module.training: other})
     except FusionError:
         raise
     except Exception as exc:

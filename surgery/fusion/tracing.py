@@ -18,7 +18,8 @@ failing the trace (never guessing) where its assumption does not hold:
   ignoring it. Add names with :func:`register_none_argument`.
 * **Unpacking a shape.** ``(*x.shape[:-1], -1, d)`` and ``y.reshape(*shape, -1)`` become a node
   that builds the tuple at run time. Any other iteration of a traced value (a ``for`` loop,
-  ``len``, ``tuple(...)``) fails as in torch.fx.
+  ``len``, ``tuple(...)``) fails as in torch.fx. Limit: ``len()`` or indexing of such a tuple in
+  the forward counts the unpacked part as one element, and the tracer cannot see it.
 * **Forwarding ``**kwargs``.** A forward that takes ``**kwargs`` and passes them on to a leaf
   (``attention(q, k, v, **kwargs)``) keeps doing so at run time. Passing them to anything the
   tracer steps into (which could read them) fails the trace.
@@ -52,6 +53,7 @@ from ..errors import FusionError
 __all__ = [
     "NONE_IN_INFERENCE",
     "SELF_ATTRIBUTE",
+    "TRACE_LOCK",
     "TRANSPARENT_DECORATOR_MODULES",
     "FusionTracer",
     "check_inference_state",
@@ -71,7 +73,7 @@ SELF_ATTRIBUTE = "surgery_self"
 (``attention(self, q, k, v)``); a :class:`~surgery.fusion.FusedModule` answers it with itself."""
 
 _LOCK = threading.Lock()
-_TRACE_LOCK = threading.RLock()
+TRACE_LOCK = threading.RLock()
 _USER_LEAVES: list[Callable[..., Any]] = []
 
 
@@ -477,7 +479,7 @@ def trace_module(module: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
         try:
             # One trace at a time: torch.fx patches nn.Module.__call__ process-wide while it traces,
             # and two traces patching the same registries would restore each other's wrappers.
-            with _TRACE_LOCK, _leaves_patched(forward.__globals__):
+            with TRACE_LOCK, _leaves_patched(forward.__globals__):
                 graph = tracer.trace(root, concrete_args=none_args or None)
         finally:
             # torch.fx parks tensor constants on the traced root; a forward may also assign

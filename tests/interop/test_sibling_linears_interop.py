@@ -115,3 +115,22 @@ def test_a_cache_under_the_deprecated_keyword_is_refused_not_ignored() -> None:
     cos_sin = model.model.rotary_emb(hidden, torch.arange(3)[None])
     with pytest.raises(AssertionError, match="specialized to have value None"):
         attn(hidden, cos_sin, None, past_key_values=transformers.DynamicCache(config=model.config))
+
+
+def test_attention_dropout_follows_train_and_eval_after_fusing_in_train_mode() -> None:
+    """``dropout=0.0 if not self.training else p`` is evaluated while tracing: one graph per mode."""
+    config_cls, model_cls = (getattr(transformers, n) for n in FAMILIES["llama"])
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**SIZES, attn_implementation="sdpa", attention_dropout=0.1))
+    reference = model_cls(config_cls(**SIZES, attn_implementation="sdpa", attention_dropout=0.1))
+    reference.load_state_dict(model.state_dict())
+    assert model.training
+    surgery.apply_fusions(model, {"qkv": True})
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(IDS, use_cache=False).logits, reference(IDS, use_cache=False).logits, rtol=0, atol=1e-5
+        )
+    model.train()
+    assert "dropout = 0.1" in model.model.layers[0].self_attn.code
