@@ -271,3 +271,30 @@ def test_kwargs_that_are_read_on_the_way_to_a_leaf_are_refused(module: nn.Module
     register_leaf_function(_kernel)
     with pytest.raises(FusionError, match=reason):
         trace_module(module)
+
+
+class _Rotate(nn.Module):
+    """A function wrapped in a module object that is not a child (transformers does this to
+    ``apply_rotary_pos_emb`` when the ``kernels`` package is installed)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([-x[..., 4:], x[..., :4]], dim=-1)
+
+
+_ROTATE = _Rotate()
+
+
+class _UsesAModuleObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ROTATE(self.q(x)) * self.k(x)
+
+
+def test_a_module_object_that_is_not_a_child_is_traced_through_like_a_function() -> None:
+    module, x = _UsesAModuleObject(), torch.randn(3, 8)
+    traced = _retraced(module)
+    assert "torch.cat" in traced.code and "_ROTATE" not in traced.code
+    torch.testing.assert_close(traced(x), module(x))

@@ -103,10 +103,12 @@ def register_none_argument(name: str) -> None:
         NONE_IN_INFERENCE.add(name)
 
 
-TRANSPARENT_DECORATOR_MODULES: set[str] = {"transformers.utils.deprecation"}
-"""Modules whose ``functools.wraps`` decorators on ``forward`` only rename keyword arguments
-(transformers' ``deprecate_kwarg``): the tracer traces through them. A forward wrapped by anything
-else (``torch.autocast``, ``torch.no_grad`` ...) does not trace."""
+TRANSPARENT_DECORATOR_MODULES: set[str] = {"transformers.utils.deprecation", "kernels._internals.layer.layer"}
+"""Modules whose ``functools.wraps`` decorators on ``forward`` leave what it computes alone: the
+tracer traces through them. transformers' ``deprecate_kwarg`` only renames keyword arguments;
+``kernels``' ``use_kernelized_func`` only routes functions to hub kernels that ``kernels.kernelize``
+installs (a fused module runs the plain functions). A forward wrapped by anything else
+(``torch.autocast``, ``torch.no_grad`` ...) does not trace."""
 
 
 def _transparent_files() -> set[str]:
@@ -307,6 +309,18 @@ class FusionTracer(fx.Tracer):
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _FusionProxy(node, self)
+
+    def call_module(
+        self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Children are leaves; a module that is not part of the candidate (transformers wraps
+        functions such as ``apply_rotary_pos_emb`` into module objects when ``kernels`` is
+        installed) is traced through like a function: it holds no parameter of the candidate."""
+        try:
+            self.path_of_module(m)
+        except NameError:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
 
     # -- unpacking traced values
     def iter(self, obj: fx.Proxy) -> Iterator[Any]:
