@@ -118,13 +118,26 @@ def _transparent_files() -> set[str]:
     return {f for f in files if f}
 
 
+def _recording(fn: Callable[..., Any], *, record: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """``fn``, recorded as one ``call_function`` node of ``record`` (default: the wrapper itself)
+    when it is called with traced values; called as it is otherwise."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        proxy = _find_proxy((args, kwargs))
+        if proxy is None:
+            return fn(*args, **kwargs)
+        return proxy.tracer.create_proxy("call_function", record or wrapper, args, kwargs)
+
+    return wrapper
+
+
+# The run-time helpers below record themselves when a fused module is traced again (a second
+# fusion on it), so they are leaves of that trace too.
+@_recording
 def check_inference_state(kwargs: Mapping[str, Any], names: tuple[str, ...]) -> None:
     """Fail when ``**kwargs`` hold a non-None cache that the trace took as ``None`` (``past_key_values=``
     under a deprecated spelling would otherwise be passed on and ignored)."""
-    proxy = _find_proxy(kwargs)
-    if proxy is not None:
-        proxy.tracer.create_proxy("call_function", check_inference_state, (kwargs, names), {})
-        return
     given = [n for n in names if kwargs.get(n) is not None]
     if given:
         raise AssertionError(
@@ -178,20 +191,15 @@ def leaf_functions(fn_globals: Mapping[str, Any] | None = None) -> list[Callable
 
 
 # ---------------------------------------------------------------------- run-time helpers
-# Each helper records itself when a fused module is traced again (a second fusion on it).
+@_recording
 def splice(*pieces: tuple[Any, ...]) -> tuple[Any, ...]:
     """``(*a, -1, d)`` at run time: the concatenation of ``pieces`` (each a tuple)."""
-    proxy = _find_proxy(pieces)
-    if proxy is not None:
-        return proxy.tracer.create_proxy("call_function", splice, pieces, {})  # type: ignore[return-value]
     return tuple(itertools.chain.from_iterable(pieces))
 
 
+@_recording
 def call_method_spread(obj: Any, method: str, args: tuple[Any, ...], **kwargs: Any) -> Any:
     """``obj.method(*args, **kwargs)``: a method call whose arguments were built by unpacking."""
-    proxy = _find_proxy((obj, args, kwargs))
-    if proxy is not None:
-        return proxy.tracer.create_proxy("call_function", call_method_spread, (obj, method, args), kwargs)
     return getattr(obj, method)(*args, **kwargs)
 
 
@@ -205,11 +213,11 @@ class ForwardingCall:
         self.__module__ = __name__
 
     def __call__(self, *args: Any, forwarded_kwargs: Mapping[str, Any], **kwargs: Any) -> Any:
-        proxy = _find_proxy((args, kwargs, forwarded_kwargs))
+        kwargs["forwarded_kwargs"] = forwarded_kwargs
+        proxy = _find_proxy((args, kwargs))
         if proxy is not None:
-            return proxy.tracer.create_proxy(
-                "call_function", self, args, {**kwargs, "forwarded_kwargs": forwarded_kwargs}
-            )
+            return proxy.tracer.create_proxy("call_function", self, args, kwargs)
+        del kwargs["forwarded_kwargs"]
         return self.fn(*args, **kwargs, **forwarded_kwargs)
 
     def __repr__(self) -> str:
@@ -252,24 +260,11 @@ def _find_proxy(values: Any) -> fx.Proxy | None:
     return found[0] if found else None
 
 
-def _leaf_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        proxy = _find_proxy((args, kwargs))
-        if proxy is None:
-            return fn(*args, **kwargs)
-        return proxy.tracer.create_proxy("call_function", fn, args, kwargs)
-
-    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
-    wrapper.__name__ = fn.__name__
-    wrapper.__qualname__ = fn.__qualname__
-    return wrapper
-
-
 @contextmanager
 def _leaves_patched(fn_globals: dict[str, Any]) -> Iterator[None]:
     """Swap every leaf function the forward can reach for a recording wrapper; restore exactly."""
     leaves = {id(f): f for f in leaf_functions(fn_globals)}
-    wrappers = {i: _leaf_wrapper(f) for i, f in leaves.items()}
+    wrappers = {i: _recording(f, record=f) for i, f in leaves.items()}
     saved: list[tuple[dict[Any, Any], Any, Any]] = []
     try:
         for d in (fn_globals, *_leaf_registries()):
@@ -410,15 +405,14 @@ def _called_from(code: types.CodeType | None) -> bool:
             code.co_firstlineno,
         ):
             return True
-        name = frame.f_code.co_filename
-        if (
-            frame.f_code.co_name != "wrapper"
-            and name != __file__
-            and "torch/fx" not in name.replace("\\", "/")
-        ):
-            return False  # the first frame outside the tracer and the leaf wrapper
+        if not _is_tracer_file(c.co_filename):
+            return False  # the first frame outside the tracer (this module, its leaf wrappers, torch.fx)
         frame = frame.f_back
     return False
+
+
+def _is_tracer_file(filename: str) -> bool:
+    return filename == __file__ or "torch/fx" in filename.replace("\\", "/")
 
 
 def _pieces(items: Any) -> list[Any]:
@@ -556,8 +550,7 @@ def _reason(exc: BaseException) -> str:
     tb = exc.__traceback__
     last = None
     while tb is not None:
-        filename = tb.tb_frame.f_code.co_filename
-        if "torch/fx" not in filename.replace("\\", "/") and filename != __file__:
+        if not _is_tracer_file(tb.tb_frame.f_code.co_filename):
             last = tb
         tb = tb.tb_next
     if last is not None:

@@ -134,3 +134,13 @@ def test_attention_dropout_follows_train_and_eval_after_fusing_in_train_mode() -
         )
     model.train()
     assert "dropout = 0.1" in model.model.layers[0].self_attn.code
+
+
+def test_a_fused_attention_traces_again_for_a_later_fusion() -> None:
+    """Its graph calls the tracer's run-time helpers (the unpacked shape, the forwarded **kwargs);
+    they are leaves of the second trace, so the module is examined, not reported untraceable."""
+    model = _build("llama", "sdpa", seed=0)
+    surgery.apply_fusions(model, {"qkv": True})
+    plan = surgery.preview_fusions(model, {"sibling_linears": True})
+    attn = next(c for c in plan.candidates if c.path == "model.layers.0.self_attn")
+    assert "nothing to fuse" in attn.reason, attn.reason
