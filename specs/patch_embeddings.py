@@ -28,12 +28,14 @@ from typing import cast
 
 import torch
 from torch import fx, nn
-from torch.nn.utils import parametrize
 
 from surgery import WeightConverter, WeightRenaming, ops
 from surgery.fusion import FusionMatch, FusionSpec, GraphRewrite, register_fusion, trace_module
 from surgery.fusion.matching import (
+    child_problem,
+    child_reads,
     flattens_to_width,
+    reads_only_metadata,
     reshape_shape,
     skip_passthrough_back,
     skip_passthrough_forward,
@@ -41,8 +43,6 @@ from surgery.fusion.matching import (
 from surgery.transforms import WeightTransform
 
 __all__ = ["FUSIONS", "PatchEmbedMatch", "PatchEmbeddingsFusion", "register"]
-
-_SAFE_WEIGHT_READS = frozenset({"dtype", "device", "is_cuda", "is_meta", "requires_grad"})
 
 
 @dataclass(frozen=True)
@@ -69,12 +69,9 @@ class PatchEmbedMatch(FusionMatch):
 
 def _conv_problem(conv: nn.Conv3d) -> str | None:
     """Why ``conv`` cannot become a Linear, or ``None``."""
-    if type(conv).forward is not nn.Conv3d.forward:
-        return f"its class {type(conv).__name__} overrides forward"
-    if parametrize.is_parametrized(conv):
-        return "it has parametrizations (torch.nn.utils.parametrize)"
-    if conv._forward_hooks or conv._forward_pre_hooks or conv._backward_hooks or conv._backward_pre_hooks:
-        return "it has hooks registered, which the replacement would drop"
+    problem = child_problem(conv, nn.Conv3d)
+    if problem is not None:
+        return problem
     kernel, stride = tuple(conv.kernel_size), tuple(conv.stride)
     if kernel != stride:
         return f"kernel_size {kernel} != stride {stride}, so patches overlap or leave gaps"
@@ -180,19 +177,9 @@ class PatchEmbeddingsFusion(FusionSpec):
             what = out.format_node() if out is not None else f"{len(call.users)} user(s)"
             return f"Conv3d {name!r}'s output is not flattened to (-1, {d_out}); it goes to {what}"
         reads: list[str] = []
-        for node in graph.nodes:
-            if node.op != "get_attr" or not (node.target == name or str(node.target).startswith(name + ".")):
-                continue
-            attr = str(node.target)[len(name) + 1 :]
-            safe_weight = attr == "weight" and all(
-                u.op == "call_function"
-                and u.target is getattr
-                and len(u.args) == 2
-                and u.args[1] in _SAFE_WEIGHT_READS
-                for u in node.users
-            )
-            if attr != "bias" and not safe_weight:
-                users = ", ".join(u.format_node() for u in node.users) or "nothing"
+        for node, attr in child_reads(graph, name):
+            if attr != "bias" and not (attr == "weight" and reads_only_metadata(node)):
+                users = ", ".join(u.format_node() or u.name for u in node.users) or "nothing"
                 return f"forward reads {node.target!r} in {users}; its value or shape differs in the fused layout"
             reads.append(node.name)
         bias = conv.bias is not None

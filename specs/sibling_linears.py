@@ -45,7 +45,6 @@ from typing import Any, ClassVar, cast
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
-from torch.nn.utils import parametrize
 
 from surgery import WeightConverter, ops
 from surgery.fusion import (
@@ -56,12 +55,11 @@ from surgery.fusion import (
     register_fusion,
     trace_module,
 )
-from surgery.fusion.matching import is_passthrough
+from surgery.fusion.matching import child_problem, child_reads, is_passthrough, reads_only_metadata
 from surgery.transforms import WeightTransform
 
 __all__ = ["FUSIONS", "GateUpFusion", "QkvFusion", "SiblingGroup", "SiblingLinearsFusion", "register"]
 
-_SAFE_WEIGHT_READS = frozenset({"dtype", "device", "is_cuda", "is_meta", "requires_grad"})
 _LAYOUT_METHODS = frozenset(
     {
         "data_ptr",
@@ -117,7 +115,6 @@ class SiblingGroup(FusionMatch):
         fused: the new child's name.
         in_features / out_features: shared input width; each sibling's output width.
         bias: whether they have biases.
-        calls: the siblings' ``call_module`` node names, in ``children`` order.
         reads: ``get_attr`` nodes reading a sibling's weight or bias metadata (``.dtype``).
     """
 
@@ -126,7 +123,6 @@ class SiblingGroup(FusionMatch):
     in_features: int
     out_features: tuple[int, ...]
     bias: bool
-    calls: tuple[str, ...]
     reads: tuple[str, ...]
 
 
@@ -135,18 +131,7 @@ class _Quiet(str):
 
 
 def _linear_problem(linear: nn.Linear) -> str | None:
-    if type(linear).forward is not nn.Linear.forward:
-        return f"its class {type(linear).__name__} overrides forward"
-    if parametrize.is_parametrized(linear):
-        return "it has parametrizations (torch.nn.utils.parametrize)"
-    if (
-        linear._forward_hooks
-        or linear._forward_pre_hooks
-        or linear._backward_hooks
-        or linear._backward_pre_hooks
-    ):
-        return "it has hooks registered, which the fused module would drop"
-    return None
+    return child_problem(linear, nn.Linear)
 
 
 def _linears(module: nn.Module) -> dict[str, nn.Linear]:
@@ -339,19 +324,9 @@ class SiblingLinearsFusion(FusionSpec):
         (call,) = nodes
         if len(call.args) != 1 or call.kwargs or not isinstance(call.args[0], fx.Node):
             return f"{name!r} is called with extra arguments: {call.format_node()}"
-        for node in graph.nodes:
-            if node.op != "get_attr" or not (node.target == name or str(node.target).startswith(name + ".")):
-                continue
-            attr = str(node.target)[len(name) + 1 :]
-            safe = attr in ("weight", "bias") and all(
-                u.op == "call_function"
-                and u.target is getattr
-                and len(u.args) == 2
-                and u.args[1] in _SAFE_WEIGHT_READS
-                for u in node.users
-            )
-            if not safe:
-                users = ", ".join(u.format_node() for u in node.users) or "nothing"
+        for node, attr in child_reads(graph, name):
+            if not (attr in ("weight", "bias") and reads_only_metadata(node)):
+                users = ", ".join(u.format_node() or u.name for u in node.users) or "nothing"
                 return f"forward reads {node.target!r} in {users}; it does not exist in the fused layout"
         for user in _aliases_and_users(call):
             if (user.op == "call_method" and user.target in _LAYOUT_METHODS) or _writes_in_place(
@@ -442,7 +417,6 @@ class SiblingLinearsFusion(FusionSpec):
             in_features=first.in_features,
             out_features=outs,
             bias=first.bias is not None,
-            calls=tuple(nodes[n].name for n in names),
             reads=reads,
         )
 
@@ -498,7 +472,7 @@ class SiblingLinearsFusion(FusionSpec):
             new_modules[m.fused] = _fused_linear(siblings, m, materialize=materialize)
             replaced[m.children[0]] = m.fused
             removed += m.children[1:]
-            call_nodes = [by_name[c] for c in m.calls]
+            call_nodes = [by_name[c] for c in m.nodes]  # the siblings' calls, in ``children`` order
             first = next(n for n in graph.nodes if n in call_nodes)
             with graph.inserting_before(first):
                 fused_call = graph.call_module(m.fused, (first.args[0],))

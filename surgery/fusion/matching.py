@@ -11,11 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
+from torch.nn.utils import parametrize
 
 __all__ = [
+    "PARAMETER_METADATA",
+    "child_problem",
+    "child_reads",
     "flattens_to_width",
     "is_passthrough",
+    "reads_only_metadata",
     "reshape_shape",
     "single_user",
     "skip_passthrough_back",
@@ -111,3 +116,41 @@ def skip_passthrough_forward(node: fx.Node) -> fx.Node | None:
         if not is_passthrough(user):
             return user
         current = user
+
+
+PARAMETER_METADATA = frozenset({"dtype", "device", "is_cuda", "is_meta", "requires_grad"})
+"""Attributes of a parameter that a fused layout keeps (its values and shape it does not)."""
+
+
+def child_problem(child: nn.Module, base: type[nn.Module]) -> str | None:
+    """Why ``child`` cannot be replaced by a rewrite that assumes ``base``'s forward, or ``None``:
+    its class overrides ``forward``, it is parametrized, or it has hooks the rewrite would drop."""
+    if type(child).forward is not base.forward:
+        return f"its class {type(child).__name__} overrides forward"
+    if parametrize.is_parametrized(child):
+        return "it has parametrizations (torch.nn.utils.parametrize)"
+    if child._forward_hooks or child._forward_pre_hooks or child._backward_hooks or child._backward_pre_hooks:
+        return "it has hooks registered, which the replacement would drop"
+    return None
+
+
+def child_reads(graph: fx.Graph, child: str) -> list[tuple[fx.Node, str]]:
+    """The ``get_attr`` nodes of ``graph`` under child ``child``, with the attribute each reads
+    (``"weight"`` for ``proj.weight``, ``""`` for the child itself)."""
+    prefix = child + "."
+    return [
+        (node, str(node.target)[len(prefix) :])
+        for node in graph.nodes
+        if node.op == "get_attr" and (node.target == child or str(node.target).startswith(prefix))
+    ]
+
+
+def reads_only_metadata(node: fx.Node) -> bool:
+    """Whether every use of ``node`` is ``getattr(node, m)`` with ``m`` in :data:`PARAMETER_METADATA`."""
+    return all(
+        u.op == "call_function"
+        and u.target is getattr
+        and len(u.args) == 2
+        and u.args[1] in PARAMETER_METADATA
+        for u in node.users
+    )
