@@ -283,63 +283,57 @@ def _exact(path: str) -> str:
     return "^" + re.escape(path) + "$"
 
 
-def _candidates(
-    model: nn.Module, fusion: EnabledFusion
-) -> Iterator[tuple[str, nn.Module, str | None, list[str]]]:
-    """``(path, module, exclude pattern that hit or None, every path of this module)``."""
+def _candidates(model: nn.Module, fusion: EnabledFusion) -> Iterator[tuple[str, nn.Module, str | None]]:
+    """``(path, module, exclude pattern that hit or None)`` for every module the fusion looks at."""
     patterns = [re.compile(p) for p in fusion.spec.candidate_patterns(fusion.options)]
     excludes = [re.compile(p) for p in fusion.options.get("exclude", ())]
-    paths_of: dict[int, list[str]] = {}
-    for path, module in model.named_modules(remove_duplicate=False):
-        paths_of.setdefault(id(module), []).append(path)
     for path, module in list(model.named_modules()):
         if not any(p.search(path) for p in patterns):
             continue
         hit = next((e.pattern for e in excludes if e.search(path)), None)
-        yield path, module, hit, paths_of[id(module)]
+        yield path, module, hit
 
 
 class _Ties:
-    """Every path of every module and parameter of the model, computed once per run on demand."""
+    """Every path of every module and parameter of the model, taken when a fusion starts
+    (parameters on first use)."""
 
-    def __init__(self) -> None:
-        self.modules: dict[int, list[str]] | None = None
-        self.params: dict[int, list[str]] | None = None
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.modules: dict[int, list[str]] = {}
+        for p, m in model.named_modules(remove_duplicate=False):
+            self.modules.setdefault(id(m), []).append(p)
+        self._params: dict[int, list[str]] | None = None
 
-    def load(self, model: nn.Module) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
-        if self.modules is None or self.params is None:
-            self.modules, self.params = {}, {}
-            for p, m in model.named_modules(remove_duplicate=False):
-                self.modules.setdefault(id(m), []).append(p)
-            for n, t in model.named_parameters(remove_duplicate=False):
-                self.params.setdefault(id(t), []).append(n)
-        return self.modules, self.params
+    @property
+    def params(self) -> dict[int, list[str]]:
+        if self._params is None:
+            self._params = {}
+            for n, t in self.model.named_parameters(remove_duplicate=False):
+                self._params.setdefault(id(t), []).append(n)
+        return self._params
 
-
-def _tied_outside(
-    model: nn.Module, path: str, module: nn.Module, all_paths: list[str], ties: _Ties
-) -> str | None:
-    """Why replacing ``module`` would untie something (it, a child or a parameter is shared), or ``None``."""
-    if len(all_paths) > 1:
-        return (
-            f"the same instance is registered at {all_paths}; replacing it at one path would untie the others"
-        )
-    if not path:
-        return None  # the root: examine_candidate says it cannot be replaced
-    modules, params = ties.load(model)
-    inside = path + "."
-    for sub_path, sub in module.named_modules(prefix=path):
-        outside = [p for p in modules.get(id(sub), []) if p != sub_path and not p.startswith(inside)]
-        if outside and sub is not module:
-            return (
-                f"its child {sub_path!r} is also registered at {outside[0]!r} (shared); replacing this module "
-                "would untie them"
-            )
-    for name, t in module.named_parameters(prefix=path):
-        outside = [n for n in params.get(id(t), []) if not n.startswith(inside)]
-        if outside:
-            return f"its parameter {name!r} is tied to {outside[0]!r}; a fused copy would untie them"
-    return None
+    def untied_by_replacing(self, path: str, module: nn.Module) -> str | None:
+        """Why replacing ``module`` at ``path`` would untie something (it, a child or a parameter
+        is shared with the rest of the model), or ``None``."""
+        all_paths = self.modules[id(module)]
+        if len(all_paths) > 1:
+            return f"the same instance is registered at {all_paths}; replacing it at one path would untie the others"
+        if not path:
+            return None  # the root: examine_candidate says it cannot be replaced
+        inside = path + "."
+        for sub_path, sub in module.named_modules(prefix=path):
+            outside = [p for p in self.modules.get(id(sub), []) if p != sub_path and not p.startswith(inside)]
+            if outside and sub is not module:
+                return (
+                    f"its child {sub_path!r} is also registered at {outside[0]!r} (shared); replacing this "
+                    "module would untie them"
+                )
+        for name, t in module.named_parameters(prefix=path):
+            outside = [n for n in self.params.get(id(t), []) if not n.startswith(inside)]
+            if outside:
+                return f"its parameter {name!r} is tied to {outside[0]!r}; a fused copy would untie them"
+        return None
 
 
 def _listed(paths: Sequence[str], limit: int = 4) -> str:
@@ -381,13 +375,13 @@ def _run(
     plan = FusionPlan(config=cfg.to_dict(), applied=apply, fusions=cfg.names)
     swaps: list[tuple[str, nn.Module]] = []
     entries: list[FusionEntry] = []
-    ties = _Ties()
     try:
         for fusion in cfg.fusions:
+            ties = _Ties(model)  # taken again per fusion: the previous one swapped modules in
             fused_paths: list[str] = []
             already: list[str] = []
             seen = 0
-            for path, module, excluded_by, all_paths in _candidates(model, fusion):
+            for path, module, excluded_by in _candidates(model, fusion):
                 if any(path.startswith(f + ".") for f in fused_paths):
                     continue  # inside a module this fusion already replaced
                 if isinstance(module, FusedModule) and fusion.name in module.fusion_names:
@@ -407,7 +401,7 @@ def _run(
                         )
                     )
                     continue
-                tie = _tied_outside(model, path, module, all_paths, ties)
+                tie = ties.untied_by_replacing(path, module)
                 if tie is not None:
                     candidate = FusionCandidate(fusion.name, path, type(module).__name__, SKIPPED, tie)
                     replacement = None
