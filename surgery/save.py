@@ -220,12 +220,8 @@ class _RecordedShapes:
         self._record = record
         self._rename = rename
         self._forward = [t for t in record.transforms if not isinstance(t, WeightConverter)] if record else []
+        self._renamed = _Renamer(self._forward)
         self._table: dict[str, tuple[int, ...]] | None = None
-
-    def _renamed(self, key: str) -> str:
-        for r in self._forward:
-            key, _ = r.rename_source_key(key)
-        return key
 
     def get(self, name: str) -> tuple[int, ...] | None:
         if self._record is None:
