@@ -498,17 +498,9 @@ def _child_save(spec: dict[str, Any], cfg: ExampleMoEConfig) -> dict[str, Any]:
     load_checkpoint(model, spec["original"], progress=False)
     target = Path(spec["out"])
 
-    def floor_fsync(path: Path) -> None:
-        save_file(model.state_dict(), path / "model.safetensors")
-        fd = os.open(path / "model.safetensors", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     savers: dict[str, Callable[[Path], object]] = {
         "save_floor": lambda path: save_file(model.state_dict(), path / "model.safetensors"),
-        "save_floor_fsync": floor_fsync,
+        "save_floor_fsync": lambda path: _fsynced_save_file(model.state_dict(), path / "model.safetensors"),
         "save_ours_runtime": lambda path: save_checkpoint(
             model, path, original_format=False, max_shard_size="500MB"
         ),
