@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..empty import init_empty
-from .layers import Decoder
+from .layers import Decoder, instantiate
 
 __all__ = ["ExampleDecoderConfig", "ExampleDecoderForCausalLM", "GatedMLP", "build_decoder_model"]
 
@@ -85,12 +84,4 @@ def build_decoder_model(
         (16, 32)
     """
     cfg = config or ExampleDecoderConfig()
-    if seed is not None:
-        torch.manual_seed(seed)
-    if device is not None and torch.device(device).type == "meta":
-        with init_empty(include_buffers=True):
-            model = ExampleDecoderForCausalLM(cfg)
-    else:
-        with torch.device(device or "cpu"):
-            model = ExampleDecoderForCausalLM(cfg)
-    return model if dtype is None else model.to(dtype)
+    return instantiate(lambda: ExampleDecoderForCausalLM(cfg), seed=seed, device=device, dtype=dtype)

@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..empty import init_empty
-from .layers import ATTENTION_TP_PLAN, Decoder
+from .layers import ATTENTION_TP_PLAN, Decoder, instantiate
 
 __all__ = [
     "ExampleDenseConfig",
@@ -99,13 +98,7 @@ def build_dense_model(
         (64, 16)
     """
     cfg = config or ExampleDenseConfig()
-    if seed is not None:
-        torch.manual_seed(seed)
-    if device is not None and torch.device(device).type == "meta":
-        with init_empty(include_buffers=True):  # no buffers here: all on meta, no init computed
-            return ExampleDenseForCausalLM(cfg)
-    with torch.device(device or "cpu"):
-        return ExampleDenseForCausalLM(cfg)
+    return instantiate(lambda: ExampleDenseForCausalLM(cfg), seed=seed, device=device)
 
 
 def rope_interleave(w: torch.Tensor, heads: int) -> torch.Tensor:

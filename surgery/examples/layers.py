@@ -10,13 +10,17 @@ same module runs whole or tensor-parallel (q/k/v colwise: each rank holds whole 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ATTENTION_TP_PLAN", "Attention", "Decoder", "DecoderLayer", "RMSNorm"]
+from ..empty import init_empty
+
+_M = TypeVar("_M", bound=nn.Module)
+
+__all__ = ["ATTENTION_TP_PLAN", "Attention", "Decoder", "DecoderLayer", "RMSNorm", "instantiate"]
 
 ATTENTION_TP_PLAN = {
     "model.embed_tokens": "rowwise",
@@ -97,3 +101,23 @@ class Decoder(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.norm(x)
+
+
+def instantiate(
+    factory: Callable[[], _M],
+    *,
+    seed: int | None,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None = None,
+) -> _M:
+    """Build an example model: seeded (``None``: the global RNG as it is), on ``device``; on
+    ``meta`` without storage or computed init (:func:`~surgery.empty.init_empty`); cast to ``dtype``."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    if device is not None and torch.device(device).type == "meta":
+        with init_empty(include_buffers=True):  # the examples have no buffers: all on meta, no init computed
+            model = factory()
+    else:
+        with torch.device(device or "cpu"):
+            model = factory()
+    return model if dtype is None else model.to(dtype)

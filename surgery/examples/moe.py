@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..empty import init_empty
-from .layers import ATTENTION_TP_PLAN, Decoder
+from .layers import ATTENTION_TP_PLAN, Decoder, instantiate
 
 __all__ = [
     "ExampleMoEConfig",
@@ -152,17 +151,7 @@ def build_moe_model(
         (4, 64, 16)
     """
     cfg = config or ExampleMoEConfig()
-    if seed is not None:
-        torch.manual_seed(seed)
-    if device is not None and torch.device(device).type == "meta":
-        with init_empty(include_buffers=True):  # no buffers here: all on meta, no init computed
-            model = ExampleMoEForCausalLM(cfg)
-    else:
-        with torch.device(device or "cpu"):
-            model = ExampleMoEForCausalLM(cfg)
-    if dtype is not None:
-        model = model.to(dtype)
-    return model
+    return instantiate(lambda: ExampleMoEForCausalLM(cfg), seed=seed, device=device, dtype=dtype)
 
 
 def original_state_dict(model: ExampleMoEForCausalLM) -> dict[str, torch.Tensor]:
