@@ -164,6 +164,24 @@ def _one_tensor(op: ConversionOp, slots: list[Slot], ctx: OpContext) -> torch.Te
     return slot
 
 
+def _config_value(config: Any, path: str) -> Any:
+    """``config.a.b`` for ``path="a.b"``; ``None`` where a step is missing.
+
+    A config that lacks the leading steps is taken to be that sub-config itself (an entry for a
+    vision tower, resolved at the tower, sees the tower's config): ``b`` is read from it directly.
+    """
+    names = path.split(".")
+    for start in range(len(names)):
+        value = config
+        for name in names[start:]:
+            value = getattr(value, name, None) if value is not None else None
+        if value is not None:
+            return value
+        if start + 1 < len(names) and hasattr(config, names[start]):
+            return None  # the sub-config is there but lacks the attribute: no fallback
+    return None
+
+
 def _per_tensor(slots: list[Slot], fn) -> list[Slot]:
     return [[fn(t) for t in s] if isinstance(s, list) else fn(s) for s in slots]
 
@@ -512,25 +530,50 @@ class SplitModulelist(ConversionOp):
 
 @dataclass(frozen=True)
 class Transpose(ConversionOp):
-    """Swap ``dim0`` and ``dim1`` of every tensor."""
+    """Swap ``dim0`` and ``dim1`` of every tensor.
+
+    With ``when_shape_differs=True`` a tensor that already has its target's shape passes through
+    (a checkpoint saved in the runtime layout under the same key name); a target square in the
+    two dims cannot tell the layouts apart and is refused. With no known target shape (saving a
+    model that was never loaded) the tensor is transposed.
+    """
 
     dim0: int = 0
     dim1: int = 1
+    when_shape_differs: bool = False
 
     def convert(self, slots: list[Slot], ctx: OpContext) -> list[Slot]:
-        def fn(t: torch.Tensor) -> torch.Tensor:
+        targets = ctx.target_shapes or ()
+
+        def fn(t: torch.Tensor, target: tuple[int, ...] | None) -> torch.Tensor:
             _check_dim(self, ctx, t, self.dim0)
             _check_dim(self, ctx, t, self.dim1)
+            if self.when_shape_differs and target is not None:
+                if t.shape[self.dim0] == t.shape[self.dim1]:
+                    raise self._fail(
+                        ctx,
+                        f"dims {self.dim0} and {self.dim1} of shape {tuple(t.shape)} are equal, so the "
+                        "checkpoint's layout cannot be told from the runtime layout; convert this "
+                        "checkpoint with an explicit Transpose().",
+                    )
+                if tuple(t.shape) == tuple(target):
+                    return t
             return t.transpose(self.dim0, self.dim1).contiguous()
 
-        return _per_tensor(slots, fn)
+        out: list[Slot] = []
+        for n, s in enumerate(slots):
+            target = targets[n] if n < len(targets) else None
+            out.append([fn(t, target) for t in s] if isinstance(s, list) else fn(s, target))
+        return out
 
     @property
     def reverse_op(self) -> ConversionOp:
-        return Transpose(dim0=self.dim1, dim1=self.dim0)
+        return Transpose(dim0=self.dim1, dim1=self.dim0, when_shape_differs=self.when_shape_differs)
 
     def slice_rule(self, regions, in_shapes, out_shapes, ctx) -> SliceRule:
-        """The region moves to the swapped dim."""
+        """The region moves to the swapped dim (a shape-dependent transpose has no rule)."""
+        if self.when_shape_differs:
+            return None
 
         def fn(r: Region, shape: tuple[int, ...]) -> Region:
             a, b = self.dim0 % len(shape), self.dim1 % len(shape)
@@ -541,7 +584,7 @@ class Transpose(ConversionOp):
 
     def input_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
         n = len(shape)
-        if not (-n <= self.dim0 < n and -n <= self.dim1 < n):
+        if self.when_shape_differs or not (-n <= self.dim0 < n and -n <= self.dim1 < n):
             return None
         out = list(shape)
         a, b = self.dim0 % n, self.dim1 % n
@@ -554,13 +597,16 @@ class PermuteForRope(ConversionOp):
     """Permute q/k projection rows from interleaved (complex) RoPE pairs to the split-half layout.
 
     The head count is explicit per target: give ``num_heads`` directly, or ``config_attribute``
-    (e.g. ``"num_key_value_heads"`` for a grouped-query ``k_proj``) to read it from the
-    sub-model's config. ``inverse=True`` is the reverse permutation.
+    (e.g. ``"num_key_value_heads"`` for a grouped-query ``k_proj``, or a dotted path such as
+    ``"vision_config.num_attention_heads"``) to read it from the sub-model's config.
+    ``inverse=True`` is the reverse permutation. After a ``Chunk`` of a fused ``qkv``, ``slots``
+    names the tensors to permute (``(0, 1)``: q and k, not v); by default every tensor is.
     """
 
     num_heads: int | None = None
     config_attribute: str | None = None
     inverse: bool = False
+    slots: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if (self.num_heads is None) == (self.config_attribute is None):
@@ -570,14 +616,16 @@ class PermuteForRope(ConversionOp):
             )
         if self.num_heads is not None and self.num_heads < 1:
             raise ConversionError(f"PermuteForRope(num_heads={self.num_heads}): must be positive.")
+        if self.slots is not None:
+            object.__setattr__(self, "slots", tuple(int(i) for i in self.slots))
 
     def _heads(self, ctx: OpContext) -> int:
         if self.num_heads is not None:
             return self.num_heads
         cfg = ctx.config
-        value = getattr(cfg, self.config_attribute, None) if cfg is not None else None  # type: ignore[arg-type]
+        value = _config_value(cfg, self.config_attribute)  # type: ignore[arg-type]
         if value is None and cfg is not None and hasattr(cfg, "get_text_config"):
-            value = getattr(cfg.get_text_config(), self.config_attribute, None)  # type: ignore[arg-type]
+            value = _config_value(cfg.get_text_config(), self.config_attribute)  # type: ignore[arg-type]
         if not isinstance(value, int) or value < 1:
             raise self._fail(
                 ctx,
@@ -602,14 +650,23 @@ class PermuteForRope(ConversionOp):
             rest = tuple(t.shape[1:])
             return t.reshape(heads, *inner, *rest).transpose(1, 2).reshape(rows, *rest).contiguous()
 
-        return _per_tensor(slots, fn)
+        if self.slots is None:
+            return _per_tensor(slots, fn)
+        if any(not -len(slots) <= i < len(slots) for i in self.slots):
+            raise self._fail(ctx, f"slots={self.slots} is out of range for {len(slots)} tensors.")
+        chosen = {i % len(slots) for i in self.slots}
+        return [_per_tensor([s], fn)[0] if i in chosen else s for i, s in enumerate(slots)]
 
     @property
     def reverse_op(self) -> ConversionOp:
-        return PermuteForRope(self.num_heads, self.config_attribute, inverse=not self.inverse)
+        return PermuteForRope(
+            self.num_heads, self.config_attribute, inverse=not self.inverse, slots=self.slots
+        )
 
     def slice_rule(self, regions, in_shapes, out_shapes, ctx) -> SliceRule:
         """Whole heads on dim 0 keep their rows (local op: the local head count); dim 1 passes."""
+        if self.slots is not None:
+            return None  # a partial permutation: sharded reads take the whole tensors
         try:
             heads = self._heads(ctx)
         except ConversionError:

@@ -529,7 +529,9 @@ def reverse_pair(source: str, target: str) -> tuple[str, str]:
     new_src: list[str] = ["^"] if anchored else []
     new_group_of_old: dict[int, int] = {}
     new_group_no = 0
-    looks = dict(tgt.lookarounds)
+    looks: dict[int, str] = {}  # position -> look-arounds there, stacked ones kept in order
+    for pos, text in tgt.lookarounds:
+        looks[pos] = looks.get(pos, "") + text
     after_star = False
     for pos, piece in enumerate(tgt.pieces):
         if pos in looks:

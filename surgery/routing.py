@@ -38,6 +38,9 @@ from .converter import WeightConverter, split_transforms
 from .errors import CheckpointError, ConfigurationError, SurgeryError
 from .transforms import WeightTransform
 
+SAVE_PRIORITY = "_surgery_save_priority"
+"""Attribute a save sets on its reversed converters: where two claim one runtime key, the higher wins."""
+
 __all__ = ["KeyRoute", "RouteConflict", "Routing", "TargetGroup", "route_key", "route_keys"]
 
 
@@ -177,6 +180,13 @@ class _ExactRouter:
                     # thinker under the whole model): the same conversion either way; the
                     # innermost scope is the one that names this key's sub-model.
                     if len(c.scope_prefix or "") > len(claimed[1].scope_prefix or ""):
+                        claimed = (i, c, m)
+                    continue
+                pa, pb = claimed[1].__dict__.get(SAVE_PRIORITY), c.__dict__.get(SAVE_PRIORITY)
+                if pa is not None and pb is not None and pa != pb:
+                    # Saving, where a whole model's entry and one of its sub-model's (NeMo speech
+                    # around Nemotron-H) both reverse onto this key: the save decided which wins.
+                    if pb > pa:
                         claimed = (i, c, m)
                     continue
                 raise ConfigurationError(

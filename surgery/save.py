@@ -51,8 +51,8 @@ from .ops import OpContext, run_chain
 from .parallel import dtensor_type
 from .quantization import QUANTIZER_ATTRIBUTE, QuantizerHooks
 from .resolution import get_model_conversion_mapping
-from .routing import route_keys
-from .transforms import PrefixChange, WeightTransform, legacy_renamings
+from .routing import SAVE_PRIORITY, route_keys
+from .transforms import PrefixChange, WeightRenaming, WeightTransform, legacy_renamings
 
 __all__ = [
     "QUANTIZATION_MODES",
@@ -173,11 +173,8 @@ def reverting_transforms(model: nn.Module) -> list[WeightTransform]:
     record = load_record(model)
     fired = [t for t in record.transforms if not t.__dict__.get(FUSION_TAG)] if record is not None else []
     fired_reprs = {repr(t) for t in fired}
-    structural = [
-        t
-        for t in get_model_conversion_mapping(model, include_legacy=False)
-        if not _placed_at_its_prefix(t) or repr(t) in fired_reprs
-    ]
+    mapping = get_model_conversion_mapping(model, include_legacy=False)
+    structural = [t for t in mapping if not _placed_at_its_prefix(t, mapping) or repr(t) in fired_reprs]
     known = {repr(t) for t in structural}
     fusion = list(fusion_transforms(model))
     legacy = {repr(t) for t in legacy_renamings()}
@@ -193,18 +190,43 @@ def reverting_transforms(model: nn.Module) -> list[WeightTransform]:
     return first + fired_legacy + structural + added + last + fusion
 
 
-def _placed_at_its_prefix(t: WeightTransform) -> bool:
-    """A ``PrefixChange(prefix_to_remove=P)`` scoped to a sub-model that sits at ``P`` itself.
+def _placed_at_its_prefix(t: WeightTransform, mapping: list[WeightTransform]) -> bool:
+    """A ``PrefixChange(prefix_to_remove=P)`` of a sub-model whose keys its parent already places.
 
-    Such an entry exists for the sub-model loaded on its own from its parent's checkpoint (a
-    Qwen-Omni thinker from ``thinker.*`` keys, a CLIP tower from ``vision_model.*``). Inside the
-    parent, the scope already is that prefix: inverting it would write ``thinker.thinker.*``, so
-    it is inverted only when it fired.
+    Such an entry exists for the sub-model loaded on its own from a checkpoint of its own (a
+    Qwen-Omni thinker from ``thinker.*`` keys, an Ultrabert encoder from ``ultrabert.*``). Inside
+    a parent whose scope for it already holds ``P``, which strips ``P`` itself, or whose mapping
+    renames ``P`` to the sub-model's place (``^ultrabert.`` → ``model.``), the hub keys never
+    hold ``P`` twice:
+    inverting it would write ``thinker.thinker.*`` or ``ultrabert.ultrabert.*``, so it is
+    inverted only when it fired. (A CLIP tower inside Llava keeps its ``vision_model.``: the
+    parent renames ``vision_tower``, not ``vision_model``.)
     """
-    if not isinstance(t, PrefixChange) or t.prefix_to_remove is None or t.model_prefix:
+    if not isinstance(t, PrefixChange) or t.prefix_to_remove is None or t.model_prefix or not t.scope_prefix:
         return False
-    scope = t.scope_prefix or ""
-    return scope == t.prefix_to_remove or scope.endswith("." + t.prefix_to_remove)
+    scope, prefix = t.scope_prefix, t.prefix_to_remove
+    if prefix in scope.split("."):  # the thinker, or a sub-model inside it (``thinker.model``)
+        return True
+    for other in mapping:
+        if other is t:
+            continue
+        if isinstance(other, PrefixChange) and other.prefix_to_remove == prefix and not other.model_prefix:
+            outer = other.scope_prefix or ""
+            if outer == "" or scope.startswith(outer + "."):
+                return True  # a parent already strips P (the thinker around its base model)
+        if (
+            type(other) is not WeightRenaming
+            or len(other.source_patterns) != 1
+            or len(other.target_patterns) != 1
+        ):
+            continue
+        source = other.source_patterns[0].replace("\\.", ".").lstrip("^").rstrip(".")
+        target = other.target_patterns[0].rstrip(".")
+        if (source == prefix or source.endswith("." + prefix)) and (
+            target == scope or scope.endswith("." + target)
+        ):
+            return True
+    return False
 
 
 class _RecordedShapes:
@@ -335,10 +357,16 @@ class RevertedState(Mapping[str, torch.Tensor]):
     def _plan(self, model: nn.Module) -> list[_Group]:
         record = load_record(model)
         renamings, forward = split_transforms(reverting_transforms(model))
+        fired = {repr(t) for t in record.transforms} if record is not None else set()
         for c in forward:
             r = c.reverse_transform()
             if not isinstance(r, WeightConverter):
                 raise ConfigurationError(f"the reverse of {c!r} is not a converter.")
+            # Where a whole model's converter and a sub-model's both reverse onto one runtime key
+            # (a sub-model entry for its own checkpoints), the one that fired at load wins, then
+            # the outer one (the whole model's layout).
+            depth = len((c.scope_prefix or "").split(".")) if c.scope_prefix else 0
+            r.__dict__[SAVE_PRIORITY] = (repr(c) in fired, -depth)
             self._converters.append(r)
         self._forward = forward
         rename = _Renamer([r.reverse_transform() for r in reversed(renamings)])

@@ -26,7 +26,14 @@ from typing import Any, NamedTuple
 from .errors import ConfigurationError, PatternError
 from .patterns import SourcePattern, TargetPattern, compile_source, parse_target, reverse_pair
 
-__all__ = ["PrefixChange", "TransformMatch", "WeightRenaming", "WeightTransform", "legacy_renamings"]
+__all__ = [
+    "IndexOffsetRenaming",
+    "PrefixChange",
+    "TransformMatch",
+    "WeightRenaming",
+    "WeightTransform",
+    "legacy_renamings",
+]
 
 
 class TransformMatch(NamedTuple):
@@ -243,6 +250,54 @@ class WeightRenaming(WeightTransform):
                 "give one target per source."
             )
         return super().reverse_transform()
+
+
+class IndexOffsetRenaming(WeightRenaming):
+    r"""A renaming whose first capture group is an index moved by ``offset``.
+
+    For per-layer lists that do not start at layer 0 in the checkpoint: with ``offset=1``,
+    ``attn_queries\.(\d+)`` → ``layers.\1.query`` renames ``attn_queries.0`` to
+    ``layers.1.query``. The reverse renaming moves the index back by ``offset``.
+
+    Example:
+        >>> IndexOffsetRenaming(r"queries\.(\d+)", r"layers.\1.query", offset=1).rename_source_key("queries.4")[0]
+        'layers.5.query'
+    """
+
+    def __init__(
+        self,
+        source_patterns: str | Sequence[str],
+        target_patterns: str | Sequence[str],
+        *,
+        offset: int,
+        scope_prefix: str | None = None,
+    ) -> None:
+        super().__init__(source_patterns, target_patterns, scope_prefix=scope_prefix)
+        self.offset = int(offset)
+        if any(not sp.user_groups for sp in self._sources):
+            raise PatternError(f"{self!r}: every source pattern needs a capture group holding the index.")
+
+    def _make_reverse(self, sources: list[str], targets: list[str]) -> WeightTransform:
+        return IndexOffsetRenaming(sources, targets, offset=-self.offset, scope_prefix=self.scope_prefix)
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, offset={self.offset})"
+
+    @property
+    def digit_blind(self) -> bool:
+        return False  # the index is rewritten, so keys differing in digits route differently
+
+    def match(self, key: str) -> TransformMatch | None:
+        m = super().match(key)
+        if m is None:
+            return None
+        index = m.groups[0]
+        if not index.isdigit():
+            return None
+        shifted = int(index) + self.offset
+        if shifted < 0:
+            return None
+        return m._replace(groups=(str(shifted), *m.groups[1:]))
 
 
 class PrefixChange(WeightRenaming):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from surgery import ops
@@ -209,6 +209,53 @@ def test_permute_for_rope_rows_not_divisible_by_heads_is_refused():
         ops.PermuteForRope(num_heads=4).convert([torch.zeros(6, 2)], _ctx())
 
 
+def test_permute_for_rope_slots_permutes_q_and_k_but_not_v():
+    q, k, v = (torch.arange(8.0).reshape(8, 1) + i for i in (0, 100, 200))
+    out = ops.PermuteForRope(num_heads=2, slots=(0, 1)).convert([q, k, v], _ctx(3))
+    (want_q,) = ops.PermuteForRope(num_heads=2).convert([q], _ctx())
+    assert torch.equal(out[0], want_q) and not torch.equal(out[0], q)
+    assert torch.equal(out[2], v)
+    assert ops.PermuteForRope(num_heads=2, slots=(0, 1)).reverse_op.slots == (0, 1)
+
+
+def test_permute_for_rope_slot_out_of_range_is_refused():
+    with pytest.raises(ConversionError, match=r"slots=.*out of range"):
+        ops.PermuteForRope(num_heads=1, slots=(3,)).convert([torch.zeros(2, 1)] * 3, _ctx(3))
+
+
+def test_permute_for_rope_reads_a_dotted_config_attribute_or_the_sub_config_itself():
+    class Vision:
+        num_attention_heads = 2
+
+    class Root:
+        vision_config = Vision()
+
+    w = torch.arange(8.0).reshape(8, 1)
+    (want,) = ops.PermuteForRope(num_heads=2).convert([w], _ctx())
+    op = ops.PermuteForRope(config_attribute="vision_config.num_attention_heads")
+    (at_root,) = op.convert([w], _ctx(config=Root()))
+    (at_tower,) = op.convert([w], _ctx(config=Vision()))  # resolved at the tower: its own config
+    assert torch.equal(at_root, want) and torch.equal(at_tower, want)
+
+
+def test_transpose_when_shape_differs_passes_a_tensor_already_in_the_target_layout():
+    op = ops.Transpose(1, 2, when_shape_differs=True)
+    hub = torch.randn(4, 3, 6)
+    (converted,) = op.convert([hub], _ctx(target_shapes=((4, 6, 3),)))
+    assert converted.shape == (4, 6, 3) and torch.equal(converted, hub.transpose(1, 2))
+    runtime = torch.randn(4, 6, 3)
+    (kept,) = op.convert([runtime], _ctx(target_shapes=((4, 6, 3),)))
+    assert kept is runtime
+    (unknown,) = op.convert([hub], _ctx())  # no target shape (a model never loaded): transposed
+    assert unknown.shape == (4, 6, 3)
+
+
+def test_transpose_when_shape_differs_refuses_dims_it_cannot_tell_apart():
+    op = ops.Transpose(1, 2, when_shape_differs=True)
+    with pytest.raises(ConversionError, match="cannot be told"):
+        op.convert([torch.zeros(2, 5, 5)], _ctx(target_shapes=((2, 5, 5),)))
+
+
 def test_interleave_deinterleaves_and_its_inverse_interleaves():
     t = torch.tensor([0, 10, 1, 11, 2, 12])
     (out,) = ops.Interleave(dim=0).convert([t], _ctx())
@@ -331,7 +378,9 @@ def op_cases(draw):
                 "merge",
                 "unmerge",
                 "transpose",
+                "transpose_when_differs",
                 "rope",
+                "rope_slots",
                 "interleave",
                 "conv3d",
                 "linear",
@@ -381,6 +430,19 @@ def op_cases(draw):
         dim0 = draw(st.integers(-len(shape), len(shape) - 1))
         dim1 = draw(st.integers(-len(shape), len(shape) - 1))
         return ops.Transpose(dim0, dim1), [draw(_tensor(shape))], _ctx(1)
+    if kind == "transpose_when_differs":
+        shape = list(draw(_shape(2, 4)))
+        dim0, dim1 = draw(st.permutations(range(len(shape))))[:2]
+        assume(shape[dim0] != shape[dim1])
+        op = ops.Transpose(dim0, dim1, when_shape_differs=True)
+        return op, [draw(_tensor(tuple(shape)))], _ctx(1, target_shapes=(tuple(shape),))
+    if kind == "rope_slots":
+        heads = draw(st.integers(1, 3))
+        rows = heads * 2 * draw(st.integers(1, 3))
+        slots = [draw(_tensor((rows, draw(_SIZE)))) for _ in range(3)]
+        chosen = tuple(draw(st.sets(st.integers(-3, 2), max_size=3)))
+        op = ops.PermuteForRope(num_heads=heads, inverse=draw(st.booleans()), slots=chosen)
+        return op, slots, _ctx(3)
     if kind == "rope":
         heads = draw(st.integers(1, 4))
         rows = heads * 2 * draw(st.integers(0, 3))

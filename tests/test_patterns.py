@@ -172,6 +172,19 @@ def test_reversing_twice_keeps_the_lookaround():
     assert parse_target(again_target).expand() == target
 
 
+def test_reversing_twice_keeps_every_stacked_lookbehind():
+    # t5gemma2_encoder: four look-behinds side by side must all survive the round trip.
+    source = r"(?<!decoder\.)(?<!text_model\.)(?<!layer)(?<!_)norm\."
+    again_source, again_target = reverse_pair(*reverse_pair(source, "text_model.norm."))
+    assert again_source == source
+    assert again_target == r"text_model\.norm\."
+    sp = compile_source(again_source)
+    assert sp.regex.search("norm.weight") is not None
+    assert sp.regex.search("layers.0.post_feedforward_layernorm.weight") is None
+    assert sp.regex.search("layers.0.input_norm.weight") is None
+    assert sp.regex.search("decoder.norm.weight") is None
+
+
 def test_a_lookaround_carried_into_a_source_does_not_shift_group_numbers():
     # The look-around holds a capture group; carried back into a source it must not become \1.
     new_source, new_target = reverse_pair(r"^layers\.(?!(9)\.)(\d+)\.x", r"blocks.\2.y")

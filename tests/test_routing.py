@@ -548,3 +548,52 @@ def test_two_different_converters_on_one_key_still_conflict() -> None:
     )
     with pytest.raises(ConfigurationError, match="Two converters claim"):
         route_keys(["m.mlp.experts.0.w.weight"], [a, b])
+
+
+def test_index_offset_renaming_moves_the_index_and_its_reverse_moves_it_back() -> None:
+    from surgery.transforms import IndexOffsetRenaming
+
+    forward = IndexOffsetRenaming(r"attn_queries\.(\d+)", r"layers.\1.query", offset=1)
+    routes = route_keys(["model.attn_queries.0.weight", "model.attn_queries.11.weight"], [forward]).routes
+    assert routes["model.attn_queries.0.weight"].target_key == "model.layers.1.query.weight"
+    assert routes["model.attn_queries.11.weight"].target_key == "model.layers.12.query.weight"
+    back = forward.reverse_transform()
+    assert back.rename_source_key("model.layers.12.query.weight")[0] == "model.attn_queries.11.weight"
+    assert back.rename_source_key("model.layers.0.query.weight")[1] is None  # would be index -1: no match
+    assert not forward.digit_blind  # keys differing in digits route differently
+
+
+def test_index_offset_renaming_needs_a_group_holding_the_index() -> None:
+    from surgery.errors import PatternError
+    from surgery.transforms import IndexOffsetRenaming
+
+    with pytest.raises(PatternError, match="capture group"):
+        IndexOffsetRenaming(r"attn_queries\.0", "layers.1.query", offset=1)
+
+
+def test_saving_lets_the_converter_with_the_higher_priority_claim_a_shared_key() -> None:
+    from surgery.routing import SAVE_PRIORITY
+
+    outer = WeightConverter(r"mixer\.experts\.up_proj", r"mixer.experts.fused", [ops.Transpose(1, 2)])
+    inner = WeightConverter(
+        r"mixer\.experts\.up_proj",
+        "mixer.experts.*.up_proj.weight",
+        [ops.SplitModulelist(0)],
+        scope_prefix="lm",
+    )
+    key = "lm.layers.0.mixer.experts.up_proj"
+    with pytest.raises(ConfigurationError, match="Two converters claim"):
+        route_keys([key], [outer, inner])
+    outer.__dict__[SAVE_PRIORITY], inner.__dict__[SAVE_PRIORITY] = (
+        (False, 0),
+        (True, -1),
+    )  # inner fired at load
+    assert (
+        route_keys([key], [outer, inner]).routes[key].target_key
+        == "lm.layers.0.mixer.experts.*.up_proj.weight"
+    )
+    outer.__dict__[SAVE_PRIORITY], inner.__dict__[SAVE_PRIORITY] = (
+        (False, 0),
+        (False, -1),
+    )  # never loaded: outer
+    assert route_keys([key], [outer, inner]).routes[key].target_key == "lm.layers.0.mixer.experts.fused"
