@@ -15,10 +15,15 @@ from types import ModuleType
 from surgery.registry import register_catalog_modules, register_checkpoint_conversion_mapping
 
 from . import (
+    audio,
     clip,
+    decoders,
     dense_example,
+    dense_vision,
+    detection,
     detr,
     dinov2,
+    encoders,
     ernie4_5_vl_moe,
     llava,
     mixtral,
@@ -27,12 +32,32 @@ from . import (
     qwen2_vl,
     qwen_omni,
     sibling_linears,
+    vision_language,
     vit,
+    vit_heads,
 )
 
 __all__ = ["EXAMPLE_FAMILIES", "FAMILIES", "register_catalog", "register_family"]
 
-FAMILIES = (mixtral, qwen2_moe, llava, qwen2_vl, qwen_omni, clip, vit, dinov2, detr, ernie4_5_vl_moe)
+FAMILIES = (
+    mixtral,
+    qwen2_moe,
+    llava,
+    qwen2_vl,
+    qwen_omni,
+    clip,
+    vit,
+    dinov2,
+    detr,
+    ernie4_5_vl_moe,
+    decoders,
+    vision_language,
+    audio,
+    detection,
+    dense_vision,
+    vit_heads,
+    encoders,
+)
 """Checkpoint-conversion families of transformers model types and classes, registered in this order."""
 
 EXAMPLE_FAMILIES = (dense_example,)

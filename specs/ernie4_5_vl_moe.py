@@ -191,3 +191,9 @@ ENTRIES: dict[str, list[WeightTransform]] = {
 
 ALIASES: dict[str, str] = {}
 """Registry key → the key whose mapping it shares (none for this family)."""
+
+
+ADAPTED_PATTERNS: dict[str, dict[str, str]] = {
+    "ernie4_5_vl_moe": {r"(?<!_)(?<!\w)norm\.": r"(?<!language_model\.)(?<!\w)norm\."},
+}
+"""Key -> {transformers' source pattern: ours}, where ours deliberately differs (see the module docstring)."""

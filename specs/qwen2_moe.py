@@ -27,7 +27,7 @@ from __future__ import annotations
 from surgery import WeightConverter, WeightRenaming, ops
 from surgery.transforms import WeightTransform
 
-__all__ = ["ALIASES", "ENTRIES"]
+__all__ = ["ADAPTED_PATTERNS", "ALIASES", "ENTRIES"]
 
 _EXPERTS: list[WeightTransform] = [
     WeightConverter(
@@ -113,3 +113,10 @@ ALIASES: dict[str, str] = {
     "UnlimitedOcrTextModel": "qwen2_moe",
 }
 """Registry key → the key whose mapping it shares."""
+
+
+ADAPTED_PATTERNS: dict[str, dict[str, str]] = {
+    "laguna": {"mlp.shared_expert.": r"mlp.shared_expert\."},
+    "axk1": {"post_mlp_layernorm": r"(?<!mlp\.)post_mlp_layernorm"},
+}
+"""Key -> {transformers' source pattern: ours}, where ours deliberately differs (see the module docstring)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 from surgery import PrefixChange, WeightRenaming
 from surgery.transforms import WeightTransform
 
-__all__ = ["ALIASES", "ENTRIES"]
+__all__ = ["ADAPTED_PATTERNS", "ALIASES", "ENTRIES"]
 
 ENTRIES: dict[str, list[WeightTransform]] = {
     "Qwen2VLModel": [
@@ -39,3 +39,11 @@ ALIASES: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "Qwen2VLForConditionalGeneration",
 }
 """Registry key → the key whose mapping it shares."""
+
+
+ADAPTED_PATTERNS: dict[str, dict[str, str]] = {
+    "Qwen2VLForConditionalGeneration": {
+        r"^model(?!\.(language_model|visual))": r"^model(?!\.(?:language_model|visual))"
+    },
+}
+"""Key -> {transformers' source pattern: ours}: a non-capturing group, so ``\\1`` stays unused."""

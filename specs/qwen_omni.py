@@ -35,8 +35,14 @@ def _thinker() -> list[WeightTransform]:
 ENTRIES: dict[str, list[WeightTransform]] = {
     "Qwen3OmniMoeThinkerForConditionalGeneration": _thinker(),
     "Qwen2_5OmniThinkerForConditionalGeneration": _thinker(),
+    # The thinker's base model: ``thinker.`` goes, the text decoder moves under ``language_model``.
+    "Qwen2_5OmniThinkerModel": [
+        PrefixChange(prefix_to_remove="thinker"),
+        PrefixChange(prefix_to_add="language_model", model_prefix="model"),
+    ],
 }
 
 ALIASES: dict[str, str] = {
     "qwen2_5_omni_thinker": "Qwen2_5OmniThinkerForConditionalGeneration",
+    "Qwen3OmniMoeThinkerModel": "Qwen2_5OmniThinkerModel",
 }

@@ -31,7 +31,9 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 from transformers.conversion_mapping import get_model_conversion_mapping as hf_conversion_mapping  # noqa: E402
 
-from specs import clip, detr, dinov2, ernie4_5_vl_moe, llava, mixtral, qwen2_moe, qwen2_vl, vit  # noqa: E402
+from specs import (  # noqa: E402
+    FAMILIES,
+)
 from surgery.load.loader import load_checkpoint  # noqa: E402
 from surgery.registry import checkpoint_conversion_entry, load_catalogs, registry_snapshot  # noqa: E402
 from surgery.save import save_checkpoint  # noqa: E402
@@ -39,7 +41,6 @@ from surgery.save import save_checkpoint  # noqa: E402
 pytestmark = pytest.mark.interop
 
 T = transformers
-FAMILIES = (mixtral, qwen2_moe, llava, qwen2_vl, clip, vit, dinov2, detr, ernie4_5_vl_moe)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -814,21 +815,35 @@ def test_cross_class_load_matches_transformers(case: Cross, tmp_path: Path) -> N
 
 # --------------------------------------------------------------------------- the entries themselves
 
-# Where a catalog entry deliberately differs from transformers' list (docs/catalog.md says why):
-# key -> {transformers' source pattern: ours}.
-ADAPTED_SOURCES: dict[str, dict[str, str]] = {
-    "laguna": {"mlp.shared_expert.": r"mlp.shared_expert\."},
-    "axk1": {"post_mlp_layernorm": r"(?<!mlp\.)post_mlp_layernorm"},
-    "Qwen2VLForConditionalGeneration": {
-        r"^model(?!\.(language_model|visual))": r"^model(?!\.(?:language_model|visual))"
-    },
-    "ernie4_5_vl_moe": {r"(?<!_)(?<!\w)norm\.": r"(?<!language_model\.)(?<!\w)norm\."},
+# Where a catalog entry deliberately differs from transformers' list (the family module and
+# docs/catalog.md say why): key -> {transformers' source or target pattern: ours}.
+ADAPTED_PATTERNS: dict[str, dict[str, str]] = {
+    key: adapted for fam in FAMILIES for key, adapted in getattr(fam, "ADAPTED_PATTERNS", {}).items()
 }
+# transformers' names for the same thing.
 _RENAMED_OPS = {"ErnieFuseAndSplitTextVisionExperts": "FuseAndSplitTextVisionExperts"}
+_RENAMED_TRANSFORMS = {
+    "GroupWeightRename": "WeightRenaming",
+    "Inkling2IndexOffsetWeightRename": "IndexOffsetRenaming",
+}
+
+
+def _their_target(pattern: str) -> str:
+    """transformers inserts a target as literal text, so ``\\.`` or a leading ``^`` there is a slip of
+    the pen for ``.`` (keys never hold either); ours are written as plain key text."""
+    return pattern.replace("\\.", ".").removeprefix("^")
 
 
 def _signature(kind: str, sources: Any, targets: Any, ops: Any) -> tuple[Any, ...]:
     return (kind, tuple(sources), tuple(targets), tuple(_RENAMED_OPS.get(o, o) for o in ops))
+
+
+OMITTED: dict[str, list[str]] = {
+    key: srcs for fam in FAMILIES for key, srcs in getattr(fam, "OMITTED", {}).items()
+}
+REKEYED: dict[str, str] = {
+    key: theirs for fam in FAMILIES for key, theirs in getattr(fam, "REKEYED", {}).items()
+}
 
 
 def _theirs(key: str) -> list[tuple[Any, ...]]:
@@ -838,15 +853,20 @@ def _theirs(key: str) -> list[tuple[Any, ...]]:
     if build is None:
         pytest.skip("this transformers version has no _build_checkpoint_conversion_mapping")
     out = []
-    for t in build()[key]:
+    omitted = OMITTED.get(key, [])
+    for t in build()[REKEYED.get(key, key)]:
+        if any(p in omitted for p in getattr(t, "_original_source_patterns", ())):
+            continue
         if type(t).__name__ == "PrefixChange":  # compare by what it adds/removes, not its generated regex
             out.append(("PrefixChange", t.prefix_to_add, t.prefix_to_remove, t.model_prefix or None))
             continue
-        adapted = ADAPTED_SOURCES.get(key, {})
+        adapted = ADAPTED_PATTERNS.get(key, {})
         # Ours escape the dots between key components (only canonical spellings load).
         sources = [escape_dots(adapted.get(s, s)) for s in t._original_source_patterns]
+        targets = [adapted.get(p, _their_target(p)) for p in t._original_target_patterns]
         ops = [type(o).__name__ for o in (getattr(t, "operations", None) or [])]
-        out.append(_signature(type(t).__name__, sources, t._original_target_patterns, ops))
+        kind = _RENAMED_TRANSFORMS.get(type(t).__name__, type(t).__name__)
+        out.append(_signature(kind, sources, targets, ops))
     return out
 
 

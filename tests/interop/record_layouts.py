@@ -1,0 +1,85 @@
+"""Record every catalog family's checkpoint layout, for the catalog tests that run without transformers.
+
+For each case of the generated interop test (:mod:`test_every_family_interop`) this builds the
+tiny model, lets transformers write its hub file (put right by ``HUB_LAYOUT`` where transformers
+gets it wrong), and records three facts: the hub file's keys and shapes, the model's runtime keys
+and shapes, and which registry key each sub-model resolved to (with its scope). The result,
+``tests/data/catalog_layouts.json.gz`` (gzipped JSON: 20,000 keys), is what ``tests/test_catalog.py`` routes, converts and
+reverts without transformers installed.
+
+Run it after changing the catalog (it needs the interop extra, transformers 5.23)::
+
+    python tests/interop/record_layouts.py
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE.parent / "data" / "catalog_layouts.json.gz"
+
+
+def main() -> int:
+    sys.path.insert(0, str(HERE))
+    warnings.filterwarnings("ignore")
+    import transformers
+    from safetensors import safe_open
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    from round_trip import Outcome, round_trip
+    from test_every_family_interop import CASES, HUB_LAYOUT, NOT_BUILT
+    from tiny import build
+
+    from surgery.load.loader import load_checkpoint
+    from surgery.registry import load_catalogs
+    from surgery.resolution import explain_model_conversion_mapping
+
+    load_catalogs()
+    layouts: dict[str, dict[str, object]] = {}
+    for case in CASES:
+        if case.key in NOT_BUILT:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            try:
+                round_trip(case, root, hub_layout=HUB_LAYOUT.get(case.key))
+            except Outcome as e:
+                print(f"skipped {case.key}: {str(e)[:120]}", file=sys.stderr)
+                continue
+            original: dict[str, list[int]] = {}
+            for f in sorted((root / "original").glob("*.safetensors")):
+                with safe_open(f, "pt") as h:
+                    for k in h.keys():  # noqa: SIM118 - safe_open has no __iter__
+                        original[k] = list(h.get_slice(k).get_shape())
+            model = build(case, seed=0)
+            # The runtime keys the file fills (tied copies the file leaves out are not among them).
+            report = load_checkpoint(model, root / "original")
+            state = model.state_dict()
+            runtime = {k: list(state[k].shape) for k in sorted(report.loaded_keys)}
+        resolved = [
+            [r.key, r.path]
+            for r in explain_model_conversion_mapping(model)
+            if r.outcome in ("class_name", "model_type")
+        ]
+        layouts[f"{case.key}/{case.class_name}"] = {
+            "key": case.key,
+            "resolved": resolved,
+            "original": original,
+            "runtime": runtime,
+        }
+    OUT.parent.mkdir(exist_ok=True)
+    data = json.dumps(layouts, separators=(",", ":"), sort_keys=True).encode()
+    OUT.write_bytes(gzip.compress(data, mtime=0))
+    print(f"wrote {len(layouts)} layouts to {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""One family's round trip through transformers and surgery, shared by the generated test and the survey.
+
+:func:`round_trip` builds a tiny model (:mod:`tiny`), lets transformers write its original (hub)
+checkpoint, loads it back with transformers (the reference), then loads it with surgery into a
+fresh model and saves it again. Each step that can fail raises an :class:`Outcome` naming whose
+step failed, so the generated test can tell "transformers cannot build or round-trip this family
+itself" (listed with the reason) from "surgery gets it wrong" (a failure).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from tiny import Candidate, build
+
+from surgery.load.loader import load_checkpoint
+from surgery.save import save_checkpoint
+
+__all__ = ["NotBuilt", "NotSelfRoundTripped", "Outcome", "SurgeryMismatch", "round_trip"]
+
+
+class Outcome(Exception):
+    """A round trip that stopped; ``str()`` is the reason."""
+
+
+class NotBuilt(Outcome):
+    """transformers cannot build a tiny model of this class (the reason names the error)."""
+
+
+class NotSelfRoundTripped(Outcome):
+    """transformers' own save + load of the tiny model does not give it back."""
+
+
+class SurgeryMismatch(Outcome):
+    """surgery's load or save differs from transformers'."""
+
+
+def read(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> str | None:
+    """``None`` when both hold the same keys, dtypes and values; else what differs first."""
+    if sorted(got) != sorted(want):
+        extra, lacking = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+        return f"{len(extra)} extra keys {extra[:3]}, {len(lacking)} lacking keys {lacking[:3]}"
+    for k, t in want.items():
+        if got[k].dtype != t.dtype:
+            return f"{k}: dtype {got[k].dtype}, want {t.dtype}"
+        if got[k].shape != t.shape or not torch.equal(got[k], t):
+            return f"{k}: values differ (shape {tuple(got[k].shape)}, want {tuple(t.shape)})"
+    return None
+
+
+def _state(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def round_trip(
+    candidate: Candidate,
+    root: Path,
+    *,
+    hub_layout: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+) -> str | None:
+    """Raise an :class:`Outcome` unless surgery loads and saves the family exactly.
+
+    ``hub_layout`` rewrites transformers' written file (keys, tensors) into the real hub layout where
+    transformers' save gets it wrong (one of its defects). Returns ``None`` when transformers
+    round-trips the file itself and surgery matches it; when transformers' own load of the file
+    fails, surgery is checked against the model that wrote it and the return value says why.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    note = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = build(candidate, seed=0)
+        except Exception as e:
+            raise NotBuilt(f"{type(e).__name__}: {e}") from e
+        cls = type(model)
+        try:
+            # The hub layout: what transformers writes after loading a hub checkpoint.
+            model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)
+            model.save_pretrained(root / "original")
+        except Exception as e:
+            raise NotSelfRoundTripped(f"save_pretrained fails: {type(e).__name__}: {e}") from e
+        if hub_layout is not None:
+            _rewrite(root / "original", hub_layout)
+        want = _state(model)
+        try:
+            reference, info = cls.from_pretrained(root / "original", output_loading_info=True)
+        except Exception as e:
+            note = f"transformers' from_pretrained fails: {type(e).__name__}: {str(e)[:200]}"
+        else:
+            problems = {
+                k: info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)
+            }
+            if problems:
+                note = f"transformers' from_pretrained reports {_short(problems)}"
+            elif (diff := differences(_state(reference), want)) is not None:
+                note = f"transformers' from_pretrained gives another model: {diff}"
+        original = read(root / "original")
+        try:
+            fresh = build(candidate, seed=1)
+        except Exception as e:
+            raise NotBuilt(f"{type(e).__name__}: {e}") from e
+
+    report = load_checkpoint(fresh, root / "original")
+    if not report.ok:
+        raise SurgeryMismatch(f"load reports problems: {str(report)[:600]}")
+    if (diff := differences(_state(fresh), want)) is not None:
+        raise SurgeryMismatch(f"load differs from the model that wrote the file: {diff}")
+    save_checkpoint(fresh, root / "saved")
+    if (diff := differences(read(root / "saved"), original)) is not None:
+        raise SurgeryMismatch(f"save differs from the original file: {diff}")
+    return note
+
+
+def _rewrite(directory: Path, layout: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+    """Rewrite every safetensors file in ``directory`` in place through ``layout`` (metadata kept)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(f, "pt") as h:
+            metadata = h.metadata()
+        save_file({k: v.contiguous() for k, v in layout(load_file(f)).items()}, f, metadata=metadata)
+
+
+def _short(problems: dict[str, Any]) -> str:
+    return ", ".join(f"{k}: {sorted(map(str, v))[:3]} ({len(v)})" for k, v in problems.items())
