@@ -10,10 +10,10 @@ Runtime layout of a standalone ``CLIPVisionModel`` / ``CLIPTextModel``::
 
 Registered by class name on purpose: classes that share a ``model_type`` keep different layouts
 (``CLIPVisionModelWithProjection`` is ``clip_vision_model`` too, but keeps ``vision_model.`` at
-runtime). Inside a dual encoder the towers are scoped to ``vision_model`` / ``text_model`` and the
-rule only fires on a doubled prefix. The mapping is a :class:`~surgery.PrefixChange`, so a model
-that was never loaded from an original checkpoint saves its runtime layout (nothing says the
-checkpoint had the prefix).
+runtime). A standalone tower, and a tower inside a Llava-style model, save with the prefix (the
+hub layout) whether or not they were loaded from a file. Inside a dual encoder (``CLIPModel``,
+``AltCLIPModel``) the towers are scoped to ``vision_model`` / ``text_model`` themselves: the rule
+only fires on a doubled prefix, and saving inverts it only when it fired.
 
 ``mlcd``, ``mlcd_vision``, ``xCLIPVisionModel`` and ``xCLIPTextModel`` are kept for parity with the
 reference although no class or model type of that name exists in transformers 5.23.

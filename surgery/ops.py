@@ -542,6 +542,13 @@ class Transpose(ConversionOp):
     dim1: int = 1
     when_shape_differs: bool = False
 
+    def __post_init__(self) -> None:
+        if self.when_shape_differs and self.dim0 == self.dim1:
+            raise ConversionError(
+                f"Transpose({self.dim0}, {self.dim1}, when_shape_differs=True) swaps a dim with itself: "
+                "give two different dims."
+            )
+
     def convert(self, slots: list[Slot], ctx: OpContext) -> list[Slot]:
         targets = ctx.target_shapes or ()
 
@@ -553,8 +560,9 @@ class Transpose(ConversionOp):
                     raise self._fail(
                         ctx,
                         f"dims {self.dim0} and {self.dim1} of shape {tuple(t.shape)} are equal, so the "
-                        "checkpoint's layout cannot be told from the runtime layout; convert this "
-                        "checkpoint with an explicit Transpose().",
+                        "checkpoint's layout cannot be told from the runtime layout; register a "
+                        "mapping for this model with a plain Transpose() (hub layout) or none "
+                        "(runtime layout) under its class name, with overwrite=True.",
                     )
                 if tuple(t.shape) == tuple(target):
                     return t
@@ -617,14 +625,21 @@ class PermuteForRope(ConversionOp):
         if self.num_heads is not None and self.num_heads < 1:
             raise ConversionError(f"PermuteForRope(num_heads={self.num_heads}): must be positive.")
         if self.slots is not None:
-            object.__setattr__(self, "slots", tuple(int(i) for i in self.slots))
+            slots = tuple(self.slots) if isinstance(self.slots, (tuple, list)) else None
+            if not slots or any(isinstance(i, bool) or not isinstance(i, int) for i in slots):
+                raise ConversionError(
+                    f"PermuteForRope(slots={self.slots!r}): give a non-empty tuple of tensor positions, "
+                    "e.g. slots=(0, 1) for q and k after a Chunk of a fused qkv."
+                )
+            object.__setattr__(self, "slots", slots)
 
     def _heads(self, ctx: OpContext) -> int:
         if self.num_heads is not None:
             return self.num_heads
         cfg = ctx.config
         value = _config_value(cfg, self.config_attribute)  # type: ignore[arg-type]
-        if value is None and cfg is not None and hasattr(cfg, "get_text_config"):
+        dotted = "." in (self.config_attribute or "")  # names its sub-config: never the text one
+        if value is None and not dotted and cfg is not None and hasattr(cfg, "get_text_config"):
             value = _config_value(cfg.get_text_config(), self.config_attribute)  # type: ignore[arg-type]
         if not isinstance(value, int) or value < 1:
             raise self._fail(

@@ -273,9 +273,13 @@ class IndexOffsetRenaming(WeightRenaming):
         scope_prefix: str | None = None,
     ) -> None:
         super().__init__(source_patterns, target_patterns, scope_prefix=scope_prefix)
-        self.offset = int(offset)
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise ConfigurationError(f"IndexOffsetRenaming(offset={offset!r}): the offset must be an int.")
+        self.offset = offset
         if any(not sp.user_groups for sp in self._sources):
             raise PatternError(f"{self!r}: every source pattern needs a capture group holding the index.")
+        if any("\\1" not in t.text for t in self._targets):
+            raise PatternError(f"{self!r}: every target must place the index with \\1.")
 
     def _make_reverse(self, sources: list[str], targets: list[str]) -> WeightTransform:
         return IndexOffsetRenaming(sources, targets, offset=-self.offset, scope_prefix=self.scope_prefix)
@@ -292,8 +296,8 @@ class IndexOffsetRenaming(WeightRenaming):
         if m is None:
             return None
         index = m.groups[0]
-        if not index.isdigit():
-            return None
+        if not index.isdigit() or index != str(int(index)):
+            return None  # not a plain index (``09`` would not come back as written)
         shifted = int(index) + self.offset
         if shifted < 0:
             return None

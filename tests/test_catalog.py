@@ -649,8 +649,9 @@ def _recorded() -> tuple[Case, ...]:
     """Every family's layout as transformers 5.23 writes it, recorded by tests/interop/record_layouts.py.
 
     The hub file's keys and shapes, the runtime keys and shapes the file fills, and the registry
-    key each sub-model resolved to: facts about real checkpoints, checked against transformers'
-    own loader by the generated interop test when they were recorded.
+    key each sub-model resolved to: the layouts as transformers writes them (put into the hub layout
+    where its save is known to be wrong), checked against transformers' own loader by the generated
+    interop test when they were recorded.
     """
     path = Path(__file__).resolve().parent / "data" / "catalog_layouts.json.gz"
     data = json.loads(gzip.decompress(path.read_bytes()))

@@ -440,7 +440,7 @@ def op_cases(draw):
         heads = draw(st.integers(1, 3))
         rows = heads * 2 * draw(st.integers(1, 3))
         slots = [draw(_tensor((rows, draw(_SIZE)))) for _ in range(3)]
-        chosen = tuple(draw(st.sets(st.integers(-3, 2), max_size=3)))
+        chosen = tuple(draw(st.sets(st.integers(-3, 2), min_size=1, max_size=3)))
         op = ops.PermuteForRope(num_heads=heads, inverse=draw(st.booleans()), slots=chosen)
         return op, slots, _ctx(3)
     if kind == "rope":
@@ -484,3 +484,32 @@ def test_reversing_an_op_twice_gives_an_op_with_the_same_effect(case):
 
 def _shapes_of(slots):
     return tuple(tuple(s[0].shape) if isinstance(s, list) else tuple(s.shape) for s in slots)
+
+
+@pytest.mark.parametrize("slots", [(), (True,), (1.5,), 0, ("a",)])
+def test_permute_for_rope_slots_must_name_tensor_positions(slots):
+    with pytest.raises(ConversionError, match="non-empty tuple of tensor positions"):
+        ops.PermuteForRope(num_heads=1, slots=slots)
+
+
+def test_transpose_when_shape_differs_needs_two_different_dims():
+    with pytest.raises(ConversionError, match="two different dims"):
+        ops.Transpose(1, 1, when_shape_differs=True)
+
+
+def test_permute_for_rope_dotted_attribute_never_reads_the_text_config():
+    class Vision:
+        num_heads = 4  # spelled differently: not the attribute asked for
+
+    class Text:
+        num_attention_heads = 2
+
+    class Root:
+        vision_config = Vision()
+
+        def get_text_config(self):
+            return Text()
+
+    op = ops.PermuteForRope(config_attribute="vision_config.num_attention_heads")
+    with pytest.raises(ConversionError, match="no positive integer"):
+        op.convert([torch.zeros(8, 1)], _ctx(config=Root()))

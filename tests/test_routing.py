@@ -597,3 +597,15 @@ def test_saving_lets_the_converter_with_the_higher_priority_claim_a_shared_key()
         (False, -1),
     )  # never loaded: outer
     assert route_keys([key], [outer, inner]).routes[key].target_key == "lm.layers.0.mixer.experts.fused"
+
+
+def test_index_offset_renaming_refuses_bad_options_naming_the_fix() -> None:
+    from surgery.errors import PatternError
+    from surgery.transforms import IndexOffsetRenaming
+
+    with pytest.raises(ConfigurationError, match="must be an int"):
+        IndexOffsetRenaming(r"q\.(\d+)", r"layers.\1.q", offset=1.5)  # type: ignore[arg-type]
+    with pytest.raises(PatternError, match=r"place the index with \\1"):
+        IndexOffsetRenaming(r"q\.(\d+)", "layers.q", offset=1)
+    padded = IndexOffsetRenaming(r"q\.(\d+)", r"layers.\1.q", offset=1)
+    assert padded.rename_source_key("q.09.w")[1] is None  # would not come back as "09"

@@ -35,6 +35,7 @@ def main() -> int:
     transformers.utils.logging.disable_progress_bar()
     from round_trip import Outcome, round_trip
     from test_every_family_interop import CASES, HUB_LAYOUT, NOT_BUILT
+    from test_every_family_interop import NEVER_LOADED_SAVES_OTHERWISE as NEVER_LOADED
     from tiny import build
 
     from surgery.load.loader import load_checkpoint
@@ -49,7 +50,12 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
             try:
-                round_trip(case, root, hub_layout=HUB_LAYOUT.get(case.key))
+                round_trip(
+                    case,
+                    root,
+                    hub_layout=HUB_LAYOUT.get(case.key),
+                    check_never_loaded=case.key not in NEVER_LOADED,
+                )
             except Outcome as e:
                 print(f"skipped {case.key}: {str(e)[:120]}", file=sys.stderr)
                 continue

@@ -55,9 +55,17 @@ def differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
     for k, t in want.items():
         if got[k].dtype != t.dtype:
             return f"{k}: dtype {got[k].dtype}, want {t.dtype}"
-        if got[k].shape != t.shape or not torch.equal(got[k], t):
+        if got[k].shape != t.shape or not _same_bits(got[k], t):
             return f"{k}: values differ (shape {tuple(got[k].shape)}, want {tuple(t.shape)})"
     return None
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN payloads and signed zeros included)."""
+    if a.dtype.is_floating_point and a.element_size() in (2, 4, 8):
+        as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+    return torch.equal(a, b)
 
 
 def _state(model: Any) -> dict[str, torch.Tensor]:
@@ -69,13 +77,15 @@ def round_trip(
     root: Path,
     *,
     hub_layout: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    check_never_loaded: bool = True,
 ) -> str | None:
     """Raise an :class:`Outcome` unless surgery loads and saves the family exactly.
 
     ``hub_layout`` rewrites transformers' written file (keys, tensors) into the real hub layout where
     transformers' save gets it wrong (one of its defects). Returns ``None`` when transformers
-    round-trips the file itself and surgery matches it; when transformers' own load of the file
-    fails, surgery is checked against the model that wrote it and the return value says why.
+    round-trips the file itself and surgery matches it; otherwise the return value says why, and
+    surgery is checked against the model that wrote the file (transformers cannot load it) or
+    against transformers' reading of the file (it holds other values than the model's).
     """
     from transformers.conversion_mapping import get_model_conversion_mapping
 
@@ -107,7 +117,10 @@ def round_trip(
             if problems:
                 note = f"transformers' from_pretrained reports {_short(problems)}"
             elif (diff := differences(_state(reference), want)) is not None:
+                # The file does not hold the model that wrote it (transformers' save wrote other
+                # values): surgery must read what the file holds, as transformers' load does.
                 note = f"transformers' from_pretrained gives another model: {diff}"
+                want = _state(reference)
         original = read(root / "original")
         try:
             fresh = build(candidate, seed=1)
@@ -118,10 +131,18 @@ def round_trip(
     if not report.ok:
         raise SurgeryMismatch(f"load reports problems: {str(report)[:600]}")
     if (diff := differences(_state(fresh), want)) is not None:
-        raise SurgeryMismatch(f"load differs from the model that wrote the file: {diff}")
+        raise SurgeryMismatch(f"load differs from what the file holds: {diff}")
     save_checkpoint(fresh, root / "saved")
     if (diff := differences(read(root / "saved"), original)) is not None:
         raise SurgeryMismatch(f"save differs from the original file: {diff}")
+    if check_never_loaded and note is None:
+        # The model that wrote the file was never loaded through surgery: saving it in original
+        # format must give the same file (the family's layout, not the layout a load recorded).
+        save_checkpoint(model, root / "never-loaded")
+        if (diff := differences(read(root / "never-loaded"), original)) is not None:
+            raise SurgeryMismatch(
+                f"saving a model that was never loaded differs from the original file: {diff}"
+            )
     return note
 
 

@@ -47,6 +47,16 @@ NOT_SELF_ROUND_TRIPPED: dict[str, str] = {
 }
 """Families whose file transformers writes but cannot load back itself."""
 
+UNRELIABLE_SAVE: dict[str, str] = {
+    # catalog key -> why transformers' file sometimes does not hold the model that wrote it.
+    "qwen3_omni_moe": (
+        "in about half the runs transformers 5.23 writes one talker expert's down_proj from "
+        "uninitialized memory (NaN or garbage); surgery is then checked against transformers' "
+        "reading of the file"
+    ),
+}
+"""Families whose round trip through transformers' save is not deterministic, and why."""
+
 
 def _renames(*pairs: tuple[str, str]) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """A file rewrite renaming each key by the first pattern that matches it."""
@@ -86,6 +96,15 @@ _ULTRABERT = _renames(
     (r"^ultrabert\.", ""),
 )
 
+_DOUBLED = (
+    _renames(  # transformers writes the tower prefix twice (its reversed PrefixChange fires inside the scope)
+        (r"^text_encoder\.text_encoder\.", "text_encoder."),
+        (r"^vision_encoder\.vision_encoder\.", "vision_encoder."),
+        (r"^vision_model\.vision_model\.", "vision_model."),
+        (r"^text_model\.text_model\.", "text_model."),
+        (r"^model\.vision_model\.vision_model\.", "model.vision_model."),
+    )
+)
 _TIPSV2_DPT = _renames(
     (r"^vision_encoder\.vision_encoder\.", "vision_encoder."),
     (r"^vision_encoder\.((?:depth_|normals_|segmentation_)?head)\.", r"\1."),
@@ -117,7 +136,20 @@ HUB_LAYOUT: dict[str, Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor
     "Tipsv2DptForSemanticSegmentation": _TIPSV2_DPT,
     "Dots3NoteForConditionalGeneration": _DOTS3_NOTE,
     "qwen3_vl_moe": _transposed_experts,
+    "tipsv2": _DOUBLED,
+    "altclip": _DOUBLED,
+    "UltraVBertForMaskedLM": _DOUBLED,
 }
+
+NEVER_LOADED_SAVES_OTHERWISE: dict[str, str] = {
+    # catalog key -> why saving the model that wrote the file, never loaded, gives another file.
+    "nemo_speechlm": (
+        "the file holds the Nemotron-H per-expert layout; a model never loaded saves the whole "
+        "model's NeMo layout (fused gate_and_up_projs), a loaded one what fired"
+    ),
+    "jina_embeddings_v3": "the tied embedding is written under lm_head.decoder.weight, not the embedding's name",
+}
+"""Families whose never-loaded save differs from the loaded one, and why."""
 """Rewrites of transformers' written file into the real hub layout (its save defects)."""
 
 
@@ -126,8 +158,34 @@ def _catalog_keys() -> list[str]:
 
 
 CASES: list[Candidate] = [c for key in _catalog_keys() for c in candidates(key)]
-UNBUILDABLE_KEYS = sorted({k for k in _catalog_keys()} - {c.key for c in CASES})
-"""Catalog keys with no transformers class of that name or model type (e.g. a remote-code class)."""
+UNBUILDABLE_KEYS = sorted(set(_catalog_keys()) - {c.key for c in CASES})
+
+NO_CLASS: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "MaskFormerDetrDecoder",
+            "MtpModel",
+            "PPChart2TableModel",
+            "mlcd_vision",
+            "xCLIPTextModel",
+            "xCLIPVisionModel",
+        ),
+        "no transformers 5.23 class or model type of that name (kept for parity with its mapping)",
+    ),
+    **dict.fromkeys(
+        (
+            "UnlimitedOcrSamVisionEncoder",
+            "UnlimitedOcrVisionEncoder",
+            "dots3_note_audio_encoder",
+            "dots3_note_vision_encoder",
+            "qwen3_omni_moe_text",
+            "step3p5_vision",
+        ),
+        "a sub-model with no head class of its own: resolved inside its parent's case",
+    ),
+}
+"""Catalog keys the test has no class to build for, and why (docs/catalog.md shows where the
+sub-model keys are resolved)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -139,11 +197,8 @@ def catalog():
         yield
 
 
-def test_every_catalog_key_without_a_class_is_a_known_remote_code_class() -> None:
-    """Keys the test cannot build name classes transformers 5.23 does not ship (hub remote code)."""
-    import transformers as t
-
-    assert all(not hasattr(t, k) for k in UNBUILDABLE_KEYS), UNBUILDABLE_KEYS
+def test_every_catalog_key_without_a_class_is_listed_with_the_reason() -> None:
+    assert sorted(NO_CLASS) == UNBUILDABLE_KEYS
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.key}-{c.class_name}" for c in CASES])
@@ -152,14 +207,27 @@ def test_family_loads_and_saves_exactly(case: Candidate, tmp_path: Path) -> None
         with pytest.raises(NotBuilt, match=re.escape(NOT_BUILT[case.key])):
             round_trip(case, tmp_path)
         return
-    note = round_trip(case, tmp_path, hub_layout=HUB_LAYOUT.get(case.key))
+    note = round_trip(
+        case,
+        tmp_path,
+        hub_layout=HUB_LAYOUT.get(case.key),
+        check_never_loaded=case.key not in NEVER_LOADED_SAVES_OTHERWISE,
+    )
     if case.key in NOT_SELF_ROUND_TRIPPED:
         assert note is not None and NOT_SELF_ROUND_TRIPPED[case.key] in note, note
+    elif case.key in UNRELIABLE_SAVE:
+        assert note is None or "gives another model" in note, note
     else:
         assert note is None, note
 
 
 def test_lists_name_catalog_keys() -> None:
     keys = set(_catalog_keys())
-    for listed in (NOT_BUILT, NOT_SELF_ROUND_TRIPPED, HUB_LAYOUT):
+    for listed in (
+        NOT_BUILT,
+        NOT_SELF_ROUND_TRIPPED,
+        UNRELIABLE_SAVE,
+        HUB_LAYOUT,
+        NEVER_LOADED_SAVES_OTHERWISE,
+    ):
         assert set(listed) <= keys, set(listed) - keys

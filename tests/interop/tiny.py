@@ -176,7 +176,11 @@ def _keep_variety(values: list[Any], n: int) -> list[Any]:
     return out
 
 
-def _shrink(d: dict[str, Any]) -> dict[str, Any]:
+VISION_HEADS = 4
+"""Vision towers get other head counts than the text model: an op reading the wrong one shows."""
+
+
+def _shrink(d: dict[str, Any], heads: int = HEADS) -> dict[str, Any]:
     """A shrunken copy of one (sub-)config dict."""
     d = dict(d)
     old_heads = next((d[k] for k in _HEADS if isinstance(d.get(k), int)), None)
@@ -184,7 +188,10 @@ def _shrink(d: dict[str, Any]) -> dict[str, Any]:
     stages = isinstance(d.get("depths"), list)  # Swin-like: ``num_layers`` counts stages, not layers
     for k, v in list(d.items()):
         if isinstance(v, dict):
-            d[k] = _shrink(v) if (_is_config_dict(v) or k.endswith("_config")) else _shrink_params(v)
+            sub_heads = VISION_HEADS if "vision" in k else heads
+            d[k] = (
+                _shrink(v, sub_heads) if (_is_config_dict(v) or k.endswith("_config")) else _shrink_params(v)
+            )
         elif isinstance(v, bool) or not isinstance(v, (int, list)):
             continue
         elif isinstance(v, list):
@@ -202,10 +209,10 @@ def _shrink(d: dict[str, Any]) -> dict[str, Any]:
             d[k] = _FFN[k]
         elif k in _DEPTHS and v > LAYERS and not (stages and k == "num_layers"):
             d[k] = LAYERS
-        elif k in _HEADS and v > HEADS:
-            d[k] = HEADS
+        elif k in _HEADS and v > heads:
+            d[k] = heads
         elif k in _KV_HEADS and v > 1:
-            d[k] = HEADS if old_heads is not None and v >= old_heads else 1
+            d[k] = heads if old_heads is not None and v >= old_heads else 1
         elif k in _HEAD_DIMS and v > HEAD_DIM:
             d[k] = HEAD_DIM
         elif k in _EXPERTS and v > 4:
@@ -749,4 +756,29 @@ def build(candidate: Candidate, *, seed: int = 0) -> Any:
         largest = sorted(((p.numel(), n) for n, p in probe.named_parameters()), reverse=True)[:4]
         raise ValueError(f"{candidate.class_name} is not tiny: {count:,} parameters, largest {largest}")
     torch.manual_seed(seed)
-    return cls(config).eval()
+    model = cls(config).eval()
+    _randomize(model, seed)
+    return model
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every floating parameter and persistent buffer drawn from ``seed``.
+
+    Init leaves norms at 1, biases and layer scales at 0: identical in every model, so a mapping
+    that swapped two of them would still compare equal.
+    """
+    g = torch.Generator().manual_seed(seed)
+    tensors = list(model.parameters())
+    for module in model.modules():
+        tensors += [
+            b
+            for name, b in module._buffers.items()
+            if b is not None and name not in module._non_persistent_buffers_set and b.is_floating_point()
+        ]
+    seen: set[int] = set()
+    with torch.no_grad():
+        for t in tensors:
+            if id(t) in seen or not t.is_floating_point():
+                continue
+            seen.add(id(t))
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
