@@ -44,6 +44,36 @@ def _swin() -> list[WeightTransform]:
     ]
 
 
+def _tipsv2_dpt(head: str) -> list[WeightTransform]:
+    """A TIPSv2 DPT head's ``reassemble``/``fusion_blocks``/``convs``/``project`` → the DPT neck and decoder."""
+    return [
+        WeightRenaming("vision_encoder", "backbone"),
+        WeightRenaming(
+            rf"{head}\.reassemble\.readout_projects\.(\d+)",
+            r"neck.reassemble_stage.readout_projects.\1.layers.0",
+        ),
+        WeightRenaming(
+            rf"{head}\.reassemble\.out_projections\.(\d+)\.", r"neck.reassemble_stage.layers.\1.projection."
+        ),
+        WeightRenaming(
+            rf"{head}\.reassemble\.resize_layers\.(\d+)\.", r"neck.reassemble_stage.layers.\1.resize."
+        ),
+        WeightRenaming(
+            rf"{head}\.fusion_blocks\.(\d+)\.out_conv\.", r"neck.fusion_stage.layers.\1.projection."
+        ),
+        *(
+            WeightRenaming(
+                rf"{head}\.fusion_blocks\.(\d+)\.{unit}\.conv{n}\.",
+                rf"neck.fusion_stage.layers.\1.residual_layer{layer}.convolution{n}.",
+            )
+            for unit, layer in (("main_unit", 2), ("residual_unit", 1))
+            for n in (1, 2)
+        ),
+        WeightRenaming(rf"{head}\.convs", "neck.convs"),
+        WeightRenaming(rf"{head}\.project", "decoder.project"),
+    ]
+
+
 ENTRIES: dict[str, list[WeightTransform]] = {
     "sapiens2": [
         WeightRenaming("^cls_token", "embeddings.cls_token"),
@@ -254,147 +284,21 @@ ENTRIES: dict[str, list[WeightTransform]] = {
         ),
     ],
     "tipsv2_dpt": [
-        WeightRenaming("vision_encoder", "backbone"),
-        WeightRenaming(
-            r"head\.reassemble\.readout_projects\.(\d+)",
-            r"neck.reassemble_stage.readout_projects.\1.layers.0",
-        ),
-        WeightRenaming(
-            r"head\.reassemble\.out_projections\.(\d+)\.", r"neck.reassemble_stage.layers.\1.projection."
-        ),
-        WeightRenaming(
-            r"head\.reassemble\.resize_layers\.(\d+)\.", r"neck.reassemble_stage.layers.\1.resize."
-        ),
-        WeightRenaming(r"head\.fusion_blocks\.(\d+)\.out_conv\.", r"neck.fusion_stage.layers.\1.projection."),
-        WeightRenaming(
-            r"head\.fusion_blocks\.(\d+)\.main_unit\.conv1\.",
-            r"neck.fusion_stage.layers.\1.residual_layer2.convolution1.",
-        ),
-        WeightRenaming(
-            r"head\.fusion_blocks\.(\d+)\.main_unit\.conv2\.",
-            r"neck.fusion_stage.layers.\1.residual_layer2.convolution2.",
-        ),
-        WeightRenaming(
-            r"head\.fusion_blocks\.(\d+)\.residual_unit\.conv1\.",
-            r"neck.fusion_stage.layers.\1.residual_layer1.convolution1.",
-        ),
-        WeightRenaming(
-            r"head\.fusion_blocks\.(\d+)\.residual_unit\.conv2\.",
-            r"neck.fusion_stage.layers.\1.residual_layer1.convolution2.",
-        ),
-        WeightRenaming(r"head\.convs", "neck.convs"),
-        WeightRenaming(r"head\.project", "decoder.project"),
+        *_tipsv2_dpt("head"),
         WeightRenaming(r"depth_head\.depth_head\.", "depth_decoder.head."),
         WeightRenaming(r"normals_head\.normals_head\.", "normals_decoder.head."),
         WeightRenaming(r"segmentation_head\.segmentation_head\.", "segmentation_decoder.head."),
     ],
     "Tipsv2DptForDepthEstimation": [
-        WeightRenaming("vision_encoder", "backbone"),
-        WeightRenaming(
-            r"depth_head\.reassemble\.readout_projects\.(\d+)",
-            r"neck.reassemble_stage.readout_projects.\1.layers.0",
-        ),
-        WeightRenaming(
-            r"depth_head\.reassemble\.out_projections\.(\d+)\.",
-            r"neck.reassemble_stage.layers.\1.projection.",
-        ),
-        WeightRenaming(
-            r"depth_head\.reassemble\.resize_layers\.(\d+)\.", r"neck.reassemble_stage.layers.\1.resize."
-        ),
-        WeightRenaming(
-            r"depth_head\.fusion_blocks\.(\d+)\.out_conv\.", r"neck.fusion_stage.layers.\1.projection."
-        ),
-        WeightRenaming(
-            r"depth_head\.fusion_blocks\.(\d+)\.main_unit\.conv1\.",
-            r"neck.fusion_stage.layers.\1.residual_layer2.convolution1.",
-        ),
-        WeightRenaming(
-            r"depth_head\.fusion_blocks\.(\d+)\.main_unit\.conv2\.",
-            r"neck.fusion_stage.layers.\1.residual_layer2.convolution2.",
-        ),
-        WeightRenaming(
-            r"depth_head\.fusion_blocks\.(\d+)\.residual_unit\.conv1\.",
-            r"neck.fusion_stage.layers.\1.residual_layer1.convolution1.",
-        ),
-        WeightRenaming(
-            r"depth_head\.fusion_blocks\.(\d+)\.residual_unit\.conv2\.",
-            r"neck.fusion_stage.layers.\1.residual_layer1.convolution2.",
-        ),
-        WeightRenaming(r"depth_head\.convs", "neck.convs"),
-        WeightRenaming(r"depth_head\.project", "decoder.project"),
+        *_tipsv2_dpt("depth_head"),
         WeightRenaming(r"depth_head\.depth_head\.", "decoder.head."),
     ],
     "Tipsv2DptForNormalEstimation": [
-        WeightRenaming("vision_encoder", "backbone"),
-        WeightRenaming(
-            r"normals_head\.reassemble\.readout_projects\.(\d+)",
-            r"neck.reassemble_stage.readout_projects.\1.layers.0",
-        ),
-        WeightRenaming(
-            r"normals_head\.reassemble\.out_projections\.(\d+)\.",
-            r"neck.reassemble_stage.layers.\1.projection.",
-        ),
-        WeightRenaming(
-            r"normals_head\.reassemble\.resize_layers\.(\d+)\.", r"neck.reassemble_stage.layers.\1.resize."
-        ),
-        WeightRenaming(
-            r"normals_head\.fusion_blocks\.(\d+)\.out_conv\.", r"neck.fusion_stage.layers.\1.projection."
-        ),
-        WeightRenaming(
-            r"normals_head\.fusion_blocks\.(\d+)\.main_unit\.conv1\.",
-            r"neck.fusion_stage.layers.\1.residual_layer2.convolution1.",
-        ),
-        WeightRenaming(
-            r"normals_head\.fusion_blocks\.(\d+)\.main_unit\.conv2\.",
-            r"neck.fusion_stage.layers.\1.residual_layer2.convolution2.",
-        ),
-        WeightRenaming(
-            r"normals_head\.fusion_blocks\.(\d+)\.residual_unit\.conv1\.",
-            r"neck.fusion_stage.layers.\1.residual_layer1.convolution1.",
-        ),
-        WeightRenaming(
-            r"normals_head\.fusion_blocks\.(\d+)\.residual_unit\.conv2\.",
-            r"neck.fusion_stage.layers.\1.residual_layer1.convolution2.",
-        ),
-        WeightRenaming(r"normals_head\.convs", "neck.convs"),
-        WeightRenaming(r"normals_head\.project", "decoder.project"),
+        *_tipsv2_dpt("normals_head"),
         WeightRenaming(r"normals_head\.normals_head\.", "decoder.head."),
     ],
     "Tipsv2DptForSemanticSegmentation": [
-        WeightRenaming("vision_encoder", "backbone"),
-        WeightRenaming(
-            r"segmentation_head\.reassemble\.readout_projects\.(\d+)",
-            r"neck.reassemble_stage.readout_projects.\1.layers.0",
-        ),
-        WeightRenaming(
-            r"segmentation_head\.reassemble\.out_projections\.(\d+)\.",
-            r"neck.reassemble_stage.layers.\1.projection.",
-        ),
-        WeightRenaming(
-            r"segmentation_head\.reassemble\.resize_layers\.(\d+)\.",
-            r"neck.reassemble_stage.layers.\1.resize.",
-        ),
-        WeightRenaming(
-            r"segmentation_head\.fusion_blocks\.(\d+)\.out_conv\.", r"neck.fusion_stage.layers.\1.projection."
-        ),
-        WeightRenaming(
-            r"segmentation_head\.fusion_blocks\.(\d+)\.main_unit\.conv1\.",
-            r"neck.fusion_stage.layers.\1.residual_layer2.convolution1.",
-        ),
-        WeightRenaming(
-            r"segmentation_head\.fusion_blocks\.(\d+)\.main_unit\.conv2\.",
-            r"neck.fusion_stage.layers.\1.residual_layer2.convolution2.",
-        ),
-        WeightRenaming(
-            r"segmentation_head\.fusion_blocks\.(\d+)\.residual_unit\.conv1\.",
-            r"neck.fusion_stage.layers.\1.residual_layer1.convolution1.",
-        ),
-        WeightRenaming(
-            r"segmentation_head\.fusion_blocks\.(\d+)\.residual_unit\.conv2\.",
-            r"neck.fusion_stage.layers.\1.residual_layer1.convolution2.",
-        ),
-        WeightRenaming(r"segmentation_head\.convs", "neck.convs"),
-        WeightRenaming(r"segmentation_head\.project", "decoder.project"),
+        *_tipsv2_dpt("segmentation_head"),
         WeightRenaming(r"segmentation_head\.segmentation_head\.", "decoder.head."),
     ],
     "SegformerModel": [
