@@ -556,6 +556,12 @@ class Transpose(ConversionOp):
             _check_dim(self, ctx, t, self.dim0)
             _check_dim(self, ctx, t, self.dim1)
             if self.when_shape_differs and target is not None:
+                if len(target) != t.ndim or sorted(target) != sorted(t.shape):
+                    raise self._fail(
+                        ctx,
+                        f"the target shape {tuple(target)} is neither {tuple(t.shape)} nor its transpose: "
+                        "use Transpose(when_shape_differs=True) alone or as the last op of a chain.",
+                    )
                 if t.shape[self.dim0] == t.shape[self.dim1]:
                     raise self._fail(
                         ctx,

@@ -513,3 +513,9 @@ def test_permute_for_rope_dotted_attribute_never_reads_the_text_config():
     op = ops.PermuteForRope(config_attribute="vision_config.num_attention_heads")
     with pytest.raises(ConversionError, match="no positive integer"):
         op.convert([torch.zeros(8, 1)], _ctx(config=Root()))
+
+
+def test_transpose_when_shape_differs_refuses_a_target_of_another_shape():
+    op = ops.Transpose(1, 2, when_shape_differs=True)
+    with pytest.raises(ConversionError, match="last op of a chain"):
+        op.convert([torch.zeros(4, 3, 6)], _ctx(target_shapes=((3, 6),)))
