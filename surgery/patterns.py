@@ -25,8 +25,10 @@ inverse mechanically instead of having it written twice.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .errors import PatternError
 
@@ -50,8 +52,7 @@ _BRACE_QUANT = re.compile(r"\{(?:\d+(?:,\d*)?|,\d+)\}\??")
 # --------------------------------------------------------------------------- tokenizer
 
 
-@dataclass(frozen=True)
-class _Tok:
+class _Tok(NamedTuple):  # a tuple: a catalog tokenizes tens of thousands of characters at start-up
     kind: str  # literal, any, escape, class, open, close, quant, alt, anchor, star, backref
     text: str  # the source text of the token
     value: str = ""  # literal: the character; open: "capture" | "noncapture" | "look" | "named"
@@ -121,7 +122,7 @@ def _tokenize(pattern: str) -> list[_Tok]:
             and (
                 pattern.startswith(".", i + 1)
                 # ``\.*\.``: between escaped dots (``.*\.`` stays the regex "anything, then a dot")
-                or (pattern.startswith("\\.", i + 1) and toks[-1].text == "\\.")
+                or (pattern.startswith("\\.", i + 1) and bool(toks) and toks[-1].text == "\\.")
             )
         ):
             toks.append(_Tok("star", "*"))
@@ -191,7 +192,8 @@ class SourcePattern:
 
     Attributes:
         text: the pattern as written.
-        regex: the compiled regex (wildcards turned into named digit groups, name boundary added).
+        regex_text: the regex (wildcards turned into named digit groups, name boundary added);
+            ``regex`` is it compiled.
         star_groups: regex group numbers of the index wildcards, in order.
         user_groups: regex group numbers of the user's own capture groups (``\\1`` is the first).
         anchored: whether the pattern starts with ``^``.
@@ -201,11 +203,16 @@ class SourcePattern:
     """
 
     text: str
-    regex: re.Pattern[str] = field(repr=False)
+    regex_text: str = field(repr=False)
     star_groups: tuple[int, ...] = field(repr=False)
     user_groups: tuple[int, ...] = field(repr=False)
     anchored: bool = field(repr=False)
     digit_blind: bool = field(repr=False, default=False)
+
+    @functools.cached_property
+    def regex(self) -> re.Pattern[str]:
+        """The compiled regex, compiled on first use (:func:`compile_source` has checked it compiles)."""
+        return re.compile(self.regex_text)
 
     @property
     def has_star(self) -> bool:
@@ -213,11 +220,17 @@ class SourcePattern:
 
     def body(self) -> str:
         """The compiled regex text (wildcard groups and name boundary included)."""
-        return self.regex.pattern
+        return self.regex_text
 
 
+@functools.lru_cache(maxsize=4096)
 def compile_source(pattern: str) -> SourcePattern:
     """Compile a source pattern, or raise :class:`PatternError` naming it.
+
+    Every error is raised here, but the regex itself is compiled on first use when the tokens
+    prove that it compiles (:func:`_surely_compiles`): a catalog of a thousand patterns, most of
+    which a given model never meets, registers without compiling them. Results are shared per
+    pattern text (a :class:`SourcePattern` is immutable).
 
     Example:
         >>> sp = compile_source("mlp.experts.*.w1.weight")
@@ -253,14 +266,61 @@ def compile_source(pattern: str) -> SourcePattern:
     text = "".join(parts)
     if toks and toks[-1].kind in ("literal", "any") and re.search(r"[A-Za-z0-9]$", pattern):
         text += _NAME_BOUNDARY
-    try:
-        regex = re.compile(text)
-    except re.error as exc:
-        raise PatternError(
-            f"Source pattern {pattern!r} is not a valid regex: {exc}. Fix the pattern."
-        ) from exc
     anchored = bool(toks) and toks[0].kind == "anchor" and toks[0].text == "^"
-    return SourcePattern(pattern, regex, tuple(star_groups), tuple(user_groups), anchored, _digit_blind(toks))
+    source = SourcePattern(
+        pattern, text, tuple(star_groups), tuple(user_groups), anchored, _digit_blind(toks)
+    )
+    if not _surely_compiles(toks):
+        try:
+            source.__dict__["regex"] = re.compile(text)  # what the cached property would compute
+        except re.error as exc:
+            raise PatternError(
+                f"Source pattern {pattern!r} is not a valid regex: {exc}. Fix the pattern."
+            ) from exc
+    return source
+
+
+_QUANTIFIABLE = frozenset(("literal", "any", "escape", "close"))
+_SAFE_ESCAPES = frozenset(("\\d", "\\D", "\\w", "\\W", "\\s", "\\S"))
+_SAFE_ANCHORS = frozenset(("^", "$", "\\A", "\\Z", "\\b", "\\B"))
+_SAFE_QUANTIFIERS = frozenset(("*", "+", "?", "*?", "+?", "??"))  # possessive ones need Python 3.11
+
+
+def _surely_compiles(toks: list[_Tok]) -> bool:
+    """Whether ``re.compile`` cannot fail on a source built from these tokens.
+
+    True only for the plain part of the language: literals, ``.``, the wildcard, the class
+    escapes ``\\d \\w \\s`` (and their negations), anchors, alternation, balanced capturing and
+    non-capturing groups, and ``* + ?`` (optionally lazy) right after something repeatable.
+    Anything else (character classes, braces, named groups, look-arounds, other escapes) answers
+    ``False`` and is compiled on the spot: this only decides *when* a regex is compiled, never
+    whether it is accepted (a property test holds it to ``re.compile``).
+    """
+    depth = 0
+    previous = "open"  # nothing to repeat at the start
+    for tok in toks:
+        kind = tok.kind
+        if kind == "quant":
+            if previous not in _QUANTIFIABLE or tok.text not in _SAFE_QUANTIFIERS:
+                return False
+        elif kind == "open":
+            if tok.text not in ("(", "(?:"):
+                return False
+            depth += 1
+        elif kind == "close":
+            if depth == 0:
+                return False
+            depth -= 1
+        elif kind == "escape":
+            if tok.text not in _SAFE_ESCAPES:
+                return False
+        elif kind == "anchor":
+            if tok.text not in _SAFE_ANCHORS:
+                return False
+        elif kind not in ("literal", "any", "star", "alt"):
+            return False  # character classes, back-references
+        previous = kind
+    return depth == 0
 
 
 def is_digit_blind(pattern: str) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from surgery.errors import PatternError, SurgeryError
 from surgery.patterns import compile_source, parse_target, reverse_pair
@@ -74,7 +76,24 @@ def test_caret_anchors_at_the_start_of_the_key():
 
 @pytest.mark.parametrize(
     "pattern",
-    [r"layers\.(\d+", r"[abc", "(?<name>x)", "trailing\\", r"(?i)q_proj", "a{2,1}"],
+    [
+        r"layers\.(\d+",
+        r"[abc",
+        "(?<name>x)",
+        "trailing\\",
+        r"(?i)q_proj",
+        "a{2,1}",
+        "a)",
+        "+a",
+        "(|*)",
+        r"^*a",
+        "a**",
+        r"(?<=a+)b",
+        r"\q",
+        "[z-a]",
+        "(?P<1>x)",
+        r"*\.x",
+    ],
     ids=[
         "unbalanced-group",
         "unterminated-class",
@@ -82,6 +101,16 @@ def test_caret_anchors_at_the_start_of_the_key():
         "lone-backslash",
         "inline-flag",
         "bad-repeat",
+        "unopened-group",
+        "nothing-to-repeat",
+        "repeat-after-alternation",
+        "repeat-after-anchor",
+        "multiple-repeat",
+        "variable-look-behind",
+        "unknown-escape",
+        "bad-range",
+        "bad-group-name",
+        "leading-star",
     ],
 )
 def test_an_invalid_source_is_a_pattern_error_naming_the_pattern(pattern):
@@ -89,6 +118,50 @@ def test_an_invalid_source_is_a_pattern_error_naming_the_pattern(pattern):
         compile_source(pattern)
     assert repr(pattern) in str(info.value)
     assert isinstance(info.value, SurgeryError)
+
+
+_REGEX_PIECES = [
+    "a",
+    "w1",
+    "_",
+    ".",
+    r"\.",
+    "*",
+    "+",
+    "?",
+    "*?",
+    "(",
+    "(?:",
+    ")",
+    "|",
+    "^",
+    "$",
+    r"\d",
+    r"\w",
+    r"\b",
+    "[0-9]",
+    "{2}",
+    "{2,1}",
+    "(?=x)",
+    "(?<=x)",
+    "(?P<n>",
+    r"\q",
+    "]",
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(_REGEX_PIECES), min_size=1, max_size=8))
+def test_a_source_accepted_when_written_compiles_when_first_used(pieces):
+    # Plain sources compile on first use; every error must still come when they are written.
+    pattern = "".join(pieces)
+    try:
+        sp = compile_source(pattern)
+    except PatternError:
+        return
+    compiled = sp.regex  # never a late re.error
+    assert compiled.pattern == sp.body()
+    re.compile(sp.body())
 
 
 def test_a_back_reference_inside_a_source_is_refused():
