@@ -336,18 +336,21 @@ def _serve(with_transformers: bool) -> None:
         sys.stdout.flush()
 
 
-def _advise_huge_pages(t: torch.Tensor) -> str:
-    """``madvise(MADV_HUGEPAGE)`` on the 2 MiB-aligned interior of ``t``'s fresh memory (Linux only)."""
+_MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
+
+
+def _madvise(t: torch.Tensor, lo: int, hi: int, advice: int, *, inward: int) -> str:
+    """``madvise(advice)`` on bytes ``[lo, hi)`` of ``t``'s memory, shrunk to multiples of ``inward``
+    bytes (pages; 2 MiB for huge pages: only whole ones can be advised); Linux only."""
     import ctypes
 
-    huge = 2 << 20
-    lo = (t.data_ptr() + huge - 1) & ~(huge - 1)
-    hi = (t.data_ptr() + t.untyped_storage().nbytes()) & ~(huge - 1)
-    if hi <= lo or not sys.platform.startswith("linux"):
+    start = (t.data_ptr() + lo + inward - 1) & ~(inward - 1)
+    end = (t.data_ptr() + hi) & ~(inward - 1)
+    if end <= start or not sys.platform.startswith("linux"):
         return "not applicable"
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return "ok" if libc.madvise(lo, hi - lo, 14) == 0 else f"refused (errno {ctypes.get_errno()})"
+    return "ok" if libc.madvise(start, end - start, advice) == 0 else f"refused (errno {ctypes.get_errno()})"
 
 
 def _runner(spec: dict[str, Any], cfg: ExampleMoEConfig) -> Callable[[], dict[str, Any]]:
@@ -430,13 +433,18 @@ def _runner(spec: dict[str, Any], cfg: ExampleMoEConfig) -> Callable[[], dict[st
             if not touched:
                 buf = torch.empty(size, dtype=torch.uint8)
             if variant == "floor_fresh_huge":
-                notes += f", madvise(MADV_HUGEPAGE): {_advise_huge_pages(buf)}"
+                notes += f", madvise(MADV_HUGEPAGE): {_madvise(buf, 0, size, _MADV_HUGEPAGE, inward=2 << 20)}"
             view = memoryview(buf.numpy())  # type: ignore[arg-type]
-            threads = (os.cpu_count() or 1) if variant == "floor_fresh_threads" else 1
+            parallel = variant in ("floor_fresh_threads", "floor_fresh_populate")
+            threads = (os.cpu_count() or 1) if parallel else 1
             step = -(-size // threads)
+            populated: list[str] = []
 
             def read(lo: int) -> None:
                 hi, done = min(size, lo + step), lo
+                if variant == "floor_fresh_populate":
+                    # fault the pages in with one call, no trap per page
+                    populated.append(_madvise(buf, lo, hi, _MADV_POPULATE_WRITE, inward=4096))
                 while done < hi:
                     done += os.preadv(f.fileno(), [view[done : min(hi, done + (1 << 30))]], start + done)
 
@@ -448,6 +456,8 @@ def _runner(spec: dict[str, Any], cfg: ExampleMoEConfig) -> Callable[[], dict[st
                 with ThreadPoolExecutor(threads) as pool:
                     list(pool.map(read, range(0, size, step)))
                 notes += f", {threads} threads"
+            if populated:
+                notes += f", madvise(MADV_POPULATE_WRITE): {populated[0]}"
             t1 = time.perf_counter()
         return {"total_s": t1 - t0, "load_s": t1 - t0, "notes": notes}
 
@@ -472,7 +482,13 @@ def _runner(spec: dict[str, Any], cfg: ExampleMoEConfig) -> Callable[[], dict[st
         return ours
     if variant in ("raw_pread", "raw_mmap"):
         return raw
-    if variant in ("floor_touched", "floor_fresh", "floor_fresh_huge", "floor_fresh_threads"):
+    if variant in (
+        "floor_touched",
+        "floor_fresh",
+        "floor_fresh_huge",
+        "floor_fresh_threads",
+        "floor_fresh_populate",
+    ):
         return bandwidth
     if variant == "routing":
         return routing
@@ -654,6 +670,34 @@ def _measure(
         rows.append(_Row(name, label, None, str(exc)[:200]))
 
 
+def _interleaved(rows: list[_Row], variants: list[tuple[str, str, dict[str, Any]]], repeat: int) -> None:
+    """Like :func:`_measure` for several variants whose runs take turns (one of each per round).
+
+    Each round is compared on its own (``runs[i]`` of every variant), so a slow spell of the
+    shared machine lands on a floor and the runs measured against it alike.
+    """
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
+    errors: dict[str, str] = {}
+    for _ in range(repeat):
+        for name, label, spec in variants:
+            if name in errors:
+                continue
+            print(f"  running {label.strip()} ...", file=sys.stderr, flush=True)
+            try:
+                runs[name].append(_SERVERS.run({**spec, "variant": name}))
+            except RuntimeError as exc:
+                errors[name] = str(exc)[:200]
+    for name, label, _ in variants:
+        if name in errors:
+            rows.append(_Row(name, label, None, errors[name]))
+            continue
+        best = dict(min(runs[name], key=lambda r: r["total_s"]))
+        best["delta"] = max(r["delta"] for r in runs[name])
+        best["peak"] = max(r["peak"] for r in runs[name])
+        best["runs"] = [round(r["total_s"], 3) for r in runs[name]]
+        rows.append(_Row(name, label, best))
+
+
 def _get(rows: list[_Row], name: str) -> dict[str, Any] | None:
     return next((r.result for r in rows if r.name == name), None)
 
@@ -700,6 +744,7 @@ def _bench_a(workdir: Path, size_gb: float, repeat: int, hf: bool) -> tuple[str,
         ("floor_fresh", "  info: preadv into a fresh torch.empty (page faults)"),
         ("floor_fresh_threads", "  info: the same, one thread per core (faults in parallel)"),
         ("floor_fresh_huge", "  info: the same, advised MADV_HUGEPAGE"),
+        ("floor_fresh_populate", "  info: the same, MADV_POPULATE_WRITE per core first"),
         ("ours_alloc", "(a) surgery per-expert -> allocated model"),
         ("ours_meta", "(b) surgery per-expert -> meta model"),
         ("ours_mmap", "(c) surgery runtime file -> meta model (zero copy)"),
@@ -778,16 +823,16 @@ def _bench_b(workdir: Path, repeat: int, hf: bool, hf_repeat: int) -> tuple[str,
     spec = {"config": asdict(cfg), "original": str(original)}
     rows: list[_Row] = []
     raw = {**spec, "original": str(single)}
-    _measure(rows, "raw_pread", "floor: load_file(pread), every key", raw, repeat)
-    _measure(rows, "raw_mmap", "  info: load_file(mmap), every key", raw, repeat)
-    _measure(
+    _interleaved(
         rows,
-        "ours_alloc",
-        "(a) surgery per-expert -> allocated model",
-        spec,
+        [
+            ("raw_pread", "floor: load_file(pread), every key", raw),
+            ("ours_alloc", "(a) surgery per-expert -> allocated model", spec),
+            ("ours_meta", "(b) surgery per-expert -> meta model", spec),
+        ],
         repeat,
     )
-    _measure(rows, "ours_meta", "(b) surgery per-expert -> meta model", spec, repeat)
+    _measure(rows, "raw_mmap", "  info: load_file(mmap), every key", raw, repeat)
     _measure(rows, "routing", "  info: routing alone (route_keys + read every route)", spec, repeat)
     _measure(rows, "raw_pread_cold", "cold cache: load_file(pread), every key", raw, repeat)
     _measure(rows, "ours_meta_cold", "cold cache: (b) surgery per-expert -> meta model", spec, repeat)
@@ -804,7 +849,7 @@ def _bench_b(workdir: Path, repeat: int, hf: bool, hf_repeat: int) -> tuple[str,
     mb = info["model_bytes"]
     title = (
         f"B: per-key cost, {info['keys']:,} tensors ({cfg.num_hidden_layers} layers x {cfg.num_local_experts} experts "
-        f"x 3 + rest), {mb / _MB:.0f} MiB, one file; best of {repeat} runs"
+        f"x 3 + rest), {mb / _MB:.0f} MiB, one file; best of {repeat} runs (the floor, (a) and (b) take turns)"
     )
     floor, a, b = _get(rows, floor_name), _get(rows, "ours_alloc"), _get(rows, "ours_meta")
     verdicts = []
@@ -814,8 +859,13 @@ def _bench_b(workdir: Path, repeat: int, hf: bool, hf_repeat: int) -> tuple[str,
             verdicts.append(_verdict(None, f"{what}: not measured"))
         else:
             ratio = r["total_s"] / floor["total_s"]
-            text = f"{what}: {ratio:.2f}x ({info['keys'] / r['total_s']:,.0f} keys/s)"
-            verdicts.append(_verdict(ratio <= _TARGET_B, text))
+            rounds = [o / f for o, f in zip(r["runs"], floor["runs"])]
+            text = (
+                f"{what}: {ratio:.2f}x best ({info['keys'] / r['total_s']:,.0f} keys/s); per round "
+                + "/".join(f"{x:.2f}" for x in rounds)
+                + f", {sum(x <= _TARGET_B for x in rounds)} of {len(rounds)} within"
+            )
+            verdicts.append(_verdict(max(rounds) <= _TARGET_B, text))
     routing = _get(rows, "routing")
     for tag, r in (("(a)", a), ("(b)", b)):
         what = f"routing at most {_TARGET_ROUTING_SHARE:.0%} of B{tag}"
