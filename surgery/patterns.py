@@ -280,37 +280,48 @@ def compile_source(pattern: str) -> SourcePattern:
     return source
 
 
-_QUANTIFIABLE = frozenset(("literal", "any", "escape", "close"))
+_QUANTIFIABLE = frozenset(("literal", "any", "escape", "group"))
 _SAFE_ESCAPES = frozenset(("\\d", "\\D", "\\w", "\\W", "\\s", "\\S"))
 _SAFE_ANCHORS = frozenset(("^", "$", "\\A", "\\Z", "\\b", "\\B"))
 _SAFE_QUANTIFIERS = frozenset(("*", "+", "?", "*?", "+?", "??"))  # possessive ones need Python 3.11
+_SAFE_OPENS = {
+    "(": "group",
+    "(?:": "group",
+    "(?=": "ahead",
+    "(?!": "ahead",
+    "(?<=": "behind",
+    "(?<!": "behind",
+}
 
 
 def _surely_compiles(toks: list[_Tok]) -> bool:
     """Whether ``re.compile`` cannot fail on a source built from these tokens.
 
     True only for the plain part of the language: literals, ``.``, the wildcard, the class
-    escapes ``\\d \\w \\s`` (and their negations), anchors, alternation, balanced capturing and
-    non-capturing groups, and ``* + ?`` (optionally lazy) right after something repeatable.
-    Anything else (character classes, braces, named groups, look-arounds, other escapes) answers
-    ``False`` and is compiled on the spot: this only decides *when* a regex is compiled, never
-    whether it is accepted (a property test holds it to ``re.compile``).
+    escapes ``\\d \\w \\s`` (and their negations), anchors, alternation, balanced groups
+    (capturing, non-capturing, look-aheads), ``* + ?`` (optionally lazy) right after something
+    repeatable, and look-behinds of single characters only (fixed width). Anything else
+    (character classes, braces, named groups, other escapes) answers ``False`` and is compiled on
+    the spot: this only decides *when* a regex is compiled, never whether it is accepted (a
+    property test holds it to ``re.compile``).
     """
-    depth = 0
-    previous = "open"  # nothing to repeat at the start
+    groups: list[str] = []  # the kinds of the open groups, innermost last
+    previous = "start"  # nothing to repeat at the start
     for tok in toks:
         kind = tok.kind
+        if "behind" in groups and kind not in ("literal", "any", "escape", "close"):
+            return False  # a look-behind must have a fixed width: one character per token
         if kind == "quant":
             if previous not in _QUANTIFIABLE or tok.text not in _SAFE_QUANTIFIERS:
                 return False
         elif kind == "open":
-            if tok.text not in ("(", "(?:"):
+            if tok.text not in _SAFE_OPENS:
                 return False
-            depth += 1
+            groups.append(_SAFE_OPENS[tok.text])
         elif kind == "close":
-            if depth == 0:
+            if not groups:
                 return False
-            depth -= 1
+            kind = groups.pop()  # only a plain group may be repeated
         elif kind == "escape":
             if tok.text not in _SAFE_ESCAPES:
                 return False
@@ -320,7 +331,7 @@ def _surely_compiles(toks: list[_Tok]) -> bool:
         elif kind not in ("literal", "any", "star", "alt"):
             return False  # character classes, back-references
         previous = kind
-    return depth == 0
+    return not groups
 
 
 def is_digit_blind(pattern: str) -> bool:

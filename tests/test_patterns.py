@@ -120,12 +120,13 @@ def test_an_invalid_source_is_a_pattern_error_naming_the_pattern(pattern):
     assert isinstance(info.value, SurgeryError)
 
 
+# Pieces of sources, valid and not; a look-around is opened by one piece and closed by ")".
 _REGEX_PIECES = [
     "a",
     "w1",
     "_",
     ".",
-    r"\.",
+    "\\.",
     "*",
     "+",
     "?",
@@ -136,16 +137,18 @@ _REGEX_PIECES = [
     "|",
     "^",
     "$",
-    r"\d",
-    r"\w",
-    r"\b",
+    "\\d",
+    "\\w",
+    "\\b",
     "[0-9]",
     "{2}",
     "{2,1}",
     "(?=x)",
+    "(?!",
     "(?<=x)",
+    "(?<!",
     "(?P<n>",
-    r"\q",
+    "\\q",
     "]",
 ]
 
