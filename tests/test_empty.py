@@ -77,8 +77,11 @@ def test_a_strict_load_refuses_before_reading_when_a_tensor_would_stay_on_meta(t
     assert model.proj.weight.device.type == "meta"  # nothing was read
 
 
-def test_planning_a_load_does_not_import_torch_dynamo(tmp_path: Path) -> None:
-    """Meta shape inference of cat/stack is arithmetic: torch's Python meta refs import dynamo (~1 s)."""
+@pytest.mark.parametrize(
+    "quantizer", ["None", "FP8BlockQuantizer(block_size=(8, 8))", "Int8WeightOnlyQuantizer()"]
+)
+def test_planning_a_load_does_not_import_torch_dynamo(tmp_path: Path, quantizer: str) -> None:
+    """Meta shape inference is arithmetic or CPU work: torch's Python meta refs import dynamo (~1 s)."""
     import subprocess
     import sys
 
@@ -86,9 +89,15 @@ def test_planning_a_load_does_not_import_torch_dynamo(tmp_path: Path) -> None:
         "import sys, tempfile, surgery\n"
         "from surgery.checkpoint import write_checkpoint\n"
         "from surgery.examples.moe import build_moe_model, original_state_dict\n"
-        "d = tempfile.mkdtemp(); write_checkpoint(original_state_dict(build_moe_model()), d)\n"
+        "from surgery.quantization import FP8BlockQuantizer, Int8WeightOnlyQuantizer, blockwise_quantize\n"
+        "state = original_state_dict(build_moe_model())\n"
+        f"quantizer = {quantizer}\n"
+        "if isinstance(quantizer, FP8BlockQuantizer):  # store the experts as block-wise FP8\n"
+        "    for k in [k for k in state if '.experts.' in k]:\n"
+        "        state[k], state[k + '_scale_inv'] = blockwise_quantize(state[k], (8, 8))\n"
+        "d = tempfile.mkdtemp(); write_checkpoint(state, d)\n"
         "m = build_moe_model(device='meta')\n"
-        "assert surgery.load_checkpoint(m, d).ok\n"
+        "assert surgery.load_checkpoint(m, d, quantizer=quantizer).ok\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -96,6 +96,8 @@ def blockwise_dequantize(
     region: Region | None = None,
 ) -> torch.Tensor:
     """``q * scale`` per block, in float32 (``region``: ``q`` is that part of the weight)."""
+    if q.device.type == "meta":  # planning: shapes only (torch's meta math imports torch._dynamo, ~1 s)
+        return torch.empty(q.shape, dtype=torch.float32, device="meta")
     out = q.to(torch.float32, copy=True)  # the region's dim is indexed by its intervals, the others are whole
     b0, b1 = block_size
     *lead, n, k = q.shape

@@ -52,6 +52,9 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         raise ConversionError(
             f"int8 weight-only quantization takes a 2-D weight, got shape {tuple(weight.shape)}."
         )
+    if weight.device.type == "meta":  # planning: shapes only (torch's meta math imports torch._dynamo, ~1 s)
+        q = torch.empty(weight.shape, dtype=torch.int8, device="meta")
+        return q, torch.empty(weight.shape[0], dtype=torch.float32, device="meta")
     x = weight.to(torch.float32)
     scale = x.abs().amax(dim=1) / 127
     q = torch.div(x, scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
