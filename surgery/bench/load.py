@@ -419,6 +419,7 @@ def _runner(spec: dict[str, Any], cfg: ExampleMoEConfig) -> Callable[[], dict[st
     def bandwidth() -> dict[str, Any]:
         # The runtime file's data section read with preadv, into memory touched beforehand (the
         # bandwidth limit) or into a fresh torch.empty (what page faults on new memory cost).
+        import mmap
         import struct
 
         with open(runtime, "rb") as f:
@@ -444,7 +445,7 @@ def _runner(spec: dict[str, Any], cfg: ExampleMoEConfig) -> Callable[[], dict[st
                 hi, done = min(size, lo + step), lo
                 if variant == "floor_fresh_populate":
                     # fault the pages in with one call, no trap per page
-                    populated.append(_madvise(buf, lo, hi, _MADV_POPULATE_WRITE, inward=4096))
+                    populated.append(_madvise(buf, lo, hi, _MADV_POPULATE_WRITE, inward=mmap.PAGESIZE))
                 while done < hi:
                     done += os.preadv(f.fileno(), [view[done : min(hi, done + (1 << 30))]], start + done)
 
@@ -653,6 +654,11 @@ def _best_of(spec: dict[str, Any], repeat: int, budget_s: float) -> dict[str, An
     runs = [_SERVERS.run(spec)]
     while len(runs) < repeat and sum(r["total_s"] for r in runs) < budget_s:
         runs.append(_SERVERS.run(spec))
+    return _summary(runs)
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from several runs of a variant: the fastest run, the worst peak, every time."""
     best = dict(min(runs, key=lambda r: r["total_s"]))
     best["delta"] = max(r["delta"] for r in runs)
     best["peak"] = max(r["peak"] for r in runs)
@@ -690,12 +696,8 @@ def _interleaved(rows: list[_Row], variants: list[tuple[str, str, dict[str, Any]
     for name, label, _ in variants:
         if name in errors:
             rows.append(_Row(name, label, None, errors[name]))
-            continue
-        best = dict(min(runs[name], key=lambda r: r["total_s"]))
-        best["delta"] = max(r["delta"] for r in runs[name])
-        best["peak"] = max(r["peak"] for r in runs[name])
-        best["runs"] = [round(r["total_s"], 3) for r in runs[name]]
-        rows.append(_Row(name, label, best))
+        else:
+            rows.append(_Row(name, label, _summary(runs[name])))
 
 
 def _get(rows: list[_Row], name: str) -> dict[str, Any] | None:
