@@ -17,6 +17,7 @@ from .writer import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     SHARD_NAME,
+    check_write_arguments,
     parse_size,
     write_checkpoint,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "SHARD_NAME",
     "CheckpointReader",
     "TensorInfo",
+    "check_write_arguments",
     "open_checkpoint",
     "parse_size",
     "write_checkpoint",
