@@ -289,6 +289,20 @@ class _Group:
     companion_of: dict[str, str] | None = None  # companion name -> the name whose encode writes it
 
 
+def _closing_key(keys: list[str], group_of: dict[str, int]) -> str | None:
+    """The key whose lookup computes a group for the last time, when ``keys`` are looked up in order.
+
+    The first key of the final run of one group's keys (a group may span shards, and is then
+    computed once per run).
+    """
+    if not keys:
+        return None
+    i = len(keys) - 1
+    while i and group_of[keys[i - 1]] == group_of[keys[-1]]:
+        i -= 1
+    return keys[i]
+
+
 class RevertedState(Mapping[str, torch.Tensor]):
     """The model's tensors in the layout a save writes, computed lazily, one group at a time.
 
@@ -359,6 +373,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
         for i, g in enumerate(groups):
             for name in g.names:
                 self._group_of[name] = i
+        self._closing_key = _closing_key(list(self._specs), self._group_of)
 
     # ------------------------------------------------------------------ construction
     def _identity(self, model: nn.Module) -> list[_Group]:
@@ -544,18 +559,22 @@ class RevertedState(Mapping[str, torch.Tensor]):
         return slot_shapes
 
     # ------------------------------------------------------------------ values
-    def _computed(self, g: _Group) -> dict[str, torch.Tensor]:
-        """``g``'s outputs, between two agreement points of the ranks (one process: just computed).
+    def _computed(self, g: _Group, *, last: bool) -> dict[str, torch.Tensor]:
+        """``g``'s outputs, computed after an agreement point of the ranks (one process: just computed).
 
-        Every DTensor of the group is gathered first, before anything that can fail, so a rank
-        whose computation fails has entered every collective the others did; it then shares
-        its error at the agreement point they reach next.
+        The agreement point comes first: a rank that failed since the previous group (rank 0
+        writing its values) says so before anyone gathers. Every DTensor of the group is then
+        gathered before anything that can fail, so a rank whose computation fails has entered
+        every collective the others did, and shares its error at the agreement point they reach
+        next: the next group's, or, after the ``last`` computation, one more, so that rank 0
+        writes the last values and commits only once every rank has computed everything.
         """
-        self._collective.agree()  # a rank that failed since the last group (rank 0 writing) says so
+        self._collective.agree()
         sources = {k: _gathered(self._state[k]) for k in g.sources}
         with self._collective.step():
             out = self._compute(g, sources)
-        self._collective.agree()
+        if last:
+            self._collective.agree()
         return out
 
     def _compute(self, g: _Group, sources: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -615,7 +634,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
             raise KeyError(key)
         if i != self._current:
             self._cache = {}  # drop the previous group's outputs before computing the next
-            self._cache = self._computed(self._groups[i])
+            self._cache = self._computed(self._groups[i], last=key == self._closing_key)
             self._current = i
         return self._cache[key]
 
@@ -658,9 +677,9 @@ class RevertedState(Mapping[str, torch.Tensor]):
 
     def groups(self) -> Iterator[dict[str, torch.Tensor]]:
         """Yield each group's ``{key: tensor}`` once, in write order (nothing is kept between groups)."""
-        for g in self._groups:
+        for i, g in enumerate(self._groups):
             self._cache, self._current = {}, None
-            yield self._computed(g)
+            yield self._computed(g, last=i == len(self._groups) - 1)
 
 
 def iter_reverted(
@@ -694,7 +713,7 @@ def revert_state_dict(
     Tensors that need no computation (plain keys, experts cut out of a fused parameter) share
     memory with the model's parameters; ``.clone()`` them before modifying them. For a
     tensor-parallel model the call is collective (every rank calls it) and every rank gets the
-    whole tensors.
+    whole tensors; a failure on one rank is raised on every rank (see :func:`save_checkpoint`).
 
     Example:
         >>> sd = surgery.revert_state_dict(model)  # doctest: +SKIP
@@ -719,9 +738,12 @@ def save_checkpoint(
     Args:
         model: the module tree. For a tensor-parallel model (DTensor parameters) the save is
             collective: every rank calls it; each group's DTensors are gathered when the group is
-            computed (``full_tensor()``), rank 0 writes, and the other ranks return ``[]``. The
-            files equal a single-process save's. Per-rank shard files are not offered: an
-            original-layout key (one expert's ``w1``) is a slice of every rank's shard.
+            computed (``full_tensor()``), rank 0 writes, and the other ranks return ``[]`` once
+            rank 0's files are in place. The files equal a single-process save's. Per-rank shard
+            files are not offered: an original-layout key (one expert's ``w1``) is a slice of
+            every rank's shard. Every rank checks the arguments before the first collective, and
+            a failure on any rank (a refused path, rank 0's write, a rank's reversed chain) is
+            raised on every rank, within the step it happened in (:mod:`surgery.collective`).
         path: a directory (``model.safetensors`` or shards plus an index) or a ``.safetensors`` file.
         original_format: write the checkpoint layout the model was loaded from (inverting exactly
             the transforms that fired, and every fusion); ``False`` writes the runtime layout and
@@ -745,9 +767,14 @@ def save_checkpoint(
         The files written.
 
     Raises:
-        CheckpointError: a tensor is still on ``meta``, or writing failed (the previous
+        CheckpointError: ``path`` cannot be written (a file where the directory goes, under a
+            file, not writable), a tensor is still on ``meta``, or writing failed (the previous
             checkpoint at ``path`` is then left as it was).
+        ConfigurationError: ``max_shard_size`` or ``quantization`` is not valid.
         ConversionError: a reversed op chain failed.
+
+        A collective save raises the same error on every rank: the failed rank's class, its
+        message prefixed with ``save_checkpoint to '<path>' failed on rank R of N``.
 
     Example:
         >>> surgery.save_checkpoint(model, "out/")  # doctest: +SKIP

@@ -28,6 +28,7 @@ from torch import nn
 import surgery
 from surgery import WeightConverter, ops
 from surgery.checkpoint import write_checkpoint
+from surgery.collective import Collective
 from surgery.errors import ConversionError
 from surgery.examples import dense
 
@@ -76,20 +77,21 @@ class RefusedWhenSaved(ops.ConversionOp):
 
 
 class Projections(nn.Module):
-    """Four colwise Linears; ``a`` and ``b`` are one checkpoint key, ``ab.weight``, cut in two.
+    """Colwise Linears ``first``, ``a``, ``b`` (and ``last``); ``a`` and ``b`` are one checkpoint key.
 
-    Saving gathers ``a`` and ``b`` (two DTensors, one group) and concatenates them; the mapping's
-    :class:`RankRefusal` then fails on rank 1 only, in the middle of the save.
+    ``ab.weight`` is cut in two at load; saving gathers ``a`` and ``b`` (two DTensors, one group)
+    and concatenates them, and the mapping's :class:`RankRefusal` then fails on rank 1 only: in
+    the middle of the save, or with ``with_last=False`` in its last group.
     """
 
-    tp_plan = {"first": "colwise", "a": "colwise", "b": "colwise", "last": "colwise"}
-
-    def __init__(self) -> None:
+    def __init__(self, *, with_last: bool = True) -> None:
         super().__init__()
         self.first = nn.Linear(8, 6, bias=False)
         self.a = nn.Linear(8, 6, bias=False)
         self.b = nn.Linear(8, 6, bias=False)
-        self.last = nn.Linear(8, 6, bias=False)
+        if with_last:
+            self.last = nn.Linear(8, 6, bias=False)
+        self.tp_plan = {name: "colwise" for name, _ in self.named_children()}
 
 
 def register_projections_mapping() -> None:
@@ -130,12 +132,12 @@ def _dense_tp(work: Path, mesh: Any) -> nn.Module:
     return model
 
 
-def _projections_tp(mesh: Any) -> nn.Module:
+def _projections_tp(mesh: Any, *, with_last: bool = True) -> nn.Module:
     from surgery.parallel import parallelize
 
     register_projections_mapping()
     torch.manual_seed(0)  # the same weights on both ranks; each keeps its own shard
-    model = Projections()
+    model = Projections(with_last=with_last)
     parallelize(model, "auto", mesh)
     return model
 
@@ -182,6 +184,12 @@ def scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Callable[
         facts["out_exists"] = out.exists()
         return facts
 
+    def different_failures_on_both_ranks() -> dict[str, Any]:
+        path, size = (work / "a-file", "5GB") if rank == 1 else (out, "5 parsecs")
+        facts = _attempt(lambda: surgery.save_checkpoint(model, path, max_shard_size=size))
+        facts["out_exists"] = out.exists()
+        return facts
+
     def meta_tensor_on_rank_1_only() -> dict[str, Any]:
         broken = _dense_tp(work, mesh)
         if rank == 1:  # a replicated parameter this rank never materialized
@@ -209,6 +217,45 @@ def scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Callable[
         facts["target_exists"] = target.exists()
         return facts
 
+    def conversion_error_on_rank_1_only_in_the_last_group() -> dict[str, Any]:
+        projections = _projections_tp(mesh, with_last=False)
+        target = work / "projections-last"
+        facts = _attempt(lambda: surgery.save_checkpoint(projections, target))
+        facts["target_exists"] = target.exists()
+        return facts
+
+    def foreign_error_in_a_step_on_rank_1_only() -> dict[str, Any]:
+        collective = Collective(mesh.get_group(), what="a step")
+        causes: list[str] = []
+
+        def step() -> None:
+            try:
+                with collective.step():
+                    if rank == 1:
+                        raise RuntimeError("rank 1 ran out of luck")
+                collective.agree()
+            except Exception as exc:
+                causes.append(type(exc.__cause__).__name__)
+                raise
+
+        facts = _attempt(step)
+        facts["cause"] = causes
+        return facts
+
+    def ctrl_c_in_a_step_on_rank_1_only() -> dict[str, Any]:
+        collective = Collective(mesh.get_group(), what="a step")
+
+        def step() -> None:
+            with collective.step():
+                if rank == 1:
+                    raise KeyboardInterrupt
+            collective.agree()
+
+        try:
+            return _attempt(step)
+        except KeyboardInterrupt:
+            return {"raised": "KeyboardInterrupt"}
+
     def revert_fails_on_rank_1_only() -> dict[str, Any]:
         projections = _projections_tp(mesh)
         return _attempt(lambda: surgery.revert_state_dict(projections))
@@ -224,9 +271,13 @@ def scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Callable[
         "path_under_a_file": path_under_a_file,
         "path_is_a_file_on_rank_1_only": path_is_a_file_on_rank_1_only,
         "bad_shard_size_on_rank_1_only": bad_shard_size_on_rank_1_only,
+        "different_failures_on_both_ranks": different_failures_on_both_ranks,
         "meta_tensor_on_rank_1_only": meta_tensor_on_rank_1_only,
         "rank_0_write_fails": rank_0_write_fails,
         "conversion_error_on_rank_1_only": conversion_error_on_rank_1_only,
+        "conversion_error_on_rank_1_only_in_the_last_group": conversion_error_on_rank_1_only_in_the_last_group,
+        "foreign_error_in_a_step_on_rank_1_only": foreign_error_in_a_step_on_rank_1_only,
+        "ctrl_c_in_a_step_on_rank_1_only": ctrl_c_in_a_step_on_rank_1_only,
         "revert_fails_on_rank_1_only": revert_fails_on_rank_1_only,
         "then_a_save_succeeds": then_a_save_succeeds,
     }.items()

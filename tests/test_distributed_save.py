@@ -92,6 +92,13 @@ def test_a_bad_shard_size_on_one_rank_is_raised_on_every_rank(ranks):
     assert not ranks[0]["bad_shard_size_on_rank_1_only"]["out_exists"]
 
 
+def test_different_failures_on_two_ranks_raise_the_lowest_ranks_class_and_name_both(ranks):
+    message = _raised_alike(ranks, "different_failures_on_both_ranks", "ConfigurationError")
+    assert "/out' failed on rank 0 of 2" in message and "Cannot parse size '5 parsecs'" in message
+    assert "; rank 1 failed too: " in message and "exists and is not a directory" in message
+    assert not ranks[0]["different_failures_on_both_ranks"]["out_exists"]
+
+
 def test_a_tensor_on_meta_on_one_rank_is_raised_on_every_rank(ranks):
     message = _raised_alike(ranks, "meta_tensor_on_rank_1_only", "CheckpointError")
     assert "failed on rank 1 of 2" in message and "model.norm.weight" in message and "meta" in message
@@ -111,6 +118,28 @@ def test_a_conversion_error_on_rank_1_only_is_raised_on_every_rank_and_nothing_i
     assert "failed on rank 1 of 2" in message and "RankRefusal: rank 1 refuses" in message
     assert "ab.weight" in message
     assert not ranks[0]["conversion_error_on_rank_1_only"]["target_exists"]
+
+
+def test_a_conversion_error_on_rank_1_in_the_last_group_stops_rank_0_before_it_commits(ranks):
+    message = _raised_alike(ranks, "conversion_error_on_rank_1_only_in_the_last_group", "ConversionError")
+    assert "failed on rank 1 of 2" in message and "RankRefusal: rank 1 refuses" in message
+    assert not ranks[0]["conversion_error_on_rank_1_only_in_the_last_group"]["target_exists"]
+
+
+def test_an_error_outside_surgery_on_one_rank_is_a_surgery_error_on_every_rank(ranks):
+    message = _raised_alike(ranks, "foreign_error_in_a_step_on_rank_1_only", "SurgeryError")
+    assert (
+        message
+        == "a step failed on rank 1 of 2 (every rank raises this): RuntimeError: rank 1 ran out of luck"
+    )
+    assert ranks[1]["foreign_error_in_a_step_on_rank_1_only"]["cause"] == ["RuntimeError"]  # chained
+
+
+def test_ctrl_c_on_one_rank_stays_ctrl_c_there_and_is_a_surgery_error_elsewhere(ranks):
+    assert ranks[1]["ctrl_c_in_a_step_on_rank_1_only"] == {"raised": "KeyboardInterrupt"}
+    facts = ranks[0]["ctrl_c_in_a_step_on_rank_1_only"]
+    assert facts["raised"] == "SurgeryError" and facts["elapsed"] < WITHIN_S
+    assert facts["message"] == "a step failed on rank 1 of 2 (every rank raises this): KeyboardInterrupt"
 
 
 def test_revert_state_dict_failing_on_one_rank_is_raised_on_every_rank(ranks):
