@@ -59,6 +59,18 @@ def _error_class(exc: BaseException) -> type[SurgeryError]:
     return CheckpointError if isinstance(exc, OSError) else SurgeryError
 
 
+def _raised_from(exc: BaseException, shared: BaseException | None) -> bool:
+    """Whether ``exc`` is ``shared``, or was raised from it or while handling it (a cleanup)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and shared is not None and id(current) not in seen:
+        if current is shared:
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def _cause(exc: BaseException) -> str:
     if isinstance(exc, SurgeryError):
         return str(exc)  # already says what, where and how to fix it
@@ -81,7 +93,7 @@ class Collective:
         self._group = group
         self.what = what
         self._device_type = device_type
-        self._failed: BaseException | None = None
+        self._shared: SurgeryError | None = None  # the last error every rank raised
 
     @classmethod
     def of_tensors(cls, tensors: Iterable[torch.Tensor], *, what: str) -> Collective:
@@ -121,8 +133,8 @@ class Collective:
         try:
             yield
         except BaseException as exc:
-            if self._failed is not None:
-                raise  # already shared: enter no collective again
+            if self._group is None or _raised_from(exc, self._shared):
+                raise  # one process, or every rank already raised it and left the call
             self._fail(exc)
 
     def agree(self) -> None:
@@ -132,15 +144,10 @@ class Collective:
             SurgeryError: of the failed rank's error class (a class of :mod:`surgery.errors`),
                 naming the rank and its cause; the same on every rank.
         """
-        if self._failed is not None:
-            raise self._failed  # pragma: no cover - a failed call enters no agreement point
         if self._group is not None:
             self._exchange(None)
 
     def _fail(self, exc: BaseException) -> NoReturn:
-        if self._group is None:
-            self._failed = exc
-            raise exc
         try:
             self._exchange(_Failure(self.rank, self.what, _error_class(exc).__name__, _cause(exc)))
         except SurgeryError as shared:
@@ -163,7 +170,7 @@ class Collective:
         gathered: list[Any] = [None] * dist.get_world_size(self._group)
         dist.all_gather_object(gathered, failure, group=self._group)
         error = _shared_error([_Failure(*f) for f in gathered if f is not None], len(gathered))
-        self._failed = error
+        self._shared = error
         raise error
 
 

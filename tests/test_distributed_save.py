@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pytest
 
+import surgery
 from surgery.checkpoint import check_write_arguments
-from surgery.errors import CheckpointError, ConfigurationError
+from surgery.collective import Collective
+from surgery.errors import CheckpointError, ConfigurationError, ConversionError
+from surgery.examples import dense
 
 pytestmark = pytest.mark.distributed
 
@@ -172,3 +175,25 @@ def test_write_arguments_are_checked_without_touching_the_disk(tmp_path, path, k
     with pytest.raises(error, match=needle.replace(".", r"\.")):
         check_write_arguments(tmp_path / path, **kwargs)
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_in_one_process_a_step_lets_an_error_through_unchanged_and_the_next_step_runs():
+    collective = Collective(None, what="a step")
+    error = ConversionError("the original")
+    with pytest.raises(ConversionError) as raised, collective.step():
+        raise error
+    assert raised.value is error
+    with collective.step():
+        pass
+    collective.agree()
+
+
+def test_a_single_process_save_raises_the_writers_own_error_before_computing_anything(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    model = dense.build_dense_model(device="meta")  # nothing to compute: every tensor is on meta
+    with pytest.raises(CheckpointError) as raised:
+        surgery.save_checkpoint(model, tmp_path / "a-file")
+    assert (
+        str(raised.value)
+        == f"'{tmp_path / 'a-file'}' exists and is not a directory; pass a directory or a .safetensors path."
+    )
