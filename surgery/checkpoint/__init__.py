@@ -7,7 +7,8 @@
   with ``allow_pickle=True``, then with ``weights_only=True``.
 * :mod:`~surgery.checkpoint.writer`: :func:`write_checkpoint`, streaming, sharded, atomic
   (temporary files, fsync, rename), so a failed save leaves the previous checkpoint intact
-  and a killed one leaves no entry point naming a mix of two saves.
+  and a killed one leaves no entry point naming a mix of two saves; :func:`check_write_arguments`
+  checks its arguments without touching the disk (every rank of a collective save does, first).
 """
 
 from .format import TensorInfo
