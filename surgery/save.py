@@ -318,11 +318,10 @@ class RevertedState(Mapping[str, torch.Tensor]):
         original_format: reverse the transforms (``True``) or keep the runtime layout.
         quantization: for weights stored quantized and decoded at load, ``"as_loaded"`` re-encodes
             them with the recorded scales (original layout only), ``"dequantized"`` writes floats.
-
         collective: the ranks computing it together (a tensor-parallel model: every rank looks
             up the same keys in the same order); by default the mesh of the model's DTensors.
-            Each group is computed between two agreement points (:mod:`surgery.collective`), so
-            a failure on one rank is raised on every rank instead of leaving them waiting.
+            Each group is computed after an agreement point of the ranks (:mod:`surgery.collective`),
+            so a failure on one rank is raised on every rank instead of leaving them waiting.
 
     Raises:
         CheckpointError: a tensor is still on ``meta`` (never loaded).
