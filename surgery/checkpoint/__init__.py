@@ -7,7 +7,8 @@
   with ``allow_pickle=True``, then with ``weights_only=True``.
 * :mod:`~surgery.checkpoint.writer`: :func:`write_checkpoint`, streaming, sharded, atomic
   (temporary files, fsync, rename), so a failed save leaves the previous checkpoint intact
-  and a killed one leaves no entry point naming a mix of two saves.
+  and a killed one leaves no entry point naming a mix of two saves; :func:`check_write_arguments`
+  checks its arguments without touching the disk (every rank of a collective save does, first).
 """
 
 from .format import TensorInfo
@@ -17,6 +18,7 @@ from .writer import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     SHARD_NAME,
+    check_write_arguments,
     parse_size,
     write_checkpoint,
 )
@@ -28,6 +30,7 @@ __all__ = [
     "SHARD_NAME",
     "CheckpointReader",
     "TensorInfo",
+    "check_write_arguments",
     "open_checkpoint",
     "parse_size",
     "write_checkpoint",
