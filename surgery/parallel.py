@@ -564,13 +564,18 @@ def local_split_sizes(param: torch.Tensor, sizes: Sequence[int], *, dim: int = 0
     not the global ``[I, I]``. A plain tensor (no tensor parallelism) gets ``sizes`` back as they
     are. Computed once per placement, shape and rank (cached): a forward calls it on every step.
 
+    Every rank must hold the same share of every part (what a fused module's parts need to
+    stay aligned: ``silu(gate) * up``, heads of q, k and v); a placement that gives a rank whole
+    parts instead (plain ``colwise``: ``[I, 0]`` on rank 0) is refused.
+
     Example:
         >>> local_split_sizes(torch.zeros(96, 32), [48, 48])
         [48, 48]
 
     Raises:
-        ConfigurationError: ``sizes`` do not add up to the DTensor's ``dim``, or its placements
-            are not ones a rank's rows can be named for (see :func:`local_region`).
+        ConfigurationError: ``sizes`` do not add up to the DTensor's ``dim``, the rank holds a
+            different share of each part, or its placements are not ones a rank's rows can be
+            named for (see :func:`local_region`).
     """
     dtensor = dtensor_type()
     if dtensor is None or not isinstance(param, dtensor):
@@ -602,6 +607,14 @@ def _local_parts(
     for n in parts:
         out.append(intersect(region, start, start + n).size)
         start += n
+    held, total = sum(out), sum(parts)
+    if any(o * total != held * n for o, n in zip(out, parts)):
+        raise ConfigurationError(
+            f"a fused parameter of global shape {shape} split into parts {list(parts)} on dim {dim} is placed "
+            f"{tuple(placements)}, which gives rank {rank} of {world} the rows {out} of those parts: not the same "
+            "share of each, so its output cannot be split into aligned parts. Shard it with packed_colwise "
+            f"(PackedColwiseParallel(split_factor={len(parts)})), which gives every rank its share of every part."
+        )
     return tuple(out)
 
 

@@ -81,13 +81,23 @@ def test_saving_the_fused_sharded_model_writes_exactly_the_source_file(ranks, sc
 
 @pytest.mark.distributed
 def test_the_local_split_sizes_are_each_parts_rows_on_this_rank(ranks):
-    """Packed: a share of each part; colwise: the rows this rank holds, which may be one part only
-    (the next op then fails on the shapes, loudly); sharded on another dim or replicated: all."""
-    for r, rank in enumerate(ranks):
+    """Packed: a share of each part; sharded on another dim or replicated: all of each."""
+    for rank in ranks:
         facts = rank["split_sizes"]
         assert facts["packed"] == [24, 24]
-        assert facts["colwise"] == ([48, 0] if r == 0 else [0, 48])
         assert facts["rowwise"] == facts["replicate"] == [48, 48]
+
+
+@pytest.mark.distributed
+def test_a_placement_that_gives_a_rank_whole_parts_is_refused_naming_packed_colwise(ranks):
+    """Plain colwise on a fused gate_up gives rank 0 the gate rows only: the split would pair the
+    wrong rows (or fail on the shapes); it is a ConfigurationError saying what to use instead."""
+    for r, rank in enumerate(ranks):
+        facts = rank["split_sizes"]
+        held = "[48, 0]" if r == 0 else "[0, 48]"
+        assert f"gives rank {r} of 2 the rows {held} of those parts" in facts["colwise"]
+        assert "Shard it with packed_colwise (PackedColwiseParallel(split_factor=2))" in facts["colwise"]
+        assert "PackedColwiseParallel(split_factor=3)" in facts["packed_in_two_of_three"]
         assert "parts [48, 40] on dim 0, which add up to 88, not 96" in facts["wrong_sum"]
 
 

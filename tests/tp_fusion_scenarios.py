@@ -177,21 +177,21 @@ def split_sizes(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
 
     from surgery.parallel import local_split_sizes, strided_shard
 
-    placements = {
-        "packed": strided_shard(0, 2),
-        "colwise": Shard(0),
-        "rowwise": Shard(1),
-        "replicate": Replicate(),
-    }
+    placements = {"packed": strided_shard(0, 2), "rowwise": Shard(1), "replicate": Replicate()}
     out: dict[str, Any] = {}
     for name, placement in placements.items():
         weight = distribute_tensor(torch.zeros(96, 32), mesh, [placement])
         out[name] = local_split_sizes(weight, [48, 48])
-    try:
-        local_split_sizes(distribute_tensor(torch.zeros(96, 32), mesh, [Shard(0)]), [48, 40])
-        out["wrong_sum"] = "returned"
-    except surgery.ConfigurationError as exc:
-        out["wrong_sum"] = str(exc)
+    refused = {
+        "colwise": (Shard(0), [48, 48]),  # rank 0 holds all of the gate rows and none of the up rows
+        "packed_in_two_of_three": (strided_shard(0, 2), [32, 32, 32]),  # a qkv needs split_factor=3
+        "wrong_sum": (Shard(0), [48, 40]),
+    }
+    for name, (placement, sizes) in refused.items():
+        try:
+            out[name] = local_split_sizes(distribute_tensor(torch.zeros(96, 32), mesh, [placement]), sizes)
+        except surgery.ConfigurationError as exc:
+            out[name] = str(exc)
     return out
 
 
