@@ -426,6 +426,27 @@ def test_a_kernel_operand_of_the_wrong_dtype_shape_or_device_is_an_error_not_a_c
         q(x)
 
 
+def test_a_misaligned_weight_is_realigned_once_and_stays_a_tensor_later_loads_write_into() -> None:
+    """Copied on the first kernel call, also under ``torch.inference_mode`` (an inference tensor as
+    the parameter would refuse every later in-place load)."""
+    torch.manual_seed(0)
+    q = Int8WeightOnlyLinear.from_linear(nn.Linear(64, 48))
+    want = q.weight.detach().clone()
+    base = torch.zeros(48 * 64 + 8, dtype=torch.int8)
+    shifted = base[8:].view(48, 64)
+    shifted.copy_(want)
+    q.weight = nn.Parameter(shifted, requires_grad=False)
+    assert q.weight.data_ptr() % KERNEL_ALIGNMENT == 8
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        out = q(x)
+    assert q.weight.data_ptr() % KERNEL_ALIGNMENT == 0 and torch.equal(q.weight, want)
+    assert not q.weight.is_inference()
+    with torch.no_grad():
+        q.weight.copy_(want)  # what a later load into this module does
+    assert torch.equal(q(x), out)
+
+
 def _with_header_padding(path: Path, key: str, byte_offset: int) -> None:
     """Pad the header of the safetensors file at ``path`` with spaces (the format allows them) so
     that tensor ``key`` starts ``byte_offset`` bytes past a :data:`KERNEL_ALIGNMENT` boundary."""

@@ -13,8 +13,9 @@ dequantizes and calls ``F.linear``:
 * every operand reaches the kernel contiguous, on the weight's device, of the dtype and shape
   it expects, and at an address aligned to 64 bytes (:func:`kernel_operand`): the CPU kernel
   loads with aligned vector instructions and crashes the process (SIGSEGV) on an operand a few
-  bytes off (measured on torch 2.13: activations at 2, 4, 8 or 40 bytes past a 64-byte boundary
-  crash on AVX2, weights at 1, 4, 8 or 40 on AVX-512; 0, 16, 32 and 48 work). torch's allocators
+  bytes off (torch 2.13, measured on an AVX2 CPU: a bf16 input 2, 4, 8 or 40 bytes past a 64-byte
+  boundary crashes, 0, 16, 32 and 48 work; issue 25 saw weights crash at offsets 1, 4, 8 and 40
+  on another CPU, where the same offsets of the input work here). torch's allocators
   align to 64 bytes, but a memory-mapped load puts a weight wherever the file's header length
   puts it, so a misaligned weight is copied once, on its first kernel call (the module's own
   parameter, same values, now in owned memory), and a misaligned activation is copied per call.
