@@ -588,6 +588,11 @@ def local_split_sizes(param: torch.Tensor, sizes: Sequence[int], *, dim: int = 0
         )
     mesh = param.device_mesh  # type: ignore[attr-defined]
     placements = tuple(param.placements)  # type: ignore[attr-defined]
+    if mesh.ndim != 1:
+        raise ConfigurationError(
+            f"a fused parameter on a {mesh.ndim}-D device mesh {tuple(mesh.shape)} cannot be split by rank; "
+            "tensor-parallelize fused modules on a 1-D mesh (pass mesh['tp'])."
+        )
     return list(_local_parts(placements, shape, mesh.size(), mesh.get_local_rank(), parts, dim % len(shape)))
 
 
