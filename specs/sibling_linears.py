@@ -8,9 +8,12 @@ value** with the same ``in_features``, dtype, device and bias presence are *sibl
 become one ``nn.Linear`` whose weight is theirs concatenated along the output dim, and a split
 of its output (sizes may differ: grouped-query attention has ``q`` wider than ``k`` and ``v``)::
 
-    q, k, v = torch.split(self.qkv_proj(x), [Q, K, V], dim=-1)
+    q, k, v = torch.split(self.qkv_proj(x), local_split_sizes(self.qkv_proj.weight, [Q, K, V]), dim=-1)
 
 Each original user reads its slice (a view of the fused output, so the split costs nothing).
+The sizes are ``[Q, K, V]`` on one process; under tensor parallelism (``packed_colwise``) the
+fused weight is a DTensor and the output holds only this rank's share of each part, so the split
+takes the local sizes (:func:`surgery.parallel.local_split_sizes`).
 A ``.view`` of a slice becomes a ``.reshape``: the same view wherever the original view was
 possible on the slice's strides, a copy where it was not.
 
@@ -53,9 +56,11 @@ from surgery.fusion import (
     FusionSpec,
     GraphRewrite,
     register_fusion,
+    register_leaf_function,
     trace_module,
 )
 from surgery.fusion.matching import child_problem, child_reads, is_passthrough, reads_only_metadata
+from surgery.parallel import local_split_sizes
 from surgery.transforms import WeightTransform
 
 __all__ = ["FUSIONS", "GateUpFusion", "QkvFusion", "SiblingGroup", "SiblingLinearsFusion", "register"]
@@ -476,7 +481,11 @@ class SiblingLinearsFusion(FusionSpec):
             first = next(n for n in graph.nodes if n in call_nodes)
             with graph.inserting_before(first):
                 fused_call = graph.call_module(m.fused, (first.args[0],))
-                parts = graph.call_function(torch.split, (fused_call, list(m.out_features)), {"dim": -1})
+                # The sizes the output holds on this rank: the global ones, or each part's local
+                # share once tensor parallelism has made the fused weight a DTensor.
+                weight = graph.get_attr(f"{m.fused}.weight")
+                sizes = graph.call_function(local_split_sizes, (weight, list(m.out_features)))
+                parts = graph.call_function(torch.split, (fused_call, sizes), {"dim": -1})
                 pieces = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(call_nodes))]
             for call, piece in zip(call_nodes, pieces):
                 call.replace_all_uses_with(piece)
@@ -590,3 +599,4 @@ def register(*, overwrite: bool = False) -> None:
     """Register the three fusions through the public API (called by ``specs.register_catalog``)."""
     for name, spec_cls in FUSIONS.items():
         register_fusion(name, spec_cls(), overwrite=overwrite)
+    register_leaf_function(local_split_sizes)  # a fused module traced again keeps the call

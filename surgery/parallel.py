@@ -29,8 +29,9 @@ torch API (documented for FSDP2 + TP) and every use of it lives in this module.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ from torch import nn
 
 from .errors import ConfigurationError
 from .graph import match_modules
-from .slicing import Region
+from .slicing import Region, intersect
 
 __all__ = [
     "STYLE_NAMES",
@@ -50,6 +51,7 @@ __all__ = [
     "dtensor_type",
     "has_dtensors",
     "local_region",
+    "local_split_sizes",
     "parallelize",
     "param_placements",
     "resolve_tp_plan",
@@ -551,6 +553,74 @@ def local_region(
             size, offset = dt.Shard.local_shard_size_and_offset(shape[dim], world_size, rank)
             region = Region.of(dim, [(offset, offset + size)])
     return region
+
+
+def local_split_sizes(param: torch.Tensor, sizes: Sequence[int], *, dim: int = 0) -> list[int]:
+    """Per part of ``param``'s ``dim`` (consecutive parts of global ``sizes``), how much this rank holds.
+
+    A fused projection (``qkv_proj``, ``gate_up_proj``) splits its output by its parts' widths.
+    Under tensor parallelism its weight is a DTensor and the output holds only this rank's rows,
+    in order: ``packed_colwise`` gives rank r ``[G_r | U_r]``, so the split takes ``[I/w, I/w]``,
+    not the global ``[I, I]``. A plain tensor (no tensor parallelism) gets ``sizes`` back as they
+    are. Computed once per placement, shape and rank (cached): a forward calls it on every step.
+
+    Every rank must hold the same share of every part (what a fused module's parts need to
+    stay aligned: ``silu(gate) * up``, heads of q, k and v); a placement that gives a rank whole
+    parts instead (plain ``colwise``: ``[I, 0]`` on rank 0) is refused.
+
+    Example:
+        >>> local_split_sizes(torch.zeros(96, 32), [48, 48])
+        [48, 48]
+
+    Raises:
+        ConfigurationError: ``sizes`` do not add up to the DTensor's ``dim``, the rank holds a
+            different share of each part, or its placements are not ones a rank's rows can be
+            named for (see :func:`local_region`).
+    """
+    dtensor = dtensor_type()
+    if dtensor is None or not isinstance(param, dtensor):
+        return list(sizes)
+    shape, parts = tuple(param.shape), tuple(int(n) for n in sizes)
+    if sum(parts) != shape[dim]:
+        raise ConfigurationError(
+            f"a fused parameter of global shape {shape} is split into parts {list(parts)} on dim {dim}, which "
+            f"add up to {sum(parts)}, not {shape[dim]}; the fusion's sizes must add up to the fused dim."
+        )
+    mesh = param.device_mesh  # type: ignore[attr-defined]
+    placements = tuple(param.placements)  # type: ignore[attr-defined]
+    if mesh.ndim != 1:
+        raise ConfigurationError(
+            f"a fused parameter on a {mesh.ndim}-D device mesh {tuple(mesh.shape)} cannot be split by rank; "
+            "tensor-parallelize fused modules on a 1-D mesh (pass mesh['tp'])."
+        )
+    return list(_local_parts(placements, shape, mesh.size(), mesh.get_local_rank(), parts, dim % len(shape)))
+
+
+@functools.lru_cache(maxsize=256)
+def _local_parts(
+    placements: tuple[Any, ...],
+    shape: tuple[int, ...],
+    world: int,
+    rank: int,
+    parts: tuple[int, ...],
+    dim: int,
+) -> tuple[int, ...]:
+    region = local_region(placements, shape, world, rank)
+    if region is None or region.dim != dim:  # replicated, or sharded on another dim: every row is here
+        return parts
+    out, start = [], 0
+    for n in parts:
+        out.append(intersect(region, start, start + n).size)
+        start += n
+    held, total = sum(out), sum(parts)
+    if any(o * total != held * n for o, n in zip(out, parts)):
+        raise ConfigurationError(
+            f"a fused parameter of global shape {shape} split into parts {list(parts)} on dim {dim} is placed "
+            f"{tuple(placements)}, which gives rank {rank} of {world} the rows {out} of those parts: not the same "
+            "share of each, so its output cannot be split into aligned parts. Shard it with packed_colwise "
+            f"(PackedColwiseParallel(split_factor={len(parts)})), which gives every rank its share of every part."
+        )
+    return tuple(out)
 
 
 def dtensor_type() -> type | None:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
+import struct
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -19,6 +25,7 @@ from surgery.quantization import (
     Int8WeightOnlyQuantizer,
     int8_kernel_usable,
 )
+from surgery.quantization.int8 import KERNEL_ALIGNMENT, kernel_operand
 
 
 class MLP(nn.Module):
@@ -384,6 +391,129 @@ def test_inputs_not_contiguous_in_the_last_dim_work_like_nn_linear() -> None:
     q = Int8WeightOnlyLinear.from_linear(lin)
     x = torch.randn(1, 32, 5).transpose(1, 2)
     assert relative_error(q(x), lin(x)) < 3e-2
+
+
+def test_kernel_operand_copies_only_what_is_misaligned_or_not_contiguous() -> None:
+    aligned = torch.zeros(64, dtype=torch.int8)
+    assert kernel_operand(aligned) is aligned
+    for bad in (torch.zeros(72, dtype=torch.int8)[8:], torch.zeros(8, 8, dtype=torch.int8).T):
+        fixed = kernel_operand(bad)
+        assert fixed.is_contiguous() and fixed.data_ptr() % KERNEL_ALIGNMENT == 0 and torch.equal(fixed, bad)
+
+
+@pytest.mark.parametrize(
+    ("attr", "value", "needle"),
+    [
+        ("weight", torch.zeros(48, 64), "weight is torch.float32 (48, 64), expected torch.int8 (48, 64)"),
+        ("weight", torch.zeros(48, 32, dtype=torch.int8), "expected torch.int8 (48, 64)"),
+        ("weight_scale", torch.zeros(24), "weight_scale is torch.float32 (24,), expected a float (48,)"),
+        ("weight_scale", torch.zeros(48, dtype=torch.int32), "expected a float (48,)"),
+        (None, None, "the input is on meta, weight on cpu"),
+    ],
+    ids=["float-weight", "weight-shape", "scale-shape", "int-scale", "input-device"],
+)
+def test_a_kernel_operand_of_the_wrong_dtype_shape_or_device_is_an_error_not_a_crash(
+    attr, value, needle
+) -> None:
+    q = Int8WeightOnlyLinear.from_linear(nn.Linear(64, 48))
+    assert q.uses_kernel
+    x = torch.randn(2, 64)
+    if attr is None:
+        x = x.to("meta")
+    else:
+        setattr(q, attr, nn.Parameter(value, requires_grad=False))
+    with pytest.raises(surgery.ConfigurationError, match=re.escape(needle)):
+        q(x)
+
+
+def test_a_misaligned_weight_is_realigned_once_and_stays_a_tensor_later_loads_write_into() -> None:
+    """Copied on the first kernel call, also under ``torch.inference_mode`` (an inference tensor as
+    the parameter would refuse every later in-place load)."""
+    torch.manual_seed(0)
+    q = Int8WeightOnlyLinear.from_linear(nn.Linear(64, 48))
+    want = q.weight.detach().clone()
+    base = torch.zeros(48 * 64 + 8, dtype=torch.int8)
+    shifted = base[8:].view(48, 64)
+    shifted.copy_(want)
+    q.weight = nn.Parameter(shifted, requires_grad=False)
+    assert q.weight.data_ptr() % KERNEL_ALIGNMENT == 8
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        out = q(x)
+    assert q.weight.data_ptr() % KERNEL_ALIGNMENT == 0 and torch.equal(q.weight, want)
+    assert not q.weight.is_inference()
+    with torch.no_grad():
+        q.weight.copy_(want)  # what a later load into this module does
+    assert torch.equal(q(x), out)
+
+
+def _with_header_padding(path: Path, key: str, byte_offset: int) -> None:
+    """Pad the header of the safetensors file at ``path`` with spaces (the format allows them) so
+    that tensor ``key`` starts ``byte_offset`` bytes past a :data:`KERNEL_ALIGNMENT` boundary."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = raw[8 : 8 + n], raw[8 + n :]
+    start = json.loads(header)[key]["data_offsets"][0]
+    pad = (byte_offset - (8 + n + start)) % KERNEL_ALIGNMENT
+    header += b" " * pad
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+_MAPPED_FORWARD = """
+    import json, sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    import surgery
+    from test_quantization_int8 import Model
+
+    with torch.device("meta"):
+        model = Model()
+    report = surgery.load_checkpoint(model, {ckpt!r})  # quantizer rebuilt from the file's metadata
+    assert report.ok, report
+    linears = [model.mlp.gate_proj, model.mlp.up_proj, model.mlp.down_proj]
+    facts = {{
+        "modes": sorted({{e.mode for e in report.plan.entries}}),
+        "offsets": [m.weight.data_ptr() % {align} for m in linears],
+        "kernel": [m.uses_kernel for m in linears],
+    }}
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 256)
+    base = torch.randn(6 * 256 + 1).to(torch.bfloat16)
+    shifted = base[1:].view(6, 256)  # a bf16 input 2 bytes past a boundary (SIGSEGV on AVX2)
+    with torch.no_grad():
+        out = model(x)
+        facts["input_offset"] = shifted.data_ptr() % {align}
+        facts["shifted_equal"] = torch.equal(model.mlp.gate_proj(shifted), model.mlp.gate_proj(shifted.clone()))
+        for m in linears:
+            m.uses_kernel = False
+        fallback = model(x)
+    facts["after"] = [m.weight.data_ptr() % {align} for m in linears]
+    facts["relative_error"] = float((out.float() - fallback.float()).norm() / fallback.float().norm())
+    print(json.dumps(facts))
+"""
+
+
+def test_a_memory_mapped_int8_checkpoint_with_misaligned_weights_runs_its_forward(tmp_path: Path) -> None:
+    """Issue 25: weights mapped at 8 bytes past a boundary crashed the first forward (SIGSEGV in
+    ``aten._weight_int8pack_mm`` on AVX-512; on AVX2 a bf16 input 2 bytes off crashes it). The
+    forward runs in a child process, so a crash fails this test instead of killing pytest."""
+    float_checkpoint(tmp_path / "float")
+    model = Model()
+    surgery.load_checkpoint(model, tmp_path / "float", quantizer=Int8WeightOnlyQuantizer(targets=["mlp.*"]))
+    surgery.save_checkpoint(model, tmp_path / "int8", original_format=False)
+    _with_header_padding(tmp_path / "int8" / "model.safetensors", "mlp.gate_proj.weight", 8)
+    code = textwrap.dedent(_MAPPED_FORWARD).format(
+        tests=str(Path(__file__).parent), ckpt=str(tmp_path / "int8"), align=KERNEL_ALIGNMENT
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"the child died with {done.returncode}: {done.stderr[-2000:]}"
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert facts["modes"] == ["mmap"]  # the weights are views of the file, where its header put them
+    assert facts["offsets"][0] == 8 and all(o % 16 for o in facts["offsets"])
+    assert facts["kernel"] == [True, True, True]
+    assert facts["after"] == [0, 0, 0]  # each copied once into aligned memory
+    assert facts["input_offset"] == 2 and facts["shifted_equal"]
+    assert facts["relative_error"] < 1e-2
 
 
 # --------------------------------------------------------------------------- casts across the quantization boundary

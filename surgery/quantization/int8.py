@@ -9,7 +9,16 @@ dequantizes and calls ``F.linear``:
   returns wrong numbers or crashes the process (pytorch #136709, #158341);
 * whether the kernel runs on a device is probed once per device (a tiny call compared with
   the dequantized product), and decided once per module and device, never per call;
-* activations go to the kernel as bfloat16: with float32 ones it takes a slow path.
+* activations go to the kernel as bfloat16: with float32 ones it takes a slow path;
+* every operand reaches the kernel contiguous, on the weight's device, of the dtype and shape
+  it expects, and at an address aligned to 64 bytes (:func:`kernel_operand`): the CPU kernel
+  loads with aligned vector instructions and crashes the process (SIGSEGV) on an operand a few
+  bytes off (torch 2.13, measured on an AVX2 CPU: a bf16 input 2, 4, 8 or 40 bytes past a 64-byte
+  boundary crashes, 0, 16, 32 and 48 work; issue 25 saw weights crash at offsets 1, 4, 8 and 40
+  on another CPU, where the same offsets of the input work here). torch's allocators
+  align to 64 bytes, but a memory-mapped load puts a weight wherever the file's header length
+  puts it, so a misaligned weight is copied once, on its first kernel call (the module's own
+  parameter, same values, now in owned memory), and a misaligned activation is copied per call.
 
 ``weight.dtype`` of a quantized layer is ``int8``: code that casts its input to the layer's
 weight dtype (``x.to(self.proj.weight.dtype)``, common in patch embeddings) destroys the
@@ -35,9 +44,19 @@ from ..errors import ConfigurationError, ConversionError
 from ..graph import match_modules, swap_module
 from .protocol import QUANTIZER_ATTRIBUTE, config_metadata
 
-__all__ = ["Int8WeightOnlyLinear", "Int8WeightOnlyQuantizer", "int8_kernel_usable", "quantize_per_channel"]
+__all__ = [
+    "KERNEL_ALIGNMENT",
+    "Int8WeightOnlyLinear",
+    "Int8WeightOnlyQuantizer",
+    "int8_kernel_usable",
+    "kernel_operand",
+    "quantize_per_channel",
+]
 
 _KERNEL_K_MULTIPLE = 16
+KERNEL_ALIGNMENT = 64
+"""Byte alignment of every operand handed to ``aten._weight_int8pack_mm`` (torch's allocator alignment;
+16 is the measured minimum, 64 leaves room for wider vector loads)."""
 _probed: dict[tuple[str, int | None], bool] = {}
 _probe_lock = threading.Lock()
 
@@ -76,6 +95,21 @@ def int8_kernel_usable(device: torch.device | str, in_features: int) -> bool:
         if key not in _probed:
             _probed[key] = _probe(device)
         return _probed[key]
+
+
+def kernel_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is contiguous and starts at a :data:`KERNEL_ALIGNMENT`-byte address,
+    else a contiguous copy (a fresh allocation is aligned).
+
+    Example:
+        >>> base = torch.zeros(40, dtype=torch.bfloat16)
+        >>> off = base[1:33]  # starts 2 bytes past an aligned address
+        >>> kernel_operand(off).data_ptr() % KERNEL_ALIGNMENT, torch.equal(kernel_operand(off), off)
+        (0, True)
+    """
+    if t.is_contiguous() and t.data_ptr() % KERNEL_ALIGNMENT == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _probe(device: torch.device) -> bool:
@@ -192,15 +226,45 @@ class Int8WeightOnlyLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)  # the kernel takes 2-D input, contiguous in its last dim
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self._decide():
-            out = torch.ops.aten._weight_int8pack_mm(
-                flat.to(torch.bfloat16).contiguous(), self.weight, self.weight_scale.to(torch.bfloat16)
-            ).to(x.dtype)
+            out = self._kernel_forward(flat).to(x.dtype)
             if bias is not None:
                 out = out + bias
         else:
             w = self.weight.to(x.dtype) * self.weight_scale.to(x.dtype)[:, None]
             out = F.linear(flat, w, bias)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _kernel_forward(self, flat: torch.Tensor) -> torch.Tensor:
+        """``aten._weight_int8pack_mm`` with its preconditions checked or established first.
+
+        The kernel checks few of them itself, and a violated one crashes the process instead of
+        raising: a wrong dtype, shape or device is an error here, a layout is fixed by a copy.
+        """
+        weight, scale = self.weight, self.weight_scale
+        n, k = self.out_features, self.in_features
+        problem = None
+        if weight.dtype != torch.int8 or tuple(weight.shape) != (n, k):
+            problem = f"weight is {weight.dtype} {tuple(weight.shape)}, expected torch.int8 {(n, k)}"
+        elif tuple(scale.shape) != (n,) or not scale.is_floating_point():
+            problem = f"weight_scale is {scale.dtype} {tuple(scale.shape)}, expected a float ({n},)"
+        elif weight.device != flat.device or scale.device != flat.device:
+            problem = (
+                f"the input is on {flat.device}, weight on {weight.device} and weight_scale on {scale.device}; "
+                "move the module or the input so all three share a device"
+            )
+        if problem is not None:
+            raise ConfigurationError(
+                f"Int8WeightOnlyLinear({self.extra_repr()}): {problem}. The int8 kernel would read memory that "
+                "is not there; assign tensors of the shapes and dtypes above (or load them with the quantizer)."
+            )
+        if not (weight.is_contiguous() and weight.data_ptr() % KERNEL_ALIGNMENT == 0):
+            # Memory-mapped from a file whose header length leaves it off a 64-byte boundary: copy
+            # it once into owned, aligned memory (same values; outside inference mode, so the
+            # parameter stays an ordinary tensor that later loads can write into).
+            with torch.inference_mode(False), torch.no_grad():
+                weight.data = weight.detach().clone(memory_format=torch.contiguous_format)
+        x = kernel_operand(flat.to(torch.bfloat16))
+        return torch.ops.aten._weight_int8pack_mm(x, weight, kernel_operand(scale.to(torch.bfloat16)))
 
     def dequantized(self, *, meta: bool = False) -> dict[str, torch.Tensor]:
         """``{"weight": q * scale}`` in :attr:`float_dtype` (``meta=True``: its shape and dtype only)."""
