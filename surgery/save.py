@@ -811,12 +811,14 @@ def _describe_written(model: nn.Module, state: RevertedState, *, original_format
     if encoded and record is not None and record.quantizer is not None:  # FP8 re-encoded as loaded
         hooks = QuantizerHooks(record.quantizer)
         unquantized = tuple(
-            k.removesuffix(".weight")
-            for k, spec in state.specs.items()
-            if k.endswith(".weight")
-            and len(spec.shape) >= 2
-            and spec.dtype.is_floating_point
-            and k not in encoded
+            sorted(
+                k.removesuffix(".weight")
+                for k, spec in state.specs.items()
+                if k.endswith(".weight")
+                and len(spec.shape) >= 2
+                and spec.dtype.is_floating_point
+                and k not in encoded
+            )
         )
         return saved_config(
             fusions=fusions,
