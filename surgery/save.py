@@ -825,6 +825,7 @@ def _describe_written(model: nn.Module, state: RevertedState, *, original_format
             quantization=hooks.quantization_config(),
             quantization_loads_in_transformers=hooks.loads_in_transformers,
             unquantized_modules=unquantized,
+            original_format=original_format,
         )
     quantizer = _model_quantizer(model)
     if not original_format and quantizer is not None and _has_quantized(model):  # int8 codes and scales

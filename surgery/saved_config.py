@@ -63,21 +63,23 @@ class SavedConfig:
             ``quantization_config`` written where the source config had none of that method
             (``modules_to_not_convert``); ``None`` when not needed.
         unreadable: why transformers cannot load the layout as written (empty: it can).
+        fix: the ``save_checkpoint`` option that writes what transformers reads instead.
     """
 
     fusion_config: dict[str, Any] | None = None
     quantization_config: dict[str, Any] | None = None
     unquantized_modules: tuple[str, ...] | None = None
     unreadable: tuple[str, ...] = ()
+    fix: str = "original_format=True"
 
     def refusal(self) -> str | None:
         """The ``transformers_weights`` sentence transformers quotes when it refuses the layout."""
         if not self.unreadable:
             return None
         return (
-            f"{TRANSFORMERS_REFUSAL}: this is a surgery runtime-layout checkpoint with "
-            f"{' and '.join(self.unreadable)}. Load it with surgery.load_checkpoint, or save the model with "
-            "surgery.save_checkpoint(..., original_format=True) for transformers"
+            f"{TRANSFORMERS_REFUSAL}: surgery saved this checkpoint with {' and '.join(self.unreadable)}. "
+            f"Load it with surgery.load_checkpoint, or save the model with surgery.save_checkpoint(..., "
+            f"{self.fix}) for transformers"
         )
 
 
@@ -87,6 +89,7 @@ def saved_config(
     quantization: Mapping[str, Any] | None = None,
     quantization_loads_in_transformers: bool = False,
     unquantized_modules: tuple[str, ...] | None = None,
+    original_format: bool = False,
 ) -> SavedConfig:
     """Describe a written layout: its fusions and the quantization of its tensors.
 
@@ -96,6 +99,8 @@ def saved_config(
         quantization: the ``quantization_config`` of the quantized tensors written, if any.
         quantization_loads_in_transformers: transformers decodes those tensors with that config.
         unquantized_modules: see :attr:`SavedConfig.unquantized_modules`.
+        original_format: the layout is the original one (quantized tensors there were
+            re-encoded as loaded: the fix is writing floats, not the original layout).
 
     Example:
         >>> saved_config(fusions={"gate_up": True}).unreadable
@@ -125,6 +130,7 @@ def saved_config(
         quantization_config=dict(quantization) if quantization is not None else None,
         unquantized_modules=unquantized_modules,
         unreadable=tuple(reasons),
+        fix="quantization='dequantized'" if original_format else "original_format=True",
     )
 
 

@@ -664,3 +664,27 @@ def test_a_quantizer_whose_quantization_config_is_not_json_fails_the_save_before
     with pytest.raises(ConfigurationError, match=r"Unwritable\.quantization_config\(\).*not JSON"):
         surgery.save_checkpoint(model, tmp_path / "out", original_format=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_refusal_for_transformers_names_the_save_option_that_writes_what_it_reads() -> None:
+    from surgery.saved_config import saved_config
+
+    e5m2 = {"quant_method": "fp8", "fmt": "e5m2"}
+    refusals = {
+        "fused runtime layout": saved_config(fusions={"qkv": True, "gate_up": False}).refusal(),
+        "e5m2 as loaded": saved_config(fusions=None, quantization=e5m2, original_format=True).refusal(),
+    }
+    assert (
+        "the fusions qkv," in refusals["fused runtime layout"]
+        and "gate_up" not in refusals["fused runtime layout"]
+    )
+    assert "original_format=True" in refusals["fused runtime layout"]
+    assert "quant_method 'fp8'" in refusals["e5m2 as loaded"]
+    assert "quantization='dequantized'" in refusals["e5m2 as loaded"]
+    transformers_reads = saved_config(
+        fusions={"patch_embeddings": True},
+        quantization=e5m2 | {"fmt": "e4m3"},
+        quantization_loads_in_transformers=True,
+        original_format=True,
+    )
+    assert transformers_reads.refusal() is None and transformers_reads.fusion_config == FUSE
