@@ -139,21 +139,27 @@ def rewrite_config(data: Mapping[str, Any], saved: SavedConfig) -> dict[str, Any
 
     A ``quantization_config`` of the same ``quant_method`` in ``data`` is kept, with the keys
     the quantizer knows (block size, format) overwritten: it described the same stored tensors,
-    and its other fields (``modules_to_not_convert``) stay as the source had them. Any
-    ``transformers_weights`` of the source is dropped (it named the source's files).
+    and its other fields (``modules_to_not_convert``) stay as the source had them. One in a
+    sub-config (``text_config``, which transformers also reads) is treated the same way and
+    written at the top. Any ``transformers_weights`` of the source is dropped (it named the
+    source's files).
 
     Example:
         >>> rewrite_config({"model_type": "llama", "quantization_config": {"quant_method": "fp8"}}, SavedConfig())
         {'model_type': 'llama'}
     """
     out = dict(data)
-    for key in ("fusion_config", "quantization_config", "transformers_weights"):
+    source = out.pop("quantization_config", None)
+    for key, value in data.items():
+        if isinstance(value, Mapping) and "quantization_config" in value:  # a sub-config's
+            out[key] = {k: v for k, v in value.items() if k != "quantization_config"}
+            source = source if source is not None else value["quantization_config"]
+    for key in ("fusion_config", "transformers_weights"):
         out.pop(key, None)
     if saved.fusion_config:
         out["fusion_config"] = copy.deepcopy(saved.fusion_config)
     if saved.quantization_config is not None:
         wanted = copy.deepcopy(saved.quantization_config)
-        source = data.get("quantization_config")
         if isinstance(source, Mapping) and source.get("quant_method") == wanted.get("quant_method"):
             wanted = {**copy.deepcopy(dict(source)), **wanted}
         elif saved.unquantized_modules is not None:

@@ -688,3 +688,13 @@ def test_the_refusal_for_transformers_names_the_save_option_that_writes_what_it_
         original_format=True,
     )
     assert transformers_reads.refusal() is None and transformers_reads.fusion_config == FUSE
+
+
+def test_a_quantization_config_in_a_sub_config_follows_the_tensors_too() -> None:
+    from surgery.saved_config import SavedConfig, rewrite_config
+
+    fp8 = {**FP8_CONFIG, "modules_to_not_convert": ["lm_head"]}
+    source = {"model_type": "vlm", "text_config": {"hidden_size": 8, "quantization_config": fp8}}
+    assert rewrite_config(source, SavedConfig()) == {"model_type": "vlm", "text_config": {"hidden_size": 8}}
+    kept = rewrite_config(source, SavedConfig(quantization_config=FP8_CONFIG, unquantized_modules=()))
+    assert kept == {"model_type": "vlm", "text_config": {"hidden_size": 8}, "quantization_config": fp8}
