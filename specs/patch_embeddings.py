@@ -111,6 +111,9 @@ class PatchEmbeddingsFusion(FusionSpec):
         "(-1, C, T, P, P), runs an nn.Conv3d child with kernel_size == stride, no padding, dilation 1 and "
         "groups 1, and flattens the result to (-1, D)."
     )
+    # transformers' fusion_config={"patch_embeddings": True} gives the same fused layout
+    # (linear_proj.weight), tests/interop/test_fusion_loading_interop.py.
+    transformers_name = "patch_embeddings"
 
     # ------------------------------------------------------------------ structure
     def is_fusable(self, module: nn.Module) -> tuple[bool, str]:

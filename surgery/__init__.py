@@ -10,7 +10,8 @@ Map of the package (one concept per module; ``docs/concepts.md`` has the path of
 * ``checkpoint``: the safetensors format, validated lazy reads, atomic streaming writes.
 * ``empty``: :func:`init_empty`, build a model with parameters on ``meta`` and real buffers.
 * ``load``: plan a load from headers, read straight into place, report.
-* ``save``: export back to the original (or the runtime) layout.
+* ``save``: export back to the original (or the runtime) layout; ``saved_config``: the
+  ``config.json`` it writes, describing the tensors written.
 * ``fusion``: torch.fx rewrites of module instances, with preview.
 * ``cli``, ``demo``, ``examples``, ``bench``: the command line, the demo, example models, benchmarks.
 """

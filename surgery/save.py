@@ -53,6 +53,7 @@ from .parallel import dtensor_type
 from .quantization import QUANTIZER_ATTRIBUTE, QuantizerHooks
 from .resolution import get_model_conversion_mapping
 from .routing import SAVE_PRIORITY, route_keys
+from .saved_config import SavedConfig, saved_config, write_config_json
 from .transforms import PrefixChange, WeightRenaming, WeightTransform, legacy_renamings
 
 __all__ = [
@@ -670,6 +671,11 @@ class RevertedState(Mapping[str, torch.Tensor]):
         return list(self._state.values())
 
     @property
+    def encoded_keys(self) -> tuple[str, ...]:
+        """The keys written re-encoded as stored at load (``quantization="as_loaded"``), companions excluded."""
+        return tuple(n for g in self._groups if g.encoded for n in g.encoded)
+
+    @property
     def cached_keys(self) -> tuple[str, ...]:
         """The keys whose values the mapping holds right now (one group's at most)."""
         return tuple(self._cache)
@@ -759,8 +765,11 @@ def save_checkpoint(
             ``original_format=True`` (lossy).
 
     The ``config.json`` and ``generation_config.json`` of the checkpoint the model was loaded from
-    are copied into a directory that has none, so the output loads in transformers too; a
-    runtime-layout save records its fusions in that ``config.json``.
+    are copied into a directory that has none, and ``config.json`` is made to describe the tensors
+    written (:mod:`surgery.saved_config`): its ``quantization_config`` matches the quantized
+    tensors (none after writing floats), its ``fusion_config`` holds only fusions transformers
+    performs, and a layout transformers cannot read (an int8 runtime layout, a ``gate_up``
+    fusion) makes transformers refuse it with a message saying so, instead of loading it wrong.
 
     Returns:
         The files written.
@@ -785,13 +794,13 @@ def save_checkpoint(
         fusion = persistable_fusion_config(model)  # pinned to the exact module paths it rewrote
         if not original_format and fusion:
             meta[FUSION_METADATA_KEY] = json.dumps(fusion, sort_keys=True)
-        fusion = fusion_config_of(model)  # config.json keeps the form transformers reads
         state = RevertedState(
             model, original_format=original_format, quantization=quantization, collective=collective
         )
         quantizer = _model_quantizer(model)
         if not original_format and quantizer is not None and _has_quantized(model):
             meta.update(QuantizerHooks(quantizer).metadata())
+        described = _describe_written(model, state, original_format=original_format)  # before any I/O
     collective.agree()
     if collective.rank != 0:
         with collective.step():  # the groups rank 0's writes compute, in its order, for the gathers
@@ -802,7 +811,7 @@ def save_checkpoint(
     with collective.step():
         files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
         _carry_configs(model, Path(path))
-        _update_config_json(Path(path), None if original_format else fusion)
+        _update_config_json(Path(path), described)
     collective.agree()
     return files
 
@@ -849,23 +858,41 @@ def _has_quantized(model: nn.Module) -> bool:
     return any(getattr(m, "quantized_names", None) is not None for m in model.modules())
 
 
-def _update_config_json(path: Path, fusion: dict[str, Any] | None) -> None:
-    """Keep ``config.json`` (where the checkpoint has one) in step with the persisted fusions."""
-    cfg = (path if path.is_dir() else path.parent) / "config.json"
-    if not cfg.is_file():
-        return
-    try:
-        data = json.loads(cfg.read_text())
-    except (OSError, ValueError, RecursionError):
-        return
-    if not isinstance(data, dict):
-        return
-    if fusion:
-        data["fusion_config"] = fusion
-    elif "fusion_config" in data:
-        del data["fusion_config"]
-    else:
-        return
-    tmp = cfg.with_name(f".{cfg.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-    os.replace(tmp, cfg)
+def _describe_written(model: nn.Module, state: RevertedState, *, original_format: bool) -> SavedConfig:
+    """What the ``config.json`` of this save must say: the fusions and the quantization written."""
+    fusions = None if original_format else fusion_config_of(model)
+    record = load_record(model)
+    encoded = set(state.encoded_keys)
+    if encoded and record is not None and record.quantizer is not None:  # FP8 re-encoded as loaded
+        hooks = QuantizerHooks(record.quantizer)
+        unquantized = tuple(
+            sorted(
+                k.removesuffix(".weight")
+                for k, spec in state.specs.items()
+                if k.endswith(".weight")
+                and len(spec.shape) >= 2
+                and spec.dtype.is_floating_point
+                and k not in encoded
+            )
+        )
+        return saved_config(
+            fusions=fusions,
+            quantization=hooks.quantization_config(),
+            quantization_loads_in_transformers=hooks.loads_in_transformers,
+            unquantized_modules=unquantized,
+            original_format=original_format,
+        )
+    quantizer = _model_quantizer(model)
+    if not original_format and quantizer is not None and _has_quantized(model):  # int8 codes and scales
+        hooks = QuantizerHooks(quantizer)
+        return saved_config(
+            fusions=fusions,
+            quantization=hooks.quantization_config(),
+            quantization_loads_in_transformers=hooks.loads_in_transformers,
+        )
+    return saved_config(fusions=fusions)  # floats only
+
+
+def _update_config_json(path: Path, described: SavedConfig) -> None:
+    """Make ``config.json`` (where the checkpoint has one) describe the tensors this save wrote."""
+    write_config_json(path if path.is_dir() else path.parent, described)

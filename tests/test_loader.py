@@ -685,3 +685,33 @@ def test_a_strict_load_refuses_a_lossy_cast_before_reading_and_dtype_asks_for_it
     assert torch.equal(model.weight, before)
     report = surgery.load_checkpoint(model, tmp_path, dtype=torch.bfloat16, strict=True)  # asked for: fine
     assert report.ok and report.mismatched == []
+
+
+# ------------------------------------------------------------------------------------------ device="meta"
+
+
+@pytest.mark.parametrize("device", ["meta", torch.device("meta")], ids=["str", "torch.device"])
+def test_device_meta_is_refused_by_load_and_plan_naming_the_dry_run_and_the_model_is_untouched(
+    tmp_path: Path, write_original: WriteOriginal, device: str | torch.device
+) -> None:
+    write_original(tmp_path)
+    model = build_moe_model(CFG, device="meta")
+    assert surgery.load_checkpoint(model, tmp_path).ok
+    before, record = snapshot(model), load_record(model)
+
+    for call in (surgery.load_checkpoint, surgery.plan_load):
+        with pytest.raises(ConfigurationError, match=rf"{call.__name__}\(\.\.\., device=.*plan_load") as info:
+            call(model, tmp_path, device=device)
+        assert "holds no data" in str(info.value)
+    assert_same(model.state_dict(), before)
+    assert load_record(model) is record  # not even the record of the previous load is dropped
+
+
+def test_a_model_built_on_meta_still_loads_to_cpu_by_default(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
+    write_original(tmp_path)
+    model = build_moe_model(CFG, device="meta")
+    assert surgery.plan_load(model, tmp_path).entries[0].device == "cpu"
+    assert surgery.load_checkpoint(model, tmp_path).ok
+    assert {t.device.type for t in model.state_dict().values()} == {"cpu"}

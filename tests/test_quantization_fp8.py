@@ -391,3 +391,13 @@ def test_bad_constructor_arguments_are_configuration_errors(kwargs) -> None:
 def test_a_scalar_weight_block_size_in_a_config_is_a_configuration_error() -> None:
     with pytest.raises(surgery.ConfigurationError, match="weight_block_size=128"):
         FP8BlockQuantizer.from_config({"quant_method": "fp8", "weight_block_size": 128})
+
+
+@pytest.mark.parametrize("weight_format", ["e4m3", "e5m2"])
+def test_the_quantization_config_a_save_writes_reads_back_to_the_same_quantizer(weight_format: str) -> None:
+    q = FP8BlockQuantizer(block_size=(64, 32), weight_format=weight_format)
+    again = FP8BlockQuantizer.from_config({"quantization_config": q.quantization_config()})
+    assert (again.block_size, again.weight_dtype) == ((64, 32), q.weight_dtype)
+    assert q.quantization_config()["quant_method"] == "fp8"
+    # transformers' fp8 method decodes e4m3 only: an e5m2 save makes it refuse the checkpoint.
+    assert q.loads_in_transformers is (weight_format == "e4m3")

@@ -10,6 +10,7 @@ from torch import nn
 
 import surgery
 from surgery.checkpoint import write_checkpoint
+from surgery.errors import ConfigurationError
 from surgery.quantization import QuantizerHooks
 
 
@@ -191,3 +192,52 @@ def test_get_weight_conversions_must_return_transforms() -> None:
 
     with pytest.raises(surgery.ConfigurationError, match="list of WeightTransform"):
         QuantizerHooks(Bad()).weight_conversions()
+
+
+# ------------------------------------------------------------------ quantization_config (config.json)
+
+
+class Described:
+    def __init__(self, config: object) -> None:
+        self.config = config
+
+    def quantization_config(self) -> object:
+        return self.config
+
+
+class WithMetadata:
+    def metadata(self) -> dict[str, str]:
+        return {"surgery.quantization": '{"quant_method": "per_tensor_int8", "bits": 8}'}
+
+
+@pytest.mark.parametrize(
+    ("quantizer", "expected"),
+    [
+        (Described({"quant_method": "mine", "group": 64}), {"quant_method": "mine", "group": 64}),
+        (WithMetadata(), {"quant_method": "per_tensor_int8", "bits": 8}),
+        (Halves(), {"quant_method": "Halves"}),
+    ],
+    ids=["hook", "metadata-without-hook", "neither"],
+)
+def test_a_quantizers_quantization_config_always_names_how_its_tensors_are_stored(
+    quantizer: object, expected: dict
+) -> None:
+    hooks = QuantizerHooks(quantizer)
+    assert hooks.quantization_config() == expected
+    assert hooks.loads_in_transformers is False  # only a quantizer that says so
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        ({"group": 64}, "string 'quant_method'"),
+        ([("quant_method", "mine")], "string 'quant_method'"),
+        ({"quant_method": "mine", "scale": torch.ones(1)}, "not JSON"),
+    ],
+    ids=["no-method", "not-a-dict", "a-tensor-inside"],
+)
+def test_a_quantization_config_that_config_json_cannot_hold_is_a_configuration_error(
+    config: object, needle: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=rf"Described\.quantization_config\(\).*{needle}"):
+        QuantizerHooks(Described(config)).quantization_config()

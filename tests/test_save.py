@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import json
 import types
 import weakref
 from collections.abc import Callable
@@ -16,13 +17,14 @@ from torch import nn
 import surgery
 from surgery import WeightConverter, ops
 from surgery.checkpoint import SAFE_WEIGHTS_NAME, open_checkpoint, write_checkpoint
-from surgery.errors import CheckpointError, ConversionError
+from surgery.errors import CheckpointError, ConfigurationError, ConversionError
 from surgery.examples.moe import ExampleMoEConfig, ExampleMoEModel, build_moe_model, original_state_dict
 from surgery.examples.vision import build_vision_tower
 from surgery.load.plan import FUSION_METADATA_KEY
 from surgery.load.record import load_record
 from surgery.registry import register_checkpoint_conversion_mapping, registry_snapshot
 from surgery.save import RevertedState
+from surgery.saved_config import TRANSFORMERS_REFUSAL
 
 CFG = ExampleMoEConfig()
 FUSE = {"patch_embeddings": True}
@@ -476,3 +478,223 @@ def test_a_save_carries_the_source_checkpoints_config_files(tmp_path: Path) -> N
     (tmp_path / "out" / "config.json").write_text('{"mine": 1}')
     surgery.save_checkpoint(model, tmp_path / "out")
     assert (tmp_path / "out" / "config.json").read_text() == '{"mine": 1}'  # an existing one is kept
+
+
+# ------------------------------------------------------------ config.json describes what was written
+
+HUB_CONFIG = {"model_type": "example_decoder", "dtype": "float32", "tie_word_embeddings": False}
+"""The source checkpoint's config.json: a plain float model, as transformers writes one."""
+FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+FP8_BLOCK = (16, 16)
+
+
+def _config_json(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def _decoder_source(tmp_path: Path, *, fp8: dict | None = None) -> Path:
+    """The example decoder's checkpoint with a config.json; ``fp8``: stored FP8 with that quantization_config."""
+    from fp8_reference import quantize_state
+
+    from surgery.examples.decoder import build_decoder_model
+
+    src = tmp_path / "src"
+    state = build_decoder_model(seed=0).state_dict()
+    write_checkpoint(quantize_state(state, FP8_BLOCK) if fp8 is not None else state, src)
+    config = dict(HUB_CONFIG)
+    if fp8:
+        config["quantization_config"] = fp8
+    (src / "config.json").write_text(json.dumps(config))
+    return src
+
+
+def _decoder(seed: int = 1) -> nn.Module:
+    from surgery.examples.decoder import build_decoder_model
+
+    return build_decoder_model(seed=seed)
+
+
+def test_a_gate_up_runtime_save_writes_no_fusion_config_and_a_refusal_for_transformers(
+    tmp_path: Path,
+) -> None:
+    src = _decoder_source(tmp_path)
+    fused = _decoder()
+    surgery.apply_fusions(fused, {"gate_up": True})
+    assert surgery.load_checkpoint(fused, src, strict=True).ok
+    surgery.save_checkpoint(fused, tmp_path / "out", original_format=False)
+
+    config = _config_json(tmp_path / "out")
+    refusal = config.pop("transformers_weights")
+    assert config == HUB_CONFIG  # no fusion_config transformers would reject ("Unknown fusion type")
+    assert refusal.startswith(TRANSFORMERS_REFUSAL) and "gate_up" in refusal
+    assert "original_format=True" in refusal and not refusal.endswith((".safetensors", ".index.json"))
+    # Our loader still re-applies the fusion: it is persisted where transformers does not read.
+    again = _decoder(seed=2)
+    report = surgery.load_checkpoint(again, tmp_path / "out", strict=True)
+    assert list(report.fusions or {}) == ["gate_up"]
+    assert_same(again.state_dict(), fused.state_dict())
+
+
+def test_a_checkpoint_saved_with_gate_up_in_its_config_json_by_the_old_code_still_loads_fused(
+    tmp_path: Path,
+) -> None:
+    src = _decoder_source(tmp_path)
+    fused = _decoder()
+    surgery.apply_fusions(fused, {"gate_up": True})
+    surgery.load_checkpoint(fused, src, strict=True)
+    old = tmp_path / "old"  # what a runtime-layout save wrote before: the fusion in config.json only
+    write_checkpoint(fused.state_dict(), old)
+    (old / "config.json").write_text(json.dumps({**HUB_CONFIG, "fusion_config": {"gate_up": True}}))
+
+    again = _decoder(seed=2)
+    report = surgery.load_checkpoint(again, old, strict=True)
+    assert report.fusions == {"gate_up": True}
+    assert_same(again.state_dict(), fused.state_dict())
+
+
+def test_a_patch_embeddings_runtime_save_keeps_the_fusion_transformers_performs_in_config_json(
+    tmp_path: Path,
+) -> None:
+    tower = build_vision_tower(seed=0)
+    write_checkpoint(tower.state_dict(), tmp_path / "src")
+    (tmp_path / "src" / "config.json").write_text(json.dumps(HUB_CONFIG))
+    fused = build_vision_tower(seed=1)
+    surgery.load_checkpoint(fused, tmp_path / "src", fusion_config=FUSE)
+    surgery.save_checkpoint(fused, tmp_path / "out", original_format=False)
+    assert _config_json(tmp_path / "out") == {**HUB_CONFIG, "fusion_config": FUSE}
+
+
+def test_an_int8_runtime_save_writes_its_quantization_config_and_a_refusal_for_transformers(
+    tmp_path: Path,
+) -> None:
+    from surgery.quantization import Int8WeightOnlyQuantizer
+
+    src = _decoder_source(tmp_path)
+    model = _decoder()
+    assert surgery.load_checkpoint(model, src, quantizer=Int8WeightOnlyQuantizer(exclude=["lm_head"])).ok
+    surgery.save_checkpoint(model, tmp_path / "out", original_format=False)
+
+    config = _config_json(tmp_path / "out")
+    assert config["quantization_config"] == {
+        "quant_method": "int8_weight_only",
+        "targets": None,
+        "exclude": ["lm_head"],
+    }
+    assert config["transformers_weights"].startswith(TRANSFORMERS_REFUSAL)
+    assert "'int8_weight_only'" in config["transformers_weights"]
+    assert tensors(tmp_path / "out")["model.layers.0.mlp.up_proj.weight"].dtype == torch.int8
+
+
+def test_an_original_format_save_drops_what_a_runtime_layout_config_json_said(tmp_path: Path) -> None:
+    from surgery.quantization import Int8WeightOnlyQuantizer
+
+    src = _decoder_source(tmp_path)
+    model = _decoder()
+    surgery.apply_fusions(model, {"gate_up": True})
+    surgery.load_checkpoint(model, src, quantizer=Int8WeightOnlyQuantizer(exclude=["lm_head"]))
+    surgery.save_checkpoint(model, tmp_path / "runtime", original_format=False)
+    assert {"quantization_config", "transformers_weights"} <= set(_config_json(tmp_path / "runtime"))
+
+    again = _decoder(seed=2)
+    assert surgery.load_checkpoint(
+        again, tmp_path / "runtime", strict=True
+    ).ok  # fusion and quantizer rebuilt
+    surgery.save_checkpoint(again, tmp_path / "floats")  # original layout: dequantized floats, unfused
+    assert _config_json(tmp_path / "floats") == HUB_CONFIG
+    assert all(t.dtype == torch.float32 for t in tensors(tmp_path / "floats").values())
+
+
+@pytest.mark.parametrize(
+    ("save_kwargs", "written"),
+    [
+        ({}, FP8_CONFIG),
+        ({"quantization": "dequantized"}, None),
+        ({"original_format": False}, None),
+    ],
+    ids=["as_loaded-keeps-it", "dequantized-drops-it", "runtime-floats-drop-it"],
+)
+def test_an_fp8_models_config_json_has_a_quantization_config_exactly_when_fp8_tensors_are_written(
+    tmp_path: Path, save_kwargs: dict, written: dict | None
+) -> None:
+    from surgery.quantization import FP8BlockQuantizer
+
+    src = _decoder_source(tmp_path, fp8=FP8_CONFIG)
+    model = _decoder()
+    assert surgery.load_checkpoint(model, src, quantizer=FP8BlockQuantizer.from_config(src), strict=True).ok
+    surgery.save_checkpoint(model, tmp_path / "out", **save_kwargs)
+
+    config = _config_json(tmp_path / "out")
+    assert config.get("quantization_config") == written and "transformers_weights" not in config
+    stored = {t.dtype for t in tensors(tmp_path / "out").values()}
+    assert (torch.float8_e4m3fn in stored) == (written is not None)
+    if written is not None:  # the source's config.json comes back as it was
+        assert (tmp_path / "out" / "config.json").read_text() == (src / "config.json").read_text()
+
+
+def test_an_fp8_save_into_a_config_without_quantization_config_writes_one_that_loads_it_back(
+    tmp_path: Path,
+) -> None:
+    from surgery.quantization import FP8BlockQuantizer
+
+    src = _decoder_source(tmp_path, fp8={})  # stored FP8, but config.json does not say so
+    model = _decoder()
+    assert surgery.load_checkpoint(model, src, quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK)).ok
+    surgery.save_checkpoint(model, tmp_path / "out")
+
+    written = _config_json(tmp_path / "out")["quantization_config"]
+    assert written == {**FP8_CONFIG, "modules_to_not_convert": ["lm_head", "model.embed_tokens"]}
+    again = _decoder(seed=2)
+    quantizer = FP8BlockQuantizer.from_config(tmp_path / "out")
+    assert surgery.load_checkpoint(again, tmp_path / "out", quantizer=quantizer, strict=True).ok
+    assert_same(again.state_dict(), model.state_dict())
+
+
+def test_a_quantizer_whose_quantization_config_is_not_json_fails_the_save_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    from surgery.quantization import Int8WeightOnlyQuantizer
+
+    class Unwritable(Int8WeightOnlyQuantizer):
+        def quantization_config(self) -> dict:
+            return {"quant_method": "int8_weight_only", "scale": torch.ones(1)}
+
+    src = _decoder_source(tmp_path)
+    model = _decoder()
+    surgery.load_checkpoint(model, src, quantizer=Unwritable())
+    with pytest.raises(ConfigurationError, match=r"Unwritable\.quantization_config\(\).*not JSON"):
+        surgery.save_checkpoint(model, tmp_path / "out", original_format=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_refusal_for_transformers_names_the_save_option_that_writes_what_it_reads() -> None:
+    from surgery.saved_config import saved_config
+
+    e5m2 = {"quant_method": "fp8", "fmt": "e5m2"}
+    refusals = {
+        "fused runtime layout": saved_config(fusions={"qkv": True, "gate_up": False}).refusal(),
+        "e5m2 as loaded": saved_config(fusions=None, quantization=e5m2, original_format=True).refusal(),
+    }
+    assert (
+        "the fusions qkv," in refusals["fused runtime layout"]
+        and "gate_up" not in refusals["fused runtime layout"]
+    )
+    assert "original_format=True" in refusals["fused runtime layout"]
+    assert "quant_method 'fp8'" in refusals["e5m2 as loaded"]
+    assert "quantization='dequantized'" in refusals["e5m2 as loaded"]
+    transformers_reads = saved_config(
+        fusions={"patch_embeddings": True},
+        quantization=e5m2 | {"fmt": "e4m3"},
+        quantization_loads_in_transformers=True,
+        original_format=True,
+    )
+    assert transformers_reads.refusal() is None and transformers_reads.fusion_config == FUSE
+
+
+def test_a_quantization_config_in_a_sub_config_follows_the_tensors_too() -> None:
+    from surgery.saved_config import SavedConfig, rewrite_config
+
+    fp8 = {**FP8_CONFIG, "modules_to_not_convert": ["lm_head"]}
+    source = {"model_type": "vlm", "text_config": {"hidden_size": 8, "quantization_config": fp8}}
+    assert rewrite_config(source, SavedConfig()) == {"model_type": "vlm", "text_config": {"hidden_size": 8}}
+    kept = rewrite_config(source, SavedConfig(quantization_config=FP8_CONFIG, unquantized_modules=()))
+    assert kept == {"model_type": "vlm", "text_config": {"hidden_size": 8}, "quantization_config": fp8}

@@ -166,6 +166,10 @@ class FusionSpec:
             the pattern is normal: when :meth:`find_matches` starts its reason with
             ``NOTHING_HERE`` it is reported, but ``strict=True`` does not raise for it (it still
             does for a pattern that is there and refused, and for finding nothing at all).
+        transformers_name: the name under which transformers' ``from_pretrained(fusion_config=...)``
+            performs this same fusion with the same runtime layout, or ``None`` (it does not). A
+            runtime-layout save writes such a fusion into ``config.json``'s ``fusion_config``;
+            any other makes transformers refuse the checkpoint (:mod:`surgery.saved_config`).
     """
 
     target_modules_patterns: ClassVar[tuple[str, ...]] = ()
@@ -173,6 +177,7 @@ class FusionSpec:
     no_match_message: ClassVar[str] = "no candidate module matched this fusion's pattern."
     fused_class_prefix: ClassVar[str] = "Fused"
     searches_everywhere: ClassVar[bool] = False
+    transformers_name: ClassVar[str | None] = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

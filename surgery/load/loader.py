@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import CheckpointReader, open_checkpoint
-from ..errors import LoadError, SurgeryError
+from ..errors import ConfigurationError, LoadError, SurgeryError
 from ..fusion import RECORD_ATTRIBUTE, fusion_config_of
 from ..quantization import QUANTIZATION_METADATA_KEY
 from ..slicing import local_shape
@@ -57,6 +57,29 @@ per-key work that holds the GIL, so worker threads only add hand-offs and GIL co
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _refuse_meta_device(device: torch.device | str | None, call: str) -> None:
+    """``device="meta"`` would load nothing: refused, before the model or its record is touched.
+
+    A ``meta`` tensor holds no data, so a load there would read no byte and report every
+    parameter loaded while the model holds no weights. The two things it could mean both have
+    their own call: a dry run from headers (:func:`plan_load`, which never changes the model) and
+    a model without storage (build it on ``meta``; a load then materializes it on CPU by default).
+    """
+    if device is None:
+        return
+    try:
+        is_meta = torch.device(device).type == "meta"
+    except (RuntimeError, TypeError):
+        return  # not a device at all: planning reports it with the valid forms
+    if is_meta:
+        raise ConfigurationError(
+            f"{call}(..., device={device!r}): a meta tensor holds no data, so nothing would be loaded. For a "
+            "dry run that reads only headers and never changes the model, call surgery.plan_load(model, path) "
+            "without device=; to load, pass a real device ('cpu', 'cuda:0'), or leave device=None: a model "
+            "built on meta is then materialized on CPU."
+        )
 
 
 def _sync_requested(sync: bool | None) -> bool:
@@ -192,7 +215,8 @@ def plan_load(
         model: the module tree to load into (any device, ``meta`` included).
         path: a ``.safetensors`` file, a directory with ``model.safetensors``, or a sharded
             checkpoint directory with ``model.safetensors.index.json``.
-        device: where loaded tensors go (default: each parameter's device; CPU for ``meta``).
+        device: where loaded tensors go (default: each parameter's device; CPU for ``meta``);
+            ``"meta"`` is refused, as by :func:`load_checkpoint`.
         dtype: cast floating tensors to this dtype; ``"checkpoint"`` keeps each checkpoint dtype;
             default: the model parameter's dtype.
         tp_plan / device_mesh: plan this rank's part of a tensor-parallel load (see
@@ -213,6 +237,7 @@ def plan_load(
         >>> plan = surgery.plan_load(model, "ckpt/")  # doctest: +SKIP
         >>> print(plan.render())  # doctest: +SKIP
     """
+    _refuse_meta_device(device, "plan_load")
     tp = tensor_parallel(model, tp_plan=tp_plan, device_mesh=device_mesh, tp_size=tp_size, tp_rank=tp_rank)
     with _collector_paused(), _opened(path, allow_pickle) as reader:
         needs_fusion = fusion_config is not None or (
@@ -264,6 +289,8 @@ def load_checkpoint(
         path: a ``.safetensors`` file, a directory with ``model.safetensors``, or a sharded
             checkpoint directory with ``model.safetensors.index.json``.
         device: where loaded tensors go (default: each parameter's device; CPU for ``meta``).
+            ``"meta"`` is refused (a :class:`~surgery.ConfigurationError`): it holds no data, so
+            nothing would be loaded; :func:`plan_load` is the dry run.
         dtype: cast floating tensors to this dtype; ``"checkpoint"`` keeps the checkpoint dtypes;
             default: the parameter's dtype (differences are reported and undone on save).
         tp_plan: tensor parallelism: module patterns (dotted paths, ``*`` = one component) to
@@ -301,7 +328,8 @@ def load_checkpoint(
     Raises:
         LoadError: ``strict=True`` and the report lists problems.
         CheckpointError: the checkpoint is missing, corrupt or unsafe.
-        ConfigurationError: the mapping is inconsistent (e.g. two converters claim one key).
+        ConfigurationError: the mapping is inconsistent (e.g. two converters claim one key), or
+            ``device="meta"``.
         KeyboardInterrupt: passed on after pending reads are cancelled; the model then holds a
             partial load and no :class:`LoadRecord`.
 
@@ -311,6 +339,7 @@ def load_checkpoint(
         True
     """
     start = time.perf_counter()
+    _refuse_meta_device(device, "load_checkpoint")
     tp = tensor_parallel(model, tp_plan=tp_plan, device_mesh=device_mesh)
     if tp is not None and tp.mesh is not None and device is None:
         device = tp.mesh.device_type if tp.mesh.device_type == "cpu" else _mesh_device(tp.mesh)

@@ -230,6 +230,31 @@ class FP8BlockQuantizer:
     def __repr__(self) -> str:
         return f"FP8BlockQuantizer(block_size={self.block_size}, weight_format={self.weight_dtype})"
 
+    # ------------------------------------------------------------------ config.json
+    @property
+    def loads_in_transformers(self) -> bool:
+        """transformers' ``fp8`` method (FineGrainedFP8) decodes e4m3 weights with block scales, not e5m2."""
+        return self.weight_dtype == torch.float8_e4m3fn
+
+    def quantization_config(self) -> dict[str, Any]:
+        """The transformers ``quantization_config`` of the tensors :meth:`encode` writes.
+
+        :meth:`from_config` reads it back to an equal quantizer. A save keeps the other fields
+        of the source checkpoint's own ``fp8`` config (``modules_to_not_convert``, ``scale_fmt``).
+
+        Example:
+            >>> FP8BlockQuantizer(block_size=(64, 64)).quantization_config()
+            {'quant_method': 'fp8', 'activation_scheme': 'dynamic', 'weight_block_size': [64, 64]}
+        """
+        config: dict[str, Any] = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(self.block_size),
+        }
+        if self.weight_dtype != torch.float8_e4m3fn:
+            config["fmt"] = next(name for name, d in _FORMATS.items() if d == self.weight_dtype)
+        return config
+
     # ------------------------------------------------------------------ hooks
     def companions(self, key: str, info: TensorInfo) -> tuple[str, ...]:
         if key.endswith(self.scale_suffix):

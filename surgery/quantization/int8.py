@@ -421,3 +421,20 @@ class Int8WeightOnlyQuantizer:
     def metadata(self) -> dict[str, str]:
         targets = None if self.targets is None else list(self.targets)
         return config_metadata(self.method, {"targets": targets, "exclude": list(self.exclude)})
+
+    # ------------------------------------------------------------------ config.json
+    loads_in_transformers = False
+    """transformers has no method for this layout (int8 ``weight`` + float32 ``weight_scale`` per row)."""
+
+    def quantization_config(self) -> dict[str, Any]:
+        """The ``quantization_config`` of a runtime-layout save: this method and its options.
+
+        transformers does not know ``int8_weight_only`` (it would skip it with a warning), so a
+        save that writes it also makes transformers refuse the checkpoint (``transformers_weights``).
+
+        Example:
+            >>> Int8WeightOnlyQuantizer(exclude=["lm_head"]).quantization_config()
+            {'quant_method': 'int8_weight_only', 'targets': None, 'exclude': ['lm_head']}
+        """
+        targets = None if self.targets is None else list(self.targets)
+        return {"quant_method": self.method, "targets": targets, "exclude": list(self.exclude)}

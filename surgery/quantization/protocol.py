@@ -19,6 +19,11 @@ A quantizer is any object; the loader looks up each hook by name and uses the on
   quantize on the fly, **after the op chain**; the result may name more runtime keys than the
   one it was given (``X.weight`` → ``X.weight``, ``X.weight_scale``).
 * ``metadata() -> dict[str, str]``: persisted with a runtime-layout save of a quantized model.
+* ``quantization_config() -> dict``: the ``config.json`` ``quantization_config`` describing the
+  quantized tensors a save writes through this quantizer (``encode``'s, or a runtime layout's),
+  ``quant_method`` included. A quantizer whose config transformers decodes as it is also sets
+  ``loads_in_transformers = True``; otherwise a save makes transformers refuse the checkpoint
+  instead of reading quantized values as floats (:mod:`surgery.saved_config`).
 * ``encode(key, tensor, recorded) -> dict[str, Tensor]``: re-encode an original-layout tensor
   for a save, given the companion tensors recorded when it was loaded.
 
@@ -85,6 +90,8 @@ class Quantizer(Protocol):
 
     def metadata(self) -> dict[str, str]: ...
 
+    def quantization_config(self) -> dict[str, Any]: ...
+
     def encode(
         self, key: str, tensor: torch.Tensor, recorded: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]: ...
@@ -125,6 +132,7 @@ class QuantizerHooks:
         "quantizes",
         "quantize",
         "metadata",
+        "quantization_config",
         "encode",
     )
 
@@ -288,6 +296,47 @@ class QuantizerHooks:
             raise ConfigurationError(
                 f"{self.name}.metadata() returned {result!r}; return a dict of str -> str."
             )
+        return result
+
+    # ------------------------------------------------------------------ config.json
+    @property
+    def loads_in_transformers(self) -> bool:
+        """Whether transformers decodes what this quantizer writes, given :meth:`quantization_config`."""
+        return getattr(self.quantizer, "loads_in_transformers", False) is True
+
+    def quantization_config(self) -> dict[str, Any]:
+        """The ``quantization_config`` of what this quantizer writes, checked.
+
+        Without the hook: the ``quant_method`` of :meth:`metadata` (a built-in's persisted
+        config), else the quantizer's class name, so the config still says the tensors are
+        quantized and by what.
+
+        Raises:
+            ConfigurationError: the hook returned something other than a JSON object with a
+                string ``quant_method``.
+        """
+        if "quantization_config" in self._hooks:
+            result = self._call("quantization_config", "")
+        else:
+            raw = self.metadata().get(QUANTIZATION_METADATA_KEY)
+            try:
+                result = json.loads(raw) if raw is not None else None
+            except (ValueError, RecursionError):
+                result = None
+            if not isinstance(result, dict) or not isinstance(result.get("quant_method"), str):
+                result = {"quant_method": self.name}
+        if not isinstance(result, dict) or not isinstance(result.get("quant_method"), str):
+            raise ConfigurationError(
+                f"{self.name}.quantization_config() returned {result!r}; return a dict with a string "
+                "'quant_method', e.g. {'quant_method': 'fp8', 'weight_block_size': [128, 128]}."
+            )
+        try:
+            json.dumps(result)
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"{self.name}.quantization_config() returned {result!r}, which is not JSON ({exc}); use "
+                "str, int, float, bool, None, lists and dicts."
+            ) from None
         return result
 
 
