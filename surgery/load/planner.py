@@ -14,7 +14,8 @@ it is filled:
 * ``skip``: unexpected, mismatched in shape, conflicting or failing (all reported).
 
 The result is a :class:`~surgery.load.plan.LoadPlan` plus the executable work list that
-:func:`surgery.load_checkpoint` runs. Nothing here reads tensor data.
+:func:`surgery.load_checkpoint` runs. Nothing here reads tensor data, except the small tensors a
+quantizer checks the values of (FP8 block scales, int8 scales; :func:`~surgery.load.quantized.check_stored`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from .model import (
 from .placement import all_contiguous, placement_views, source_slot_shapes
 from .plan import FUSION_METADATA_KEY, FUSION_TAG, LoadPlan, PlanEntry
 from .quantized import (
+    check_stored,
     claim_companions,
     decoded_info,
     plan_quantize,
@@ -201,6 +203,7 @@ class Prepared:
     placements: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
     quantizer: QuantizerHooks | None = None
     companion_values: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    checked: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # companions read by planning
 
 
 def _normalize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
@@ -300,6 +303,7 @@ def prepare(
     infer_cache: dict[Any, list[Any]] = {}
     mode_cache: dict[Any, bool] = {}
     decode_cache: dict[Any, torch.dtype] = {}
+    checked: dict[str, torch.Tensor] = {}
     quantize_cache: dict[Any, dict[str, torch.Tensor]] = {}
 
     def where(t: torch.Tensor) -> torch.device:
@@ -426,6 +430,11 @@ def prepare(
         if problem:
             fail(entry, index, "dequantize", problem)
             continue
+        if hooks is not None and hooks.has("check"):
+            problem = check_stored(hooks, reader, src_keys, decoded, checked)
+            if problem:
+                fail(entry, index, f"{hooks.name}.check", problem)
+                continue
         dts = [
             runtime[k].dtype if k in work.quantized else dest_dtype(k, d)
             for k, d in zip(out_keys, out_dtypes)
@@ -483,6 +492,7 @@ def prepare(
         tp,
         placements_of,
         hooks,
+        checked=checked,
     )
 
 

@@ -4,7 +4,11 @@ Planning asks the quantizer, from headers alone: which checkpoint keys are compa
 stored-quantized weight (taken out of routing, read with their weight), what each decoded source
 looks like to the op chain (a ``meta`` run of ``decode``), and which targets ``quantize`` turns
 into which runtime keys (a ``meta`` run of ``quantize``). A source stored quantized that nobody
-decodes is an error here, never a cast.
+decodes is an error here, never a cast, and so is a companion no stored-quantized key claims.
+
+Values a file controls that headers cannot vouch for (NaN, zero or negative scales) are read and
+checked here too (:func:`check_stored`), for the small tensors the quantizer names: a load whose
+scales are unusable fails before any tensor is set.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from ..quantization import QuantizerHooks
 from .model import dtype_name
 
 __all__ = [
+    "check_stored",
     "claim_companions",
     "decoded_info",
     "plan_quantize",
@@ -57,7 +62,8 @@ def claim_companions(
 
     Returns the keys left to route, ``key -> companions`` of every key to decode, and ``key ->
     message`` for keys that cannot be decoded (a missing companion, or a key the quantizer
-    refuses); those keys are still routed, so their entries fail with the message.
+    refuses) and for companions no key claims (their owner is missing or not stored quantized);
+    those keys are still routed, so their entries fail with the message.
     """
     companions_of: dict[str, tuple[str, ...]] = {}
     errors: dict[str, str] = {}
@@ -77,7 +83,46 @@ def claim_companions(
             )
         companions_of[key] = found
     claimed = {c for found in companions_of.values() for c in found}
-    return [k for k in keys if k not in claimed], companions_of, errors
+    left = [k for k in keys if k not in claimed]
+    for key in left:
+        owner = hooks.companion_of(key)
+        if owner is None or key in errors:
+            continue
+        if owner not in reader:
+            why = f"the checkpoint has no {owner!r}"
+        else:
+            why = f"{owner!r} is stored as {dtype_name(reader.info(owner).dtype)}, which {hooks.name} does not decode"
+        errors[key] = (
+            f"{key!r} belongs with {owner!r} (its companion for {hooks.name}), but {why}: nothing decodes with it. "
+            f"Remove {key!r} from the checkpoint, or load it with the quantizer that wrote it."
+        )
+    return left, companions_of, errors
+
+
+def check_stored(
+    hooks: QuantizerHooks,
+    reader: CheckpointReader,
+    source_keys: tuple[str, ...],
+    decoded: dict[str, tuple[str, ...]],
+    checked: dict[str, torch.Tensor],
+) -> str:
+    """Read and check the tensors ``hooks.checks`` names among ``source_keys`` and their companions.
+
+    Returns the first problem (``""`` when there is none). Companions that pass go into
+    ``checked``, so that decoding uses what was checked instead of reading them again.
+    """
+    for key in source_keys:
+        for k in (*decoded.get(key, ()), key):
+            if k in checked or not hooks.checks(k, reader.info(k)):
+                continue
+            tensor = reader.get_tensor(k)
+            try:
+                hooks.check(k, tensor)
+            except ConversionError as exc:
+                return str(exc)
+            if k != key:
+                checked[k] = tensor
+    return ""
 
 
 def decoded_info(
