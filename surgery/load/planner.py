@@ -56,6 +56,7 @@ from .model import (
 from .placement import all_contiguous, placement_views, source_slot_shapes
 from .plan import FUSION_METADATA_KEY, FUSION_TAG, LoadPlan, PlanEntry
 from .quantized import (
+    broken_units,
     check_stored,
     claim_companions,
     decoded_info,
@@ -467,6 +468,14 @@ def prepare(
             entry.mode = "convert"  # decoding and quantizing compute new tensors: never in place
 
     work_list = _settle_conflicts(candidates, conflicted_groups, tied, conflicts)
+    if hooks is not None:
+        broken = broken_units(model, {k for w in work_list for k in (*w.dest_keys, *w.entry.quantized)})
+        if broken:
+            for w in work_list:
+                why = next((broken[k] for k in w.dest_keys if k in broken), None)
+                if why is not None:
+                    fail(w.entry, w.index, "quantized module", why)
+            work_list = [w for w in work_list if w.entry.status == "ok"]
     for k in list(covered):
         covered.update(tied.get(k, ()))
     plan.missing_keys = [k for k in runtime if k not in covered]

@@ -25,6 +25,7 @@ from ..quantization import QuantizerHooks
 from .model import dtype_name
 
 __all__ = [
+    "broken_units",
     "check_stored",
     "claim_companions",
     "decoded_info",
@@ -123,6 +124,40 @@ def check_stored(
             if k != key:
                 checked[k] = tensor
     return ""
+
+
+def broken_units(model: nn.Module, filled: set[str]) -> dict[str, str]:
+    """Runtime keys of quantized modules that would load without the rest of their module, with why.
+
+    ``filled``: the runtime keys the work list fills. A quantized module's tensors (its ``quantized_names``: int8 codes and their scales) mean
+    something only together: codes loaded next to scales that failed, mismatched or are missing
+    would be a model that runs and lies. Each such key is returned with the message its entry fails with.
+    """
+    out: dict[str, str] = {}
+    seen: set[str] = set()
+    for key in filled:
+        path, _, name = key.rpartition(".")
+        if path in seen:
+            continue
+        module = model.get_submodule(path) if path else model
+        names = getattr(module, "quantized_names", None) or ()
+        if name not in names:
+            continue
+        seen.add(path)
+        prefix = f"{path}." if path else ""
+        lacking = [prefix + n for n in names if prefix + n not in filled]
+        if not lacking:
+            continue
+        for n in names:
+            k = prefix + n
+            if k in filled:
+                out[k] = (
+                    f"{k!r} is not loaded because "
+                    f"{', '.join(repr(x) for x in lacking)} of the same quantized {type(module).__name__} is not "
+                    "(failed, mismatched or missing; see the report): a quantized module's tensors load together "
+                    "or not at all."
+                )
+    return out
 
 
 def decoded_info(
