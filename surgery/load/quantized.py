@@ -63,7 +63,8 @@ def claim_companions(
 
     Returns the keys left to route, ``key -> companions`` of every key to decode, and ``key ->
     message`` for keys that cannot be decoded (a missing companion, or a key the quantizer
-    refuses) and for companions no key claims (their owner is missing or not stored quantized);
+    refuses) and for companions no key claims (their owner is missing or not stored quantized,
+    and then the owner too: values stored next to scales may be codes cast to a wider dtype);
     those keys are still routed, so their entries fail with the message.
     """
     companions_of: dict[str, tuple[str, ...]] = {}
@@ -97,6 +98,10 @@ def claim_companions(
             f"{key!r} belongs with {owner!r} (its companion for {hooks.name}), but {why}: nothing decodes with it. "
             f"Remove {key!r} from the checkpoint, or load it with the quantizer that wrote it."
         )
+        if owner in reader and owner not in errors:
+            errors[owner] = errors[
+                key
+            ]  # values stored next to scales may be codes in a wide dtype: not as is
     return left, companions_of, errors
 
 
