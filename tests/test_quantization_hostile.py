@@ -199,7 +199,7 @@ def test_a_scale_whose_weight_is_absent_is_refused_even_where_the_model_has_such
 
     write_checkpoint({"lone.weight_scale_inv": torch.full((2, 2), 3.0)}, tmp_path)
     model = WithScale()
-    with pytest.raises(surgery.LoadError, match="the checkpoint has no 'lone.weight'"):
+    with pytest.raises(surgery.LoadError, match=r"the checkpoint has no 'lone\.weight'"):
         surgery.load_checkpoint(model, tmp_path, quantizer=FP8BlockQuantizer(), strict=True)
     assert torch.equal(model.lone.weight_scale_inv, torch.ones(2, 2))
 
@@ -269,7 +269,7 @@ def test_a_quantization_config_that_is_not_a_dict_is_an_error() -> None:
 def test_a_deeply_nested_config_json_is_an_error_naming_the_file(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text('{"quantization_config": ' + "[" * 100_000 + "]" * 100_000 + "}")
-    with pytest.raises(surgery.ConfigurationError, match="config.json: cannot read a JSON config"):
+    with pytest.raises(surgery.ConfigurationError, match=r"config\.json: cannot read a JSON config"):
         FP8BlockQuantizer.from_config(tmp_path)
 
 
@@ -285,7 +285,7 @@ def test_a_deeply_nested_or_huge_value_is_quoted_briefly() -> None:
 
 def test_a_config_json_that_is_not_json_is_an_error_naming_the_file(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{quantization_config: fp8")
-    with pytest.raises(surgery.ConfigurationError, match="config.json: cannot read"):
+    with pytest.raises(surgery.ConfigurationError, match=r"config\.json: cannot read"):
         FP8BlockQuantizer.from_config(tmp_path)
 
 
@@ -299,7 +299,7 @@ def int8_runtime_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     Int8WeightOnlyQuantizer().prepare(model)
     surgery.save_checkpoint(model, path, original_format=False)
     with open_checkpoint(path) as reader:
-        return {k: reader.get_tensor(k) for k in reader.keys()}
+        return {k: reader.get_tensor(k) for k in reader}
 
 
 def rewrite(path: Path, sd: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
@@ -358,7 +358,7 @@ def test_an_int8_scale_of_the_wrong_shape_is_refused_and_its_codes_with_it(
     rewrite(tmp_path / "bad", sd)
     model = TwoLayers()
     before = snapshot(model)
-    with pytest.raises(surgery.LoadError, match="second.weight_scale") as caught:
+    with pytest.raises(surgery.LoadError, match=r"second\.weight_scale") as caught:
         surgery.load_checkpoint(model, tmp_path / "bad", strict=True)
     assert needle in str(caught.value)
     assert same(snapshot(model), before)
