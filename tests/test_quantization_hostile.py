@@ -266,6 +266,11 @@ def test_a_quantization_config_that_is_not_a_dict_is_an_error() -> None:
         FP8BlockQuantizer.from_config({"quantization_config": [1, 2]})
 
 
+def test_a_quantization_config_nested_in_another_is_an_error_saying_so() -> None:
+    with pytest.raises(surgery.ConfigurationError, match="holds another quantization_config"):
+        FP8BlockQuantizer.from_config({"quantization_config": {"quantization_config": fp8_config()}})
+
+
 def test_a_deeply_nested_config_json_is_an_error_naming_the_file(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text('{"quantization_config": ' + "[" * 100_000 + "]" * 100_000 + "}")

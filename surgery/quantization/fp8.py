@@ -248,6 +248,11 @@ class FP8BlockQuantizer:
             return f"{where}.{name}={bounded_repr(cfg.get(name))}"
 
         method = cfg.get("quant_method")
+        if method is None and isinstance(cfg.get("quantization_config"), Mapping):
+            raise ConfigurationError(
+                f"{where} holds another quantization_config; give the fields (quant_method, weight_block_size, "
+                "...) one level up."
+            )
         if method != "fp8":
             raise ConfigurationError(f"{field('quant_method')}: FP8BlockQuantizer reads 'fp8' configs only.")
         block = cfg.get("weight_block_size")
