@@ -43,7 +43,6 @@ __all__ = [
     "QuantizerHooks",
     "blockwise_dequantize",
     "blockwise_quantize",
-    "bounded_repr",
     "config_metadata",
     "expand_block_scales",
     "int8_kernel_usable",
