@@ -320,9 +320,14 @@ class FP8BlockQuantizer:
                 f"{key!r} is {tensor.dtype}; block scales must be float32, bfloat16 or float8_e8m0fnu "
                 "(float16 flushes the small scales FP8 weights need)."
             )
-        s = tensor.to(torch.float32)
+        s = tensor if tensor.dtype == torch.float32 else tensor.to(torch.float32)
         limit = torch.finfo(torch.float32).max / torch.finfo(self.weight_dtype).max
-        bad = ~(torch.isfinite(s) & (s > 0) & (s <= limit))
+        if s.numel() == 0:
+            return
+        lo, hi = torch.aminmax(s)  # one pass; NaN propagates and fails both comparisons
+        if float(lo) > 0 and float(hi) <= limit:
+            return
+        bad = ~((s > 0) & (s <= limit))
         if bool(bad.any()):
             index = tuple(int(i) for i in bad.nonzero()[0])
             value = float(s[index])

@@ -22,6 +22,7 @@ decode-sized batches (memory bound); see ``docs/benchmarks.md``.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -364,8 +365,13 @@ class Int8WeightOnlyQuantizer:
             raise ConversionError(
                 f"{key!r} is {tensor.dtype}; int8 weight scales are floats (float32 as written by a save)."
             )
-        s = tensor.to(torch.float32)
-        bad = ~(torch.isfinite(s) & (s >= 0))
+        s = tensor if tensor.dtype == torch.float32 else tensor.to(torch.float32)
+        if s.numel() == 0:
+            return
+        lo, hi = torch.aminmax(s)  # one pass; NaN propagates and fails both comparisons
+        if float(lo) >= 0 and float(hi) < math.inf:
+            return
+        bad = ~((s >= 0) & (s < math.inf))
         if bool(bad.any()):
             index = tuple(int(i) for i in bad.nonzero()[0])
             raise ConversionError(
