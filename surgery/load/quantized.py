@@ -99,9 +99,8 @@ def claim_companions(
             f"Remove {key!r} from the checkpoint, or load it with the quantizer that wrote it."
         )
         if owner in reader and owner not in errors:
-            errors[owner] = errors[
-                key
-            ]  # values stored next to scales may be codes in a wide dtype: not as is
+            # values stored next to scales may be codes cast to a wider dtype: never load them as they are
+            errors[owner] = errors[key]
     return left, companions_of, errors
 
 
@@ -134,9 +133,10 @@ def check_stored(
 def broken_units(model: nn.Module, filled: set[str]) -> dict[str, str]:
     """Runtime keys of quantized modules that would load without the rest of their module, with why.
 
-    ``filled``: the runtime keys the work list fills. A quantized module's tensors (its ``quantized_names``: int8 codes and their scales) mean
-    something only together: codes loaded next to scales that failed, mismatched or are missing
-    would be a model that runs and lies. Each such key is returned with the message its entry fails with.
+    ``filled``: the runtime keys the work list fills. A quantized module's tensors (its
+    ``quantized_names``: int8 codes and their scales) mean something only together: codes loaded
+    next to scales that failed, mismatched or are missing would be a model that runs and lies.
+    Each such key is returned with the message its entry fails with.
     """
     out: dict[str, str] = {}
     seen: set[str] = set()

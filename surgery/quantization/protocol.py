@@ -126,8 +126,11 @@ _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 80, 80, 40
 
 
 def bounded_repr(value: object) -> str:
-    """``repr(value)`` cut to a readable size: a value a file controls (nested 10,000 deep, 1 MB
-    long) must not blow up, or bury, the error message that quotes it."""
+    """``repr(value)`` cut to a readable size.
+
+    A value a file controls (nested 10,000 deep, 1 MB long) must neither blow up nor bury the
+    error message that quotes it.
+    """
     return _REPR.repr(value)
 
 
