@@ -11,7 +11,8 @@ mutated ``config.json`` and the checkpoint loaded with it. Every outcome is one 
 * a :class:`~surgery.SurgeryError`, and the model is exactly as it was (strict load).
 
 A non-strict load of the same files must load exact data or leave a parameter untouched: every
-loaded key equals the reference, every other one is unchanged.
+loaded key equals the reference, every other one is unchanged. Runtime-layout int8 files (codes,
+per-channel scales, the persisted quantizer metadata) are mutated the same way.
 """
 
 from __future__ import annotations
@@ -28,9 +29,14 @@ from fp8_reference import dequantize, quantize
 from torch import nn
 
 import surgery
-from surgery.checkpoint import write_checkpoint
+from surgery.checkpoint import open_checkpoint, write_checkpoint
 from surgery.examples import moe
-from surgery.quantization import FP8BlockQuantizer
+from surgery.quantization import (
+    QUANTIZATION_METADATA_KEY,
+    FP8BlockQuantizer,
+    Int8WeightOnlyLinear,
+    Int8WeightOnlyQuantizer,
+)
 
 SEED = 20261204
 CASES = 240
@@ -333,3 +339,98 @@ def test_mutated_fp8_expert_checkpoints_load_exactly_or_are_refused_leaving_the_
             assert exact(got[key], value), (case, key)
         outcomes["loaded"] = outcomes.get("loaded", 0) + 1
     assert outcomes.get("refused", 0) > 10 and outcomes.get("loaded", 0) > 0
+
+
+# --------------------------------------------------------------------------- int8 runtime layout
+
+
+def int8_source(path: Path) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net()
+    surgery.load_checkpoint(model, _float_checkpoint(path / "float"), quantizer=Int8WeightOnlyQuantizer())
+    surgery.save_checkpoint(model, path / "int8", original_format=False)
+    with open_checkpoint(path / "int8") as reader:
+        return {k: reader.get_tensor(k) for k in reader}
+
+
+def _float_checkpoint(path: Path) -> Path:
+    torch.manual_seed(1)
+    surgery.save_checkpoint(Net(), path)
+    return path
+
+
+def mutate_int8(rng: random.Random, sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
+    """One mutation of a runtime-layout int8 file: returns the state dict and the metadata JSON."""
+    sd = {k: v.clone() for k, v in sd.items()}
+    meta = Int8WeightOnlyQuantizer().metadata()[QUANTIZATION_METADATA_KEY]
+    scale_key = rng.choice(["a.weight_scale", "b.weight_scale"])
+    weight_key = scale_key.removesuffix("_scale")
+    kind = rng.randrange(5)
+    if kind == 0:
+        sd[scale_key][rng.randrange(sd[scale_key].numel())] = rng.choice(_SCALES)
+    elif kind == 1:
+        sd[scale_key] = rng.choice(
+            [
+                sd[scale_key][:-1],
+                sd[scale_key][:, None],
+                sd[scale_key].to(rng.choice(_SCALE_DTYPES)),
+                torch.ones(()),
+            ]
+        )
+    elif kind == 2:
+        w = sd[weight_key]
+        sd[weight_key] = rng.choice(
+            [w.view(torch.uint8), w.float(), w.to(torch.int32), w[:-1], w.T.contiguous()]
+        )
+    elif kind == 3:
+        del sd[rng.choice([scale_key, weight_key])]
+    else:
+        meta = rng.choice(
+            [
+                '{"quant_method": "int4_awq"}',
+                '{"quant_method": null}',
+                '{"quant_method": "int8_weight_only", "targets": ["nothing.here"]}',
+                '{"quant_method": "int8_weight_only", "targets": "a"}',
+                '{"quant_method": "int8_weight_only", "exclude": ["a"]}',
+                '{"quant_method": "int8_weight_only", "targets": ["a"]}',
+                "[" * 50_000 + "]" * 50_000,
+                "{",
+            ]
+        )
+    return sd, meta
+
+
+def test_mutated_int8_runtime_checkpoints_load_exactly_or_are_refused_leaving_the_model_unchanged(
+    tmp_path: Path,
+) -> None:
+    """Exact means: every tensor of the model equals the file's tensor of that name, cast losslessly."""
+    base = int8_source(tmp_path)
+    rng = random.Random(SEED + 2)
+    outcomes: dict[str, int] = {}
+    for case in range(80):
+        sd, meta = mutate_int8(rng, base)
+        path = tmp_path / f"case{case}"
+        write_checkpoint(sd, path, metadata={QUANTIZATION_METADATA_KEY: meta})
+        model = Net()
+        before = {"types": [type(m).__name__ for m in model.modules()], **snapshot(model)}
+        try:
+            surgery.load_checkpoint(model, path, strict=True)
+        except surgery.SurgeryError:
+            after = {"types": [type(m).__name__ for m in model.modules()], **snapshot(model)}
+            assert after["types"] == before["types"], case
+            assert all(torch.equal(after[k], before[k]) for k in before if k != "types"), case
+            outcomes["refused"] = outcomes.get("refused", 0) + 1
+            continue
+        except Exception as exc:
+            pytest.fail(f"case {case}: {type(exc).__name__}: {exc}")
+        state = model.state_dict()
+        assert sorted(state) == sorted(sd), case
+        for key, value in state.items():
+            assert exact(value, sd[key].to(value.dtype)) and torch.equal(value.to(sd[key].dtype), sd[key]), (
+                key
+            )
+        for key in ("a.weight_scale", "b.weight_scale"):
+            if isinstance(getattr(model, key[0]), Int8WeightOnlyLinear):
+                assert bool(torch.all(torch.isfinite(state[key]) & (state[key] >= 0))), key
+        outcomes["loaded"] = outcomes.get("loaded", 0) + 1
+    assert outcomes.get("refused", 0) > 30 and outcomes.get("loaded", 0) > 5

@@ -385,6 +385,26 @@ def test_int8_codes_without_their_scale_are_not_loaded(tmp_path: Path) -> None:
     assert "'second.weight_scale'" in report.conversion_errors[0].message
 
 
+def test_int8_codes_stored_as_another_integer_dtype_are_refused_not_quantized_again(tmp_path: Path) -> None:
+    """Found by the fuzz: uint8 codes were quantized as if they were float weights (halved), silently."""
+    sd = int8_runtime_checkpoint(tmp_path / "good")
+    sd["second.weight"] = sd["second.weight"].view(torch.uint8)
+    rewrite(tmp_path / "bad", sd)
+    assert_refused(tmp_path / "bad", ["'second.weight' is stored as uint8", "quantizes floats"])
+
+
+def test_a_stored_scale_next_to_a_weight_the_quantizer_quantizes_is_a_conflict(tmp_path: Path) -> None:
+    """Codes stored as floats would be quantized again, and the new scale collide with the stored one."""
+    sd = int8_runtime_checkpoint(tmp_path / "good")
+    sd["second.weight"] = sd["second.weight"].float()
+    rewrite(tmp_path / "bad", sd)
+    model = TwoLayers()
+    before = snapshot(model)
+    with pytest.raises(surgery.LoadError, match=r"land on second\.weight_scale"):
+        surgery.load_checkpoint(model, tmp_path / "bad", strict=True)
+    assert same(snapshot(model), before)
+
+
 @pytest.mark.parametrize(
     ("raw", "needle"),
     [

@@ -571,7 +571,8 @@ def _settle_conflicts(
     """
     producers: dict[str, list[Work]] = {}
     for w in candidates:
-        for k in w.dest_keys:
+        made = [k for k in w.entry.quantized if k not in w.dest_keys]  # a scale quantize makes vs one stored
+        for k in (*w.dest_keys, *made):
             producers.setdefault(tied.get(k, [k])[0], []).append(w)
     bad: set[int] = set()
     for w in candidates:

@@ -203,7 +203,7 @@ def plan_quantize(
     dtype, relative to the module's path: 500 linears of 3 shapes run ``quantize`` 3 times.
 
     A target whose checkpoint tensor already has the runtime's non-float dtype (a checkpoint
-    saved quantized) is read as it is.
+    saved quantized) is read as it is; one of another integer dtype is an error.
     """
     out: dict[str, tuple[str, ...]] = {}
     for key, shape, dtype in zip(out_keys, out_shapes, out_dtypes):
@@ -211,8 +211,15 @@ def plan_quantize(
         module = model.get_submodule(path) if path else model
         if not hooks.quantizes(key, module):
             continue
-        if dtype == runtime[key].dtype and not dtype.is_floating_point:
-            continue  # stored quantized already (a runtime-layout save): read as it is
+        if not dtype.is_floating_point:
+            if dtype == runtime[key].dtype:
+                continue  # stored quantized already (a runtime-layout save): read as it is
+            raise ConversionError(
+                f"{key!r} is stored as {dtype_name(dtype)}: {hooks.name} quantizes floats and reads "
+                f"{dtype_name(runtime[key].dtype)} codes as they are, and quantizing integer values as if they "
+                "were weights would load garbage. The file was not written in this layout; load it with the "
+                "quantizer that wrote it."
+            )
         prefix, _, name = key.rpartition(".")
         prefix = f"{prefix}." if prefix else ""
         memo = (type(module), name, shape, dtype)
