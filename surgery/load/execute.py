@@ -105,7 +105,7 @@ def _source(prep: Prepared, w: Work, key: str, region: Any = None) -> torch.Tens
     if not names:
         return t
     assert prep.quantizer is not None
-    companions = {c: prep.reader.get_tensor(c) for c in names}
+    companions = {c: prep.checked[c] if c in prep.checked else prep.reader.get_tensor(c) for c in names}
     prep.companion_values[key] = companions
     return prep.quantizer.decode(key, t, companions, region if isinstance(region, Region) else None)
 

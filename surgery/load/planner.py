@@ -14,7 +14,8 @@ it is filled:
 * ``skip``: unexpected, mismatched in shape, conflicting or failing (all reported).
 
 The result is a :class:`~surgery.load.plan.LoadPlan` plus the executable work list that
-:func:`surgery.load_checkpoint` runs. Nothing here reads tensor data.
+:func:`surgery.load_checkpoint` runs. Nothing here reads tensor data, except the small tensors a
+quantizer checks the values of (FP8 block scales, int8 scales; :func:`~surgery.load.quantized.check_stored`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ from .model import (
 from .placement import all_contiguous, placement_views, source_slot_shapes
 from .plan import FUSION_METADATA_KEY, FUSION_TAG, LoadPlan, PlanEntry
 from .quantized import (
+    broken_units,
+    check_stored,
     claim_companions,
     decoded_info,
     plan_quantize,
@@ -201,6 +204,7 @@ class Prepared:
     placements: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
     quantizer: QuantizerHooks | None = None
     companion_values: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    checked: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # companions read by planning
 
 
 def _normalize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
@@ -300,6 +304,7 @@ def prepare(
     infer_cache: dict[Any, list[Any]] = {}
     mode_cache: dict[Any, bool] = {}
     decode_cache: dict[Any, torch.dtype] = {}
+    checked: dict[str, torch.Tensor] = {}
     quantize_cache: dict[Any, dict[str, torch.Tensor]] = {}
 
     def where(t: torch.Tensor) -> torch.device:
@@ -426,6 +431,11 @@ def prepare(
         if problem:
             fail(entry, index, "dequantize", problem)
             continue
+        if hooks is not None and hooks.has("check"):
+            problem = check_stored(hooks, reader, src_keys, decoded, checked)
+            if problem:
+                fail(entry, index, f"{hooks.name}.check", problem)
+                continue
         dts = [
             runtime[k].dtype if k in work.quantized else dest_dtype(k, d)
             for k, d in zip(out_keys, out_dtypes)
@@ -458,6 +468,14 @@ def prepare(
             entry.mode = "convert"  # decoding and quantizing compute new tensors: never in place
 
     work_list = _settle_conflicts(candidates, conflicted_groups, tied, conflicts)
+    if hooks is not None:
+        broken = broken_units(model, {k for w in work_list for k in (*w.dest_keys, *w.entry.quantized)})
+        if broken:
+            for w in work_list:
+                why = next((broken[k] for k in w.dest_keys if k in broken), None)
+                if why is not None:
+                    fail(w.entry, w.index, "quantized module", why)
+            work_list = [w for w in work_list if w.entry.status == "ok"]
     for k in list(covered):
         covered.update(tied.get(k, ()))
     plan.missing_keys = [k for k in runtime if k not in covered]
@@ -483,6 +501,7 @@ def prepare(
         tp,
         placements_of,
         hooks,
+        checked=checked,
     )
 
 
@@ -552,7 +571,8 @@ def _settle_conflicts(
     """
     producers: dict[str, list[Work]] = {}
     for w in candidates:
-        for k in w.dest_keys:
+        made = [k for k in w.entry.quantized if k not in w.dest_keys]  # a scale quantize makes vs one stored
+        for k in (*w.dest_keys, *made):
             producers.setdefault(tied.get(k, [k])[0], []).append(w)
     bad: set[int] = set()
     for w in candidates:

@@ -4,7 +4,11 @@ Planning asks the quantizer, from headers alone: which checkpoint keys are compa
 stored-quantized weight (taken out of routing, read with their weight), what each decoded source
 looks like to the op chain (a ``meta`` run of ``decode``), and which targets ``quantize`` turns
 into which runtime keys (a ``meta`` run of ``quantize``). A source stored quantized that nobody
-decodes is an error here, never a cast.
+decodes is an error here, never a cast, and so is a companion no stored-quantized key claims.
+
+Values a file controls that headers cannot vouch for (NaN, zero or negative scales) are read and
+checked here too (:func:`check_stored`), for the small tensors the quantizer names: a load whose
+scales are unusable fails before any tensor is set.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from ..quantization import QuantizerHooks
 from .model import dtype_name
 
 __all__ = [
+    "broken_units",
+    "check_stored",
     "claim_companions",
     "decoded_info",
     "plan_quantize",
@@ -57,7 +63,9 @@ def claim_companions(
 
     Returns the keys left to route, ``key -> companions`` of every key to decode, and ``key ->
     message`` for keys that cannot be decoded (a missing companion, or a key the quantizer
-    refuses); those keys are still routed, so their entries fail with the message.
+    refuses) and for companions no key claims (their owner is missing or not stored quantized,
+    and then the owner too: values stored next to scales may be codes cast to a wider dtype);
+    those keys are still routed, so their entries fail with the message.
     """
     companions_of: dict[str, tuple[str, ...]] = {}
     errors: dict[str, str] = {}
@@ -77,7 +85,84 @@ def claim_companions(
             )
         companions_of[key] = found
     claimed = {c for found in companions_of.values() for c in found}
-    return [k for k in keys if k not in claimed], companions_of, errors
+    left = [k for k in keys if k not in claimed]
+    for key in left:
+        owner = hooks.companion_of(key)
+        if owner is None or key in errors:
+            continue
+        if owner not in reader:
+            why = f"the checkpoint has no {owner!r}"
+        else:
+            why = f"{owner!r} is stored as {dtype_name(reader.info(owner).dtype)}, which {hooks.name} does not decode"
+        errors[key] = (
+            f"{key!r} belongs with {owner!r} (its companion for {hooks.name}), but {why}: nothing decodes with it. "
+            f"Remove {key!r} from the checkpoint, or load it with the quantizer that wrote it."
+        )
+        if owner in reader and owner not in errors:
+            # values stored next to scales may be codes cast to a wider dtype: never load them as they are
+            errors[owner] = errors[key]
+    return left, companions_of, errors
+
+
+def check_stored(
+    hooks: QuantizerHooks,
+    reader: CheckpointReader,
+    source_keys: tuple[str, ...],
+    decoded: dict[str, tuple[str, ...]],
+    checked: dict[str, torch.Tensor],
+) -> str:
+    """Read and check the tensors ``hooks.checks`` names among ``source_keys`` and their companions.
+
+    Returns the first problem (``""`` when there is none). Companions that pass go into
+    ``checked``, so that decoding uses what was checked instead of reading them again.
+    """
+    for key in source_keys:
+        for k in (*decoded.get(key, ()), key):
+            if k in checked or not hooks.checks(k, reader.info(k)):
+                continue
+            tensor = reader.get_tensor(k)
+            try:
+                hooks.check(k, tensor)
+            except ConversionError as exc:
+                return str(exc)
+            if k != key:
+                checked[k] = tensor
+    return ""
+
+
+def broken_units(model: nn.Module, filled: set[str]) -> dict[str, str]:
+    """Runtime keys of quantized modules that would load without the rest of their module, with why.
+
+    ``filled``: the runtime keys the work list fills. A quantized module's tensors (its
+    ``quantized_names``: int8 codes and their scales) mean something only together: codes loaded
+    next to scales that failed, mismatched or are missing would be a model that runs and lies.
+    Each such key is returned with the message its entry fails with.
+    """
+    out: dict[str, str] = {}
+    seen: set[str] = set()
+    for key in filled:
+        path, _, name = key.rpartition(".")
+        if path in seen:
+            continue
+        module = model.get_submodule(path) if path else model
+        names = getattr(module, "quantized_names", None) or ()
+        if name not in names:
+            continue
+        seen.add(path)
+        prefix = f"{path}." if path else ""
+        lacking = [prefix + n for n in names if prefix + n not in filled]
+        if not lacking:
+            continue
+        for n in names:
+            k = prefix + n
+            if k in filled:
+                out[k] = (
+                    f"{k!r} is not loaded because "
+                    f"{', '.join(repr(x) for x in lacking)} of the same quantized {type(module).__name__} is not "
+                    "(failed, mismatched or missing; see the report): a quantized module's tensors load together "
+                    "or not at all."
+                )
+    return out
 
 
 def decoded_info(
@@ -118,7 +203,7 @@ def plan_quantize(
     dtype, relative to the module's path: 500 linears of 3 shapes run ``quantize`` 3 times.
 
     A target whose checkpoint tensor already has the runtime's non-float dtype (a checkpoint
-    saved quantized) is read as it is.
+    saved quantized) is read as it is; one of another integer dtype is an error.
     """
     out: dict[str, tuple[str, ...]] = {}
     for key, shape, dtype in zip(out_keys, out_shapes, out_dtypes):
@@ -126,8 +211,15 @@ def plan_quantize(
         module = model.get_submodule(path) if path else model
         if not hooks.quantizes(key, module):
             continue
-        if dtype == runtime[key].dtype and not dtype.is_floating_point:
-            continue  # stored quantized already (a runtime-layout save): read as it is
+        if not dtype.is_floating_point:
+            if dtype == runtime[key].dtype:
+                continue  # stored quantized already (a runtime-layout save): read as it is
+            raise ConversionError(
+                f"{key!r} is stored as {dtype_name(dtype)}: {hooks.name} quantizes floats and reads "
+                f"{dtype_name(runtime[key].dtype)} codes as they are, and quantizing integer values as if they "
+                "were weights would load garbage. The file was not written in this layout; load it with the "
+                "quantizer that wrote it."
+            )
         prefix, _, name = key.rpartition(".")
         prefix = f"{prefix}." if prefix else ""
         memo = (type(module), name, shape, dtype)

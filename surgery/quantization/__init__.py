@@ -18,7 +18,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import LoadError
+from ..errors import ConfigurationError, LoadError
 from .fp8 import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize, expand_block_scales
 from .int8 import Int8WeightOnlyLinear, Int8WeightOnlyQuantizer, int8_kernel_usable, quantize_per_channel
 from .protocol import (
@@ -27,6 +27,7 @@ from .protocol import (
     QuantizedModule,
     Quantizer,
     QuantizerHooks,
+    bounded_repr,
     config_metadata,
 )
 
@@ -57,8 +58,9 @@ def quantizer_from_metadata(metadata: Mapping[str, str], *, source: str = "check
     """The quantizer a runtime-layout save persisted in ``metadata``, rebuilt; ``None`` if there is none.
 
     Raises:
-        LoadError: the entry is not valid JSON or names a method no built-in quantizer has
-            (the message says to pass ``quantizer=`` explicitly).
+        LoadError: the entry is not valid JSON, names a method no built-in quantizer has, or
+            holds options that quantizer refuses (the message says to pass ``quantizer=``
+            explicitly).
     """
     raw = metadata.get(QUANTIZATION_METADATA_KEY)
     if raw is None:
@@ -67,13 +69,21 @@ def quantizer_from_metadata(metadata: Mapping[str, str], *, source: str = "check
         config = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise LoadError(
-            f"{source}: metadata {QUANTIZATION_METADATA_KEY!r} is not valid JSON ({exc}); pass quantizer= explicitly."
+            f"{source}: metadata {QUANTIZATION_METADATA_KEY!r} is not valid JSON ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); pass quantizer= explicitly."
         ) from None
     method = config.get("quant_method") if isinstance(config, dict) else None
     cls = BUILTIN_QUANTIZERS.get(method) if isinstance(method, str) else None
     if cls is None:
         raise LoadError(
-            f"{source} was saved quantized with quant_method={method!r}, which no built-in quantizer reads "
+            f"{source} was saved quantized with quant_method={bounded_repr(method)} (metadata "
+            f"{QUANTIZATION_METADATA_KEY!r}), which no built-in quantizer reads "
             f"({', '.join(sorted(BUILTIN_QUANTIZERS))}); pass quantizer= with the quantizer that wrote it."
         )
-    return cls.from_config(config)
+    try:
+        return cls.from_config(config)
+    except ConfigurationError as exc:
+        raise LoadError(
+            f"{source}: metadata {QUANTIZATION_METADATA_KEY!r} names {method!r} with options it refuses ({exc}); "
+            "pass quantizer= explicitly."
+        ) from None

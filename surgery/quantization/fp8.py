@@ -5,6 +5,13 @@ one float scale per ``B0 x B1`` block (``(..., ceil(N/B0), ceil(K/B1))``, partia
 included; default ``128 x 128``). The stored value times its block's scale is the weight.
 Power-of-two scales (``ue8m0``) are accepted stored as ``float8_e8m0fnu`` or as ``float32``.
 
+What a file controls is checked before the model changes: the scales' dtype (``float32``,
+``bfloat16`` or ``float8_e8m0fnu``; ``float16`` flushes the small scales FP8 weights need),
+shape (the error says which block size the stored one fits) and values (finite, positive, and
+small enough that no decoded weight overflows float32; planning reads the scales, 1/16,384 of
+the weights, to check them), a scale whose weight is not stored in FP8, and every field of a
+``quantization_config`` that :meth:`FP8BlockQuantizer.from_config` reads.
+
 Decoding is one elementwise pass per tensor, ``q.float() * scale`` with the scale expanded to the
 weight's shape, and it works on any part of a weight (a tensor-parallel slice reads only the
 scale rows it covers). A load keeps the scale tensors (1/16,384 of the weight), so a save with
@@ -30,6 +37,7 @@ import torch.nn.functional as F
 from ..checkpoint import TensorInfo
 from ..errors import ConfigurationError, ConversionError
 from ..slicing import Region
+from .protocol import bounded_repr
 
 __all__ = ["FP8BlockQuantizer", "blockwise_dequantize", "blockwise_quantize", "expand_block_scales"]
 
@@ -48,8 +56,12 @@ _STORED = tuple(
 """Low-precision dtypes a stored weight may have: such a weight needs its scales (or is an error)."""
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)  # torch >= 2.7
-_SCALE_DTYPES = tuple(d for d in (torch.float32, torch.bfloat16, torch.float16, _E8M0) if d is not None)
+_SCALE_DTYPES = tuple(d for d in (torch.float32, torch.bfloat16, _E8M0) if d is not None)
+"""float16 is not among them: its smallest normal is 6e-5, and FP8 scales (amax / 448) go far below."""
 _FORMATS = {"e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_SCALE_FORMATS = (None, "ue8m0")
+_MAX_BLOCK = 2**31
+"""No weight dimension is larger; a bigger block size in a config is an error, not an int64 overflow."""
 
 
 def expand_block_scales(
@@ -143,6 +155,21 @@ def _fresh_scales(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool) ->
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 
+def _fitting_block(shape: tuple[int, ...], scale: tuple[int, ...]) -> tuple[int, int] | None:
+    """The smallest block size for which a ``shape`` weight has ``scale``-shaped scales, if one does."""
+    if scale[:-2] != shape[:-2]:
+        return None
+    block = []
+    for n, s in zip(shape[-2:], scale[-2:]):
+        if s <= 0 or n <= 0:
+            return None
+        b = math.ceil(n / s)
+        if math.ceil(n / b) != s:
+            return None
+        block.append(b)
+    return block[0], block[1]
+
+
 class FP8BlockQuantizer:
     """Decode block-wise FP8 checkpoints on read; re-encode them with their recorded scales on save.
 
@@ -168,13 +195,16 @@ class FP8BlockQuantizer:
     ) -> None:
         block = tuple(block_size) if isinstance(block_size, (list, tuple)) else ()
         if len(block) != 2 or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block
+            isinstance(b, int) and not isinstance(b, bool) and 0 < b <= _MAX_BLOCK for b in block
         ):
             raise ConfigurationError(
-                f"block_size={block_size!r}: give two positive ints (rows, columns), e.g. (128, 128)."
+                f"block_size={bounded_repr(block_size)}: give two positive ints (rows, columns) up to 2**31, "
+                "e.g. (128, 128)."
             )
         if not isinstance(weight_format, str) or weight_format not in _FORMATS:
-            raise ConfigurationError(f"weight_format={weight_format!r}; valid: {sorted(_FORMATS)}.")
+            raise ConfigurationError(
+                f"weight_format={bounded_repr(weight_format)}; valid: {sorted(_FORMATS)}."
+            )
         if not isinstance(scale_suffix, str) or not scale_suffix:
             raise ConfigurationError("scale_suffix must be a non-empty string such as '_scale_inv'.")
         self.block_size: tuple[int, int] = (block[0], block[1])
@@ -186,45 +216,76 @@ class FP8BlockQuantizer:
     def from_config(cls, config: Mapping[str, Any] | str | os.PathLike[str]) -> FP8BlockQuantizer:
         """Build from a transformers ``quantization_config`` (a dict, a full config dict, or a ``config.json`` path).
 
-        Reads ``quant_method`` (must be ``"fp8"``), ``weight_block_size``, ``activation_scheme``
-        (``"dynamic"`` only), ``fmt`` and ``scale_fmt`` (``"ue8m0"``: power-of-two scales).
+        Reads ``quant_method`` (must be ``"fp8"``), ``weight_block_size`` (two ints in
+        ``[1, 2**31]``), ``activation_scheme`` (``"dynamic"`` only), ``fmt`` (``"e4m3"``,
+        ``"float8_e4m3fn"`` or ``"e5m2"``) and ``scale_fmt`` (``"ue8m0"``: power-of-two scales);
+        other fields are ignored. A block size larger than a weight is accepted: one block
+        then covers that dimension, and the weight's scale shape must say so.
 
         Raises:
-            ConfigurationError: not an FP8 block-wise config, or a feature this quantizer lacks.
+            ConfigurationError: the file cannot be read as JSON, a field has the wrong type or
+                an unknown value (the message names it), or the config is not a block-wise FP8 one.
         """
         if isinstance(config, (str, os.PathLike)):
             path = Path(config)
             path = path / "config.json" if path.is_dir() else path
             try:
                 config = json.loads(path.read_text())
-            except (OSError, ValueError) as exc:
-                raise ConfigurationError(f"{path}: cannot read a JSON config ({exc}).") from None
+            except (OSError, ValueError, RecursionError) as exc:
+                raise ConfigurationError(
+                    f"{path}: cannot read a JSON config ({type(exc).__name__}: {str(exc)[:200]})."
+                ) from None
+            where = f"{path}: quantization_config"
+        else:
+            where = "quantization_config"
         if not isinstance(config, Mapping):
             raise ConfigurationError(f"expected a quantization_config dict, got {type(config).__name__}.")
         cfg = config.get("quantization_config", config)
         if not isinstance(cfg, Mapping):
-            raise ConfigurationError(f"quantization_config is {cfg!r}, not a dict.")
+            raise ConfigurationError(f"{where} is {bounded_repr(cfg)}, not a dict.")
+
+        def field(name: str) -> str:
+            return f"{where}.{name}={bounded_repr(cfg.get(name))}"
+
         method = cfg.get("quant_method")
+        if method is None and isinstance(cfg.get("quantization_config"), Mapping):
+            raise ConfigurationError(
+                f"{where} holds another quantization_config; give the fields (quant_method, weight_block_size, "
+                "...) one level up."
+            )
         if method != "fp8":
-            raise ConfigurationError(f"quant_method={method!r}: FP8BlockQuantizer reads 'fp8' configs only.")
+            raise ConfigurationError(f"{field('quant_method')}: FP8BlockQuantizer reads 'fp8' configs only.")
         block = cfg.get("weight_block_size")
         if block is None:
             raise ConfigurationError(
-                "weight_block_size is missing or null (per-tensor FP8); FP8BlockQuantizer decodes block-wise "
-                "scales only."
+                f"{where}.weight_block_size is missing or null (per-tensor FP8); FP8BlockQuantizer decodes "
+                "block-wise scales only."
+            )
+        if not (
+            isinstance(block, (list, tuple))
+            and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= _MAX_BLOCK for b in block)
+        ):
+            raise ConfigurationError(
+                f"{field('weight_block_size')}; give two positive ints (rows, columns) up to 2**31, e.g. [128, 128]."
             )
         scheme = cfg.get("activation_scheme", "dynamic")
         if scheme != "dynamic":
             raise ConfigurationError(
-                f"activation_scheme={scheme!r}: static activation scales are not supported; only 'dynamic'."
+                f"{field('activation_scheme')}: static activation scales are not supported; only 'dynamic'."
             )
         fmt = cfg.get("fmt", "e4m3")
-        if not isinstance(block, (list, tuple)):
-            raise ConfigurationError(f"weight_block_size={block!r}; give two ints, e.g. [128, 128].")
+        if not isinstance(fmt, str) or fmt not in _FORMATS:
+            raise ConfigurationError(f"{field('fmt')} is not a weight format; valid: {sorted(_FORMATS)}.")
+        scale_fmt = cfg.get("scale_fmt")
+        if scale_fmt not in _SCALE_FORMATS:
+            raise ConfigurationError(
+                f"{field('scale_fmt')} is not a scale format this quantizer knows; valid: 'ue8m0' or none."
+            )
         return cls(
-            block_size=tuple(block),
+            block_size=(block[0], block[1]),
             weight_format=fmt,
-            power_of_two=True if cfg.get("scale_fmt") == "ue8m0" else None,
+            power_of_two=True if scale_fmt == "ue8m0" else None,
         )
 
     def __repr__(self) -> str:
@@ -266,6 +327,42 @@ class FP8BlockQuantizer:
             )
         return (key + self.scale_suffix,) if info.dtype in _STORED else ()
 
+    def companion_of(self, key: str) -> str | None:
+        """``X.weight`` for ``X.weight_scale_inv``: a scale no FP8 weight claims is an error naming it."""
+        return key.removesuffix(self.scale_suffix) if key.endswith(self.scale_suffix) else None
+
+    def checks(self, key: str, info: TensorInfo) -> bool:
+        return key.endswith(self.scale_suffix)
+
+    def check(self, key: str, tensor: torch.Tensor) -> None:
+        """Every scale finite, positive, and small enough that ``max(fmt) * scale`` is a finite float32.
+
+        Raises:
+            ConversionError: naming ``key``, the first bad block and its value.
+        """
+        if tensor.dtype not in _SCALE_DTYPES:
+            raise ConversionError(
+                f"{key!r} is {tensor.dtype}; block scales must be float32, bfloat16 or float8_e8m0fnu "
+                "(float16 flushes the small scales FP8 weights need)."
+            )
+        s = tensor if tensor.dtype == torch.float32 else tensor.to(torch.float32)
+        limit = torch.finfo(torch.float32).max / torch.finfo(self.weight_dtype).max
+        if s.numel() == 0:
+            return
+        lo, hi = torch.aminmax(s)  # one pass; NaN propagates and fails both comparisons
+        if float(lo) > 0 and float(hi) <= limit:
+            return
+        bad = ~((s > 0) & (s <= limit))
+        if bool(bad.any()):
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            value = float(s[index])
+            why = "not finite" if not math.isfinite(value) else "not positive" if value <= 0 else "too large"
+            raise ConversionError(
+                f"{key!r}: the scale of block {index} is {value} ({why}); FP8 block scales are finite, positive "
+                f"and at most {limit:.3g} (float32 max / {torch.finfo(self.weight_dtype).max:g}). The file is "
+                "corrupt or was not written by a block-wise FP8 quantizer."
+            )
+
     def _scale(self, key: str, companions: Mapping[str, torch.Tensor]) -> torch.Tensor:
         name = key + self.scale_suffix
         scale = companions.get(name)
@@ -273,7 +370,8 @@ class FP8BlockQuantizer:
             raise ConversionError(f"{key!r}: its block scales {name!r} are missing from the checkpoint.")
         if scale.dtype not in _SCALE_DTYPES:
             raise ConversionError(
-                f"{name!r} is {scale.dtype}; scales must be float32, bfloat16, float16 or float8_e8m0fnu."
+                f"{name!r} is {scale.dtype}; block scales must be float32, bfloat16 or float8_e8m0fnu "
+                "(float16 flushes the small scales FP8 weights need)."
             )
         return scale
 
@@ -290,9 +388,16 @@ class FP8BlockQuantizer:
         b0, b1 = self.block_size
         expected = (*shape[:-2], math.ceil(shape[-2] / b0), math.ceil(shape[-1] / b1))
         if tuple(scale.shape) != expected:
+            fits = _fitting_block(shape, tuple(scale.shape))
+            hint = (
+                f"these scales fit {fits[0]}x{fits[1]} blocks: pass block_size={fits} (weight_block_size in the "
+                "config)"
+                if fits is not None
+                else "they fit no block size"
+            )
             raise ConversionError(
                 f"{key + self.scale_suffix!r} has shape {tuple(scale.shape)}; a {shape} weight in "
-                f"{b0}x{b1} blocks needs {expected} (is weight_block_size right?)."
+                f"{b0}x{b1} blocks needs {expected}; {hint}."
             )
 
     def decode(
@@ -309,6 +414,8 @@ class FP8BlockQuantizer:
             )
         scale = self._scale(key, companions)
         self._check(key, tuple(tensor.shape), scale, region)
+        if scale.device.type != "meta":  # planning checked them too; a direct call is checked here
+            self.check(key + self.scale_suffix, scale)
         return blockwise_dequantize(tensor, scale, self.block_size, region)
 
     def encode(

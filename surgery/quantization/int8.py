@@ -31,6 +31,7 @@ decode-sized batches (memory bound); see ``docs/benchmarks.md``.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -40,9 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
+from ..checkpoint import TensorInfo
 from ..errors import ConfigurationError, ConversionError
 from ..graph import match_modules, swap_module
-from .protocol import QUANTIZER_ATTRIBUTE, config_metadata
+from .protocol import QUANTIZER_ATTRIBUTE, bounded_repr, config_metadata
 
 __all__ = [
     "KERNEL_ALIGNMENT",
@@ -333,7 +335,7 @@ class Int8WeightOnlyQuantizer:
                 or not all(isinstance(p, str) for p in value)
             ):
                 raise ConfigurationError(
-                    f"{name}={value!r}: give a list of module-path patterns, e.g. ['lm_head']."
+                    f"{name}={bounded_repr(value)}: give a list of module-path patterns, e.g. ['lm_head']."
                 )
         self.targets = None if targets is None else tuple(targets)
         self.exclude = tuple(exclude)
@@ -344,7 +346,9 @@ class Int8WeightOnlyQuantizer:
         if not isinstance(config, Mapping):
             raise ConfigurationError(f"expected a quantization config dict, got {type(config).__name__}.")
         if config.get("quant_method") != cls.method:
-            raise ConfigurationError(f"quant_method={config.get('quant_method')!r}, expected {cls.method!r}.")
+            raise ConfigurationError(
+                f"quant_method={bounded_repr(config.get('quant_method'))}, expected {cls.method!r}."
+            )
         return cls(targets=config.get("targets"), exclude=config.get("exclude", ()))
 
     def __repr__(self) -> str:
@@ -410,6 +414,34 @@ class Int8WeightOnlyQuantizer:
             if isinstance(module, nn.Linear):
                 swap_module(model, path, Int8WeightOnlyLinear.from_linear(module))
         model.__dict__[QUANTIZER_ATTRIBUTE] = self
+
+    def checks(self, key: str, info: TensorInfo) -> bool:
+        """A runtime-layout ``X.weight_scale`` is read during planning and checked (:meth:`check`)."""
+        return key.rpartition(".")[2] == "weight_scale"
+
+    def check(self, key: str, tensor: torch.Tensor) -> None:
+        """A stored per-channel scale is floating point, finite and not negative (0: an all-zero row).
+
+        Raises:
+            ConversionError: naming ``key``, the first bad row and its value.
+        """
+        if not tensor.is_floating_point():
+            raise ConversionError(
+                f"{key!r} is {tensor.dtype}; int8 weight scales are floats (float32 as written by a save)."
+            )
+        s = tensor if tensor.dtype == torch.float32 else tensor.to(torch.float32)
+        if s.numel() == 0:
+            return
+        lo, hi = torch.aminmax(s)  # one pass; NaN propagates and fails both comparisons
+        if float(lo) >= 0 and float(hi) < math.inf:
+            return
+        bad = ~((s >= 0) & (s < math.inf))
+        if bool(bad.any()):
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            raise ConversionError(
+                f"{key!r}: the scale of row {index} is {float(s[index])}; int8 per-channel scales are finite and not "
+                "negative. The file is corrupt or was not written by Int8WeightOnlyQuantizer."
+            )
 
     def quantizes(self, key: str, module: nn.Module) -> bool:
         return isinstance(module, Int8WeightOnlyLinear) and key.rpartition(".")[2] == "weight"

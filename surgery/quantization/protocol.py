@@ -15,6 +15,15 @@ A quantizer is any object; the loader looks up each hook by name and uses the on
   ``decode`` turns the stored values into floats **per source tensor, before the op chain**, so
   plain weights, expert merges and tensor-parallel slices all decode the same way. ``region``
   is the part of ``key`` that was read (a :class:`~surgery.slicing.Region`), ``None`` for all.
+* ``companion_of(key) -> str | None``: the key ``key`` would be a companion of (``X.weight`` for
+  ``X.weight_scale_inv``). A key that names an owner but that no stored-quantized owner claims
+  (the owner is absent, or stored in float) is an error naming it, never an unexpected key that
+  a model with such a parameter would silently load.
+* ``checks(key, info) -> bool`` and ``check(key, tensor)``: values a file controls that the
+  headers cannot vouch for (NaN or negative scales). Planning reads every checkpoint tensor
+  ``checks`` names (small ones: scales), after its shape was checked, and ``check`` raises a
+  :class:`~surgery.ConversionError` naming the key when its values cannot be right; the entry
+  that needs it then fails before any tensor is set. What planning read is reused, not read again.
 * ``quantizes(key, module) -> bool`` and ``quantize(key, tensor) -> dict[str, Tensor]``:
   quantize on the fly, **after the op chain**; the result may name more runtime keys than the
   one it was given (``X.weight`` → ``X.weight``, ``X.weight_scale``).
@@ -27,15 +36,16 @@ A quantizer is any object; the loader looks up each hook by name and uses the on
 * ``encode(key, tensor, recorded) -> dict[str, Tensor]``: re-encode an original-layout tensor
   for a save, given the companion tensors recorded when it was loaded.
 
-Every hook is called on ``meta`` tensors during planning (nothing is read yet), so shapes,
-dtypes and key names are checked before a byte of data moves; the built-in quantizers are
-written with plain tensor ops, which ``meta`` supports. A hook that returns the wrong type, or
+Every hook except ``check`` is called on ``meta`` tensors during planning (nothing is read yet),
+so shapes, dtypes and key names are checked before a byte of weight data moves; the built-in
+quantizers answer ``meta`` inputs with empty ``meta`` tensors. A hook that returns the wrong type, or
 raises something other than a :class:`~surgery.SurgeryError`, is reported naming the method.
 """
 
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -53,6 +63,7 @@ __all__ = [
     "QuantizedModule",
     "Quantizer",
     "QuantizerHooks",
+    "bounded_repr",
     "config_metadata",
 ]
 
@@ -75,6 +86,12 @@ class Quantizer(Protocol):
     def get_weight_conversions(self) -> list[WeightTransform]: ...
 
     def companions(self, key: str, info: TensorInfo) -> tuple[str, ...]: ...
+
+    def companion_of(self, key: str) -> str | None: ...
+
+    def checks(self, key: str, info: TensorInfo) -> bool: ...
+
+    def check(self, key: str, tensor: torch.Tensor) -> None: ...
 
     def decode(
         self,
@@ -110,6 +127,20 @@ class QuantizedModule(Protocol):
     def dequantized(self, *, meta: bool = False) -> dict[str, torch.Tensor]: ...
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 3, 6, 6, 6
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 80, 80, 40
+
+
+def bounded_repr(value: object) -> str:
+    """``repr(value)`` cut to a readable size.
+
+    A value a file controls (nested 10,000 deep, 1 MB long) must neither blow up nor bury the
+    error message that quotes it.
+    """
+    return _REPR.repr(value)
+
+
 def _meta(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
 
@@ -128,6 +159,9 @@ class QuantizerHooks:
         "prepare",
         "get_weight_conversions",
         "companions",
+        "companion_of",
+        "checks",
+        "check",
         "decode",
         "quantizes",
         "quantize",
@@ -152,6 +186,10 @@ class QuantizerHooks:
         if ("companions" in self._hooks) != ("decode" in self._hooks):
             raise ConfigurationError(
                 f"{self.name} defines only one of companions/decode; a checkpoint quantized on disk needs both."
+            )
+        if ("checks" in self._hooks) != ("check" in self._hooks):
+            raise ConfigurationError(
+                f"{self.name} defines only one of checks/check; checking stored values needs both."
             )
         if ("quantizes" in self._hooks) != ("quantize" in self._hooks):
             raise ConfigurationError(
@@ -213,6 +251,37 @@ class QuantizerHooks:
                 f"{self.name}.companions({key!r}) returned {result!r}; every companion is another checkpoint key."
             )
         return tuple(result)
+
+    def companion_of(self, key: str) -> str | None:
+        """The key ``key`` is a companion of, by its name alone (``None``: not a companion)."""
+        if "companion_of" not in self._hooks:
+            return None
+        result = self._call("companion_of", key, key)
+        if result is not None and (not isinstance(result, str) or result == key):
+            raise ConfigurationError(
+                f"{self.name}.companion_of({key!r}) returned {bounded_repr(result)}; return another checkpoint "
+                "key or None."
+            )
+        return result
+
+    def checks(self, key: str, info: TensorInfo) -> bool:
+        if "checks" not in self._hooks:
+            return False
+        result = self._call("checks", key, key, info)
+        if not isinstance(result, bool):
+            raise ConfigurationError(
+                f"{self.name}.checks({key!r}) returned {bounded_repr(result)}, not True or False."
+            )
+        return result
+
+    def check(self, key: str, tensor: torch.Tensor) -> None:
+        """``check(key, tensor)``: raises a :class:`ConversionError` naming ``key`` if the values are unusable."""
+        result = self._call("check", key, key, tensor)
+        if result is not None:
+            raise ConfigurationError(
+                f"{self.name}.check({key!r}) returned {bounded_repr(result)}; it returns None and raises a "
+                "ConversionError naming the key when the values are unusable."
+            )
 
     def decode(
         self,
