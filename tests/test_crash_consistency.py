@@ -148,6 +148,23 @@ def test_a_save_killed_after_any_file_event_leaves_exactly_the_old_or_the_new_ch
         assert recovered, "no kill fell between moving the old entry point away and the commit"
 
 
+def test_a_first_save_killed_before_its_commit_leaves_no_checkpoint_and_says_so(tmp_path: Path) -> None:
+    events = run_save(tmp_path / "probe", 2.0, TWO_SHARDS, die_at=0)[1]
+    committed = 0
+    for die_at in range(1, events + 1):
+        directory = tmp_path / f"kill-{die_at}"
+        run_save(directory, 2.0, TWO_SHARDS, die_at)
+        outcome = loaded_value(directory)
+        if outcome == 2.0:
+            committed += 1
+        else:  # nothing was there before: the old checkpoint is no checkpoint
+            assert isinstance(outcome, str) and "did not commit" in outcome, outcome
+        write_checkpoint(state(3.0), directory, max_shard_size=TWO_SHARDS)
+        assert loaded_value(directory) == 3.0
+        assert leftovers(directory) == []
+    assert 0 < committed < events
+
+
 def test_a_save_killed_while_it_recovers_a_killed_save_still_leaves_old_or_new(tmp_path: Path) -> None:
     total = count_events(tmp_path, TWO_SHARDS, TWO_SHARDS, False)
     # The first kill: after the first shard was replaced, before the index was (its .bak exists).

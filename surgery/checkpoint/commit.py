@@ -196,11 +196,14 @@ def recover(directory: Path, entry_points: Sequence[str]) -> None:
                 f"cannot be put back in place: {exc}. It still loads from the {interrupted.entry_point.name} "
                 "and .bak files there; fix the cause (permissions, disk) and save again."
             ) from exc
-    still = interrupted_save(directory, entry_points)  # a live save's, after a roll-back
+    found = _leftovers(directory)
+    holding: set[str] = set()  # saves whose .old/.bak files may be the only previous checkpoint
+    if not any((directory / name).is_file() for name in entry_points):
+        holding = {m["token"] for _, m in found if m["kind"] == "old" and m["name"] in entry_points}
     order = {"old": 0, "bak": 1, "tmp": 2}  # .bak outlives .old, as in a commit's clean-up
-    for path, m in sorted(_leftovers(directory), key=lambda pm: order[pm[1]["kind"]]):
-        if _alive(m["token"]) or (still is not None and m["token"] == still.token and m["kind"] != "tmp"):
-            continue  # a live save's files, or the only copy of the previous checkpoint
+    for path, m in sorted(found, key=lambda pm: order[pm[1]["kind"]]):
+        if _alive(m["token"]) or (m["token"] in holding and m["kind"] != "tmp"):
+            continue
         with contextlib.suppress(OSError):
             path.unlink()
     with contextlib.suppress(OSError):

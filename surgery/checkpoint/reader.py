@@ -19,6 +19,7 @@ Pickle checkpoints (``.bin``, ``.pt``, ...) are refused unless the caller opts i
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import math
@@ -28,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -496,17 +497,29 @@ def _open_index(
     given: Path, index: Path, *, allow_pickle: bool, interrupted: Interrupted | None = None
 ) -> CheckpointReader:
     try:
-        with open(index, "rb") as f:
-            seen = _identity(os.fstat(f.fileno()))
-            size = seen[2]
-            if size > _MAX_INDEX_BYTES:
-                raise _index_error(
-                    index,
-                    f"it is {size} bytes, more than the {_MAX_INDEX_BYTES} an index may hold (the safetensors "
-                    "header limit)",
-                    "Restore or regenerate the index file.",
-                )
-            text = f.read().decode("utf-8")
+        f = open(index, "rb")  # noqa: SIM115 - held open until the shards are checked against it
+    except OSError as exc:
+        raise CheckpointError(f"Cannot read checkpoint index '{index}': {exc.strerror or exc}.") from None
+    # While the index is open its inode cannot be reused by a later save's index, so an index
+    # with the identity of the one read is the one read.
+    with f:
+        return _open_pinned_index(given, index, f, allow_pickle=allow_pickle, interrupted=interrupted)
+
+
+def _open_pinned_index(
+    given: Path, index: Path, f: BinaryIO, *, allow_pickle: bool, interrupted: Interrupted | None
+) -> CheckpointReader:
+    try:
+        seen = _identity(os.fstat(f.fileno()))
+        size = seen[2]
+        if size > _MAX_INDEX_BYTES:
+            raise _index_error(
+                index,
+                f"it is {size} bytes, more than the {_MAX_INDEX_BYTES} an index may hold (the safetensors "
+                "header limit)",
+                "Restore or regenerate the index file.",
+            )
+        text = f.read().decode("utf-8")
         raw = json.loads(text, object_pairs_hook=unique_pairs)
     except OSError as exc:
         raise CheckpointError(f"Cannot read checkpoint index '{index}': {exc.strerror or exc}.") from None
@@ -636,9 +649,9 @@ def _directory_entry(directory: Path, *, allow_pickle: bool) -> Path | Interrupt
     leftovers = sorted(n for n in names if LEFTOVER_NAME.fullmatch(n))
     if leftovers:
         raise CheckpointError(
-            f"Directory '{directory}' holds no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}, only files of a "
-            f"save that has not committed (left: {', '.join(leftovers[:4])}) and no checkpoint before it. "
-            "Save the checkpoint again (that also removes these files)."
+            f"Directory '{directory}' holds no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}, only files of "
+            f"saves that did not commit (left: {', '.join(leftovers[:4])}), and none of them moved a previous "
+            "checkpoint away alone. Save the checkpoint again (that also removes these files)."
         )
     found = sorted(n for n in names if Path(n).suffix in {".safetensors", ".json"})
     raise CheckpointError(
@@ -677,17 +690,17 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False)
     given = Path(path)
     directory = given if given.is_dir() else given.parent
     for attempt in range(_OPEN_ATTEMPTS):
-        entry_points = _entry_points(directory)
-        try:
-            return _open(given, allow_pickle=allow_pickle)
-        except _IndexChanged:
-            pass  # a save committed while the shards were opened: open again, after a short wait
-        except CheckpointError:
-            # Opening raced a save into the directory (an entry point or a shard replaced or
-            # removed while it was opened): open again. Otherwise the error stands.
-            raced = _entry_points(directory) != entry_points or save_in_progress(directory)
-            if attempt + 1 == _OPEN_ATTEMPTS or not raced:
-                raise
+        with _pinned_entry_points(directory) as entry_points:
+            try:
+                return _open(given, allow_pickle=allow_pickle)
+            except _IndexChanged:
+                pass  # a save committed while the shards were opened: open again, after a short wait
+            except CheckpointError:
+                # Opening raced a save into the directory (an entry point or a shard replaced or
+                # removed while it was opened): open again. Otherwise the error stands.
+                raced = _identities(directory) != entry_points or save_in_progress(directory)
+                if attempt + 1 == _OPEN_ATTEMPTS or not raced:
+                    raise
         time.sleep(min(_RETRY_SECONDS, 0.001 * 2**attempt))
     raise CheckpointError(
         f"'{given}' kept changing while it was opened ({_OPEN_ATTEMPTS} attempts): another process is saving "
@@ -695,7 +708,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False)
     )
 
 
-def _entry_points(directory: Path) -> list[tuple[int, int, int, int] | None]:
+def _identities(directory: Path) -> list[tuple[int, int, int, int] | None]:
     """Which files the directory's entry points are now (a save replaces or moves them)."""
     found: list[tuple[int, int, int, int] | None] = []
     for name in _ENTRY_POINTS:
@@ -704,6 +717,24 @@ def _entry_points(directory: Path) -> list[tuple[int, int, int, int] | None]:
         except OSError:
             found.append(None)
     return found
+
+
+@contextlib.contextmanager
+def _pinned_entry_points(directory: Path) -> Iterator[list[tuple[int, int, int, int] | None]]:
+    """The entry points' identities, held open so that no later file can take their inodes."""
+    held: list[int] = []
+    found: list[tuple[int, int, int, int] | None] = []
+    try:
+        for name in _ENTRY_POINTS:
+            try:  # O_NONBLOCK: a FIFO in the way must not block
+                held.append(os.open(directory / name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)))
+                found.append(_identity(os.fstat(held[-1])))
+            except OSError:
+                found.append(None)
+        yield found
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 def _open(given: Path, *, allow_pickle: bool) -> CheckpointReader:
