@@ -663,6 +663,12 @@ def _directory_entry(directory: Path, *, allow_pickle: bool) -> Path | Interrupt
 def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> CheckpointReader:
     """Open a checkpoint lazily: headers (and the index) are read and validated, no tensor data.
 
+    A directory that a save is writing into (or that a save killed midway left) opens as the
+    previous checkpoint until the save commits, and as the new one after: never a mix. Before the
+    commit the previous checkpoint is read, read-only, from the files the save moved away
+    (``.model.safetensors.index.json.<token>.old``, ``.<shard>.<token>.bak``); the rule is in
+    :mod:`surgery.checkpoint.commit`.
+
     Args:
         path: a ``.safetensors`` file, an index ``*.index.json``, or a directory holding
             ``model.safetensors`` or ``model.safetensors.index.json`` (the single file wins if both
@@ -672,12 +678,6 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False)
 
     Returns:
         A :class:`CheckpointReader`; use it as a context manager.
-
-    A directory that a save is writing into (or that a save killed midway left) opens as the
-    previous checkpoint until the save commits, and as the new one after: never a mix. Before the
-    commit the previous checkpoint is read, read-only, from the files the save moved away
-    (``.model.safetensors.index.json.<token>.old``, ``.<shard>.<token>.bak``); the rule is in
-    :mod:`surgery.checkpoint.commit`.
 
     Raises:
         CheckpointError: missing or unsafe shard paths, a corrupt header, an index that disagrees
