@@ -39,7 +39,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .checkpoint import write_checkpoint
+from .checkpoint import check_write_arguments, write_checkpoint
+from .collective import Collective
 from .converter import WeightConverter, split_transforms
 from .errors import CheckpointError, ConfigurationError, ConversionError
 from .fusion import fusion_config_of, fusion_transforms, persistable_fusion_config
@@ -141,11 +142,14 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return dtensor is not None and isinstance(t, dtensor)
 
 
+def _gathered(t: Any) -> Any:
+    """A DTensor gathered whole (collective: every rank asks, in the same order); anything else as is."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
 def _value(t: Any) -> torch.Tensor:
-    """The whole tensor: a DTensor is gathered (collective: every rank must ask, in the same order)."""
-    if isinstance(t, _Dequantized):
-        return t.compute()
-    return t.full_tensor() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+    """The whole tensor of a gathered source (a quantized module's floats are computed here)."""
+    return t.compute() if isinstance(t, _Dequantized) else t
 
 
 def _refuse_meta(state: dict[str, torch.Tensor]) -> None:
@@ -285,6 +289,20 @@ class _Group:
     companion_of: dict[str, str] | None = None  # companion name -> the name whose encode writes it
 
 
+def _closing_key(keys: list[str], group_of: dict[str, int]) -> str | None:
+    """The key whose lookup computes a group for the last time, when ``keys`` are looked up in order.
+
+    The first key of the final run of one group's keys (a group may span shards, and is then
+    computed once per run).
+    """
+    if not keys:
+        return None
+    i = len(keys) - 1
+    while i and group_of[keys[i - 1]] == group_of[keys[-1]]:
+        i -= 1
+    return keys[i]
+
+
 class RevertedState(Mapping[str, torch.Tensor]):
     """The model's tensors in the layout a save writes, computed lazily, one group at a time.
 
@@ -300,6 +318,10 @@ class RevertedState(Mapping[str, torch.Tensor]):
         original_format: reverse the transforms (``True``) or keep the runtime layout.
         quantization: for weights stored quantized and decoded at load, ``"as_loaded"`` re-encodes
             them with the recorded scales (original layout only), ``"dequantized"`` writes floats.
+        collective: the ranks computing it together (a tensor-parallel model: every rank looks
+            up the same keys in the same order); by default the mesh of the model's DTensors.
+            Each group is computed after an agreement point of the ranks (:mod:`surgery.collective`),
+            so a failure on one rank is raised on every rank instead of leaving them waiting.
 
     Raises:
         CheckpointError: a tensor is still on ``meta`` (never loaded).
@@ -312,13 +334,21 @@ class RevertedState(Mapping[str, torch.Tensor]):
     """
 
     def __init__(
-        self, model: nn.Module, *, original_format: bool = True, quantization: str = "as_loaded"
+        self,
+        model: nn.Module,
+        *,
+        original_format: bool = True,
+        quantization: str = "as_loaded",
+        collective: Collective | None = None,
     ) -> None:
         if quantization not in QUANTIZATION_MODES:
             raise ConfigurationError(
                 f"quantization={quantization!r}; valid: {', '.join(QUANTIZATION_MODES)}."
             )
         self._state: dict[str, Any] = _dedup_state(model)
+        self._collective = collective or Collective.of_tensors(
+            self._state.values(), what="computing the reverted state"
+        )
         _refuse_meta(self._state)
         if original_format:
             self._state = _dequantize_stage(model, self._state)
@@ -342,6 +372,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
         for i, g in enumerate(groups):
             for name in g.names:
                 self._group_of[name] = i
+        self._closing_key = _closing_key(list(self._specs), self._group_of)
 
     # ------------------------------------------------------------------ construction
     def _identity(self, model: nn.Module) -> list[_Group]:
@@ -527,14 +558,32 @@ class RevertedState(Mapping[str, torch.Tensor]):
         return slot_shapes
 
     # ------------------------------------------------------------------ values
-    def _compute(self, g: _Group) -> dict[str, torch.Tensor]:
+    def _computed(self, g: _Group, *, last: bool) -> dict[str, torch.Tensor]:
+        """``g``'s outputs, computed after an agreement point of the ranks (one process: just computed).
+
+        The agreement point comes first: a rank that failed since the previous group (rank 0
+        writing its values) says so before anyone gathers. Every DTensor of the group is then
+        gathered before anything that can fail, so a rank whose computation fails has entered
+        every collective the others did, and shares its error at the agreement point they reach
+        next: the next group's, or, after the ``last`` computation, one more, so that rank 0
+        writes the last values and commits only once every rank has computed everything.
+        """
+        self._collective.agree()
+        sources = {k: _gathered(self._state[k]) for k in g.sources}
+        with self._collective.step():
+            out = self._compute(g, sources)
+        if last:
+            self._collective.agree()
+        return out
+
+    def _compute(self, g: _Group, sources: dict[str, Any]) -> dict[str, torch.Tensor]:
         if g.converter is None:
             (output,) = (
                 o for o, n in zip(g.outputs, g.names) if not (g.companion_of and n in g.companion_of)
             )
-            raw = {output: _value(self._state[g.sources[0]])}
+            raw = {output: _value(sources[g.sources[0]])}
         elif g.slot_shapes is not None:
-            src = _value(self._state[g.sources[0]])
+            src = _value(sources[g.sources[0]])
             ctx = OpContext(n_targets=1, target_shapes=(tuple(src.shape),))
             flat = flatten_slots(placement_views(self._forward[g.converter], src, g.slot_shapes, ctx) or [])
             if len(flat) != len(g.chain_order):
@@ -546,7 +595,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
             conv = self._converters[g.converter]
             for k in g.sources:
                 pat, idx = self._routes[k]
-                conv.add_tensor(g.key, k, pat, _value(self._state[k]), index=idx)
+                conv.add_tensor(g.key, k, pat, _value(sources[k]), index=idx)
             raw = conv.convert(g.key, g.ctx)
         out: dict[str, torch.Tensor] = {}
         for o, n, d in zip(g.outputs, g.names, g.dtypes):
@@ -584,7 +633,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
             raise KeyError(key)
         if i != self._current:
             self._cache = {}  # drop the previous group's outputs before computing the next
-            self._cache = self._compute(self._groups[i])
+            self._cache = self._computed(self._groups[i], last=key == self._closing_key)
             self._current = i
         return self._cache[key]
 
@@ -627,9 +676,9 @@ class RevertedState(Mapping[str, torch.Tensor]):
 
     def groups(self) -> Iterator[dict[str, torch.Tensor]]:
         """Yield each group's ``{key: tensor}`` once, in write order (nothing is kept between groups)."""
-        for g in self._groups:
+        for i, g in enumerate(self._groups):
             self._cache, self._current = {}, None
-            yield self._compute(g)
+            yield self._computed(g, last=i == len(self._groups) - 1)
 
 
 def iter_reverted(
@@ -641,7 +690,18 @@ def iter_reverted(
         CheckpointError: a tensor is still on ``meta``.
         ConversionError: a reversed op chain failed, or two tensors would be written under one key.
     """
-    yield from RevertedState(model, original_format=original_format, quantization=quantization).groups()
+    collective = Collective.of_tensors(_model_tensors(model), what="revert_state_dict")
+    with collective.step():
+        state = RevertedState(
+            model, original_format=original_format, quantization=quantization, collective=collective
+        )
+    collective.agree()
+    yield from state.groups()
+
+
+def _model_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
 
 
 def revert_state_dict(
@@ -652,7 +712,7 @@ def revert_state_dict(
     Tensors that need no computation (plain keys, experts cut out of a fused parameter) share
     memory with the model's parameters; ``.clone()`` them before modifying them. For a
     tensor-parallel model the call is collective (every rank calls it) and every rank gets the
-    whole tensors.
+    whole tensors; a failure on one rank is raised on every rank (see :func:`save_checkpoint`).
 
     Example:
         >>> sd = surgery.revert_state_dict(model)  # doctest: +SKIP
@@ -677,9 +737,12 @@ def save_checkpoint(
     Args:
         model: the module tree. For a tensor-parallel model (DTensor parameters) the save is
             collective: every rank calls it; each group's DTensors are gathered when the group is
-            computed (``full_tensor()``), rank 0 writes, and the other ranks return ``[]``. The
-            files equal a single-process save's. Per-rank shard files are not offered: an
-            original-layout key (one expert's ``w1``) is a slice of every rank's shard.
+            computed (``full_tensor()``), rank 0 writes, and the other ranks return ``[]`` once
+            rank 0's files are in place. The files equal a single-process save's. Per-rank shard
+            files are not offered: an original-layout key (one expert's ``w1``) is a slice of
+            every rank's shard. Every rank checks the arguments before the first collective, and
+            a failure on any rank (a refused path, rank 0's write, a rank's reversed chain) is
+            raised on every rank, within the step it happened in (:mod:`surgery.collective`).
         path: a directory (``model.safetensors`` or shards plus an index) or a ``.safetensors`` file.
         original_format: write the checkpoint layout the model was loaded from (inverting exactly
             the transforms that fired, and every fusion); ``False`` writes the runtime layout and
@@ -703,43 +766,44 @@ def save_checkpoint(
         The files written.
 
     Raises:
-        CheckpointError: a tensor is still on ``meta``, or writing failed (the previous
+        CheckpointError: ``path`` cannot be written (a file where the directory goes, under a
+            file, not writable), a tensor is still on ``meta``, or writing failed (the previous
             checkpoint at ``path`` is then left as it was).
+        ConfigurationError: ``max_shard_size`` or ``quantization`` is not valid.
         ConversionError: a reversed op chain failed.
+
+        A collective save raises the same error on every rank: the failed rank's class, its
+        message prefixed with ``save_checkpoint to '<path>' failed on rank R of N``.
 
     Example:
         >>> surgery.save_checkpoint(model, "out/")  # doctest: +SKIP
     """
-    meta = dict(metadata or {})
-    fusion = persistable_fusion_config(model)  # pinned to the exact module paths it rewrote
-    if not original_format and fusion:
-        meta[FUSION_METADATA_KEY] = json.dumps(fusion, sort_keys=True)
-    fusion = fusion_config_of(model)  # config.json keeps the form transformers reads
-    state = RevertedState(model, original_format=original_format, quantization=quantization)
-    quantizer = _model_quantizer(model)
-    if not original_format and quantizer is not None and _has_quantized(model):
-        meta.update(QuantizerHooks(quantizer).metadata())
-    group = _gathering_group(state)
-    if group is not None:
-        import torch.distributed as dist
-
-        if dist.get_rank(group) != 0:  # compute every group in write order, for the gathers
+    collective = Collective.of_tensors(_model_tensors(model), what=f"save_checkpoint to '{path}'")
+    with collective.step():  # every rank checks everything before the first collective
+        check_write_arguments(path, max_shard_size=max_shard_size, metadata=metadata)
+        meta = dict(metadata or {})
+        fusion = persistable_fusion_config(model)  # pinned to the exact module paths it rewrote
+        if not original_format and fusion:
+            meta[FUSION_METADATA_KEY] = json.dumps(fusion, sort_keys=True)
+        fusion = fusion_config_of(model)  # config.json keeps the form transformers reads
+        state = RevertedState(
+            model, original_format=original_format, quantization=quantization, collective=collective
+        )
+        quantizer = _model_quantizer(model)
+        if not original_format and quantizer is not None and _has_quantized(model):
+            meta.update(QuantizerHooks(quantizer).metadata())
+    collective.agree()
+    if collective.rank != 0:
+        with collective.step():  # the groups rank 0's writes compute, in its order, for the gathers
             for key in state.specs:
                 state[key]
-            dist.barrier(group)
-            return []
-        try:
-            files = write_checkpoint(
-                state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs
-            )
-            _carry_configs(model, Path(path))
-            _update_config_json(Path(path), None if original_format else fusion)
-        finally:
-            dist.barrier(group)
-        return files
-    files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
-    _carry_configs(model, Path(path))
-    _update_config_json(Path(path), None if original_format else fusion)
+        collective.agree()  # rank 0 has written (or failed): the files are there when this returns
+        return []
+    with collective.step():
+        files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
+        _carry_configs(model, Path(path))
+        _update_config_json(Path(path), None if original_format else fusion)
+    collective.agree()
     return files
 
 
@@ -783,15 +847,6 @@ def _model_quantizer(model: nn.Module) -> Any:
 
 def _has_quantized(model: nn.Module) -> bool:
     return any(getattr(m, "quantized_names", None) is not None for m in model.modules())
-
-
-def _gathering_group(state: RevertedState) -> Any:
-    """The process group of the model's DTensors when a save must gather them (``None`` otherwise)."""
-    for t in state.source_tensors():
-        if _is_dtensor(t):
-            mesh = t.device_mesh  # type: ignore[attr-defined]
-            return mesh.get_group() if mesh.size() > 1 else None
-    return None
 
 
 def _update_config_json(path: Path, fusion: dict[str, Any] | None) -> None:

@@ -7,6 +7,8 @@
   with ``allow_pickle=True``, then with ``weights_only=True``.
 * :mod:`~surgery.checkpoint.writer`: :func:`write_checkpoint`, streaming, sharded, atomic
   (temporary files, fsync, rename); a failed save undoes itself and removes its files.
+  :func:`check_write_arguments` checks its arguments without touching the disk (every rank of
+  a collective save does, first).
 * :mod:`~surgery.checkpoint.commit`: the commit protocol, so that after a save killed at any
   moment the directory loads as exactly the previous checkpoint or exactly the new one.
 """
@@ -18,6 +20,7 @@ from .writer import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     SHARD_NAME,
+    check_write_arguments,
     parse_size,
     write_checkpoint,
 )
@@ -29,6 +32,7 @@ __all__ = [
     "SHARD_NAME",
     "CheckpointReader",
     "TensorInfo",
+    "check_write_arguments",
     "open_checkpoint",
     "parse_size",
     "write_checkpoint",

@@ -39,6 +39,7 @@ __all__ = [
     "SAFE_WEIGHTS_INDEX_NAME",
     "SAFE_WEIGHTS_NAME",
     "SHARD_NAME",
+    "check_write_arguments",
     "parse_size",
     "write_checkpoint",
 ]
@@ -332,6 +333,74 @@ def _write_index(target: Path, shards: list[list[_Pending]], names: list[str]) -
         os.fsync(f.fileno())
 
 
+def _file_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    """The metadata every file gets: ``{"format": "pt"}`` and ``metadata``, checked str -> str."""
+    meta = {"format": "pt"}
+    for k, v in (metadata or {}).items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise CheckpointError(
+                f"Metadata entry {k!r}: {v!r} is not str -> str; convert it (e.g. json.dumps)."
+            )
+        if k == "format" and v != "pt":
+            raise CheckpointError(
+                f"Metadata 'format' is always 'pt' for torch checkpoints, not {v!r}; drop it."
+            )
+        meta[k] = v
+    return meta
+
+
+def _check_target(target: Path) -> None:
+    """Refuse a path that cannot become a checkpoint: a file where a directory goes, or the reverse,
+    an ancestor that is a file, or a directory this process may not write into."""
+    single_file = target.suffix == ".safetensors"
+    if single_file and target.is_dir():
+        raise CheckpointError(
+            f"'{target}' is a directory; pass the directory without the .safetensors suffix."
+        )
+    if not single_file and target.exists() and not target.is_dir():
+        raise CheckpointError(
+            f"'{target}' exists and is not a directory; pass a directory or a .safetensors path."
+        )
+    directory = target.parent if single_file else target
+    existing = next((d for d in (directory, *directory.parents) if d.exists()), None)
+    if existing is None:  # pragma: no cover - the root exists
+        return
+    if not existing.is_dir():
+        raise CheckpointError(
+            f"Cannot save to '{target}': '{existing}' is a file, so '{directory}' cannot be created; pass a "
+            "path under a directory."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(
+            f"Cannot save to '{target}': this process may not write into '{existing}'; pass a writable "
+            "directory or fix its permissions."
+        )
+
+
+def check_write_arguments(
+    path: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Check what :func:`write_checkpoint` checks of its arguments, without touching the disk.
+
+    For a caller that must know before it starts (every rank of a collective save checks its
+    arguments before the first collective, so none of them waits on a rank that refused them).
+
+    Raises:
+        CheckpointError: ``path`` is a file where a directory goes (or the reverse), lies under a
+            file, or is not writable; or ``metadata`` is not ``str -> str``.
+        ConfigurationError: ``max_shard_size`` is not a size.
+
+    Example:
+        >>> check_write_arguments("out/", max_shard_size="2GB")
+    """
+    parse_size(max_shard_size)
+    _file_metadata(metadata)
+    _check_target(Path(path))
+
+
 def write_checkpoint(
     state_dict: Mapping[str, torch.Tensor],
     path: str | os.PathLike[str],
@@ -384,28 +453,11 @@ def write_checkpoint(
         >>> write_checkpoint({"w": torch.ones(2)}, tmp_dir, max_shard_size="1GB")  # doctest: +SKIP
     """
     limit = parse_size(max_shard_size)
-    meta = {"format": "pt"}
-    for k, v in (metadata or {}).items():
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise CheckpointError(
-                f"Metadata entry {k!r}: {v!r} is not str -> str; convert it (e.g. json.dumps)."
-            )
-        if k == "format" and v != "pt":
-            raise CheckpointError(
-                f"Metadata 'format' is always 'pt' for torch checkpoints, not {v!r}; drop it."
-            )
-        meta[k] = v
+    meta = _file_metadata(metadata)
     pending = _collect(state_dict) if specs is None else _collect_specs(state_dict, specs)
     target = Path(path)
     single_file = target.suffix == ".safetensors"
-    if single_file and target.is_dir():
-        raise CheckpointError(
-            f"'{target}' is a directory; pass the directory without the .safetensors suffix."
-        )
-    if not single_file and target.exists() and not target.is_dir():
-        raise CheckpointError(
-            f"'{target}' exists and is not a directory; pass a directory or a .safetensors path."
-        )
+    _check_target(target)
     directory = target.parent if single_file else target
     new_directories = [d for d in (directory, *directory.parents) if not d.exists()]
     try:
