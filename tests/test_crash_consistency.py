@@ -1,16 +1,22 @@
-"""A save killed at any moment, or racing a reader, never yields a model mixed from two saves.
+"""After a save killed at any moment, or failing at any step, the directory holds the old
+checkpoint or the new one: never a mix, never nothing, never a stray file once the next save ran.
 
-Real processes, real files: a forked child runs ``write_checkpoint`` and SIGKILLs itself right
-after the n-th file event of the save (every fsync of a written file and every rename of the
-commit), for every n; then the directory is opened. And a saver process rewrites a sharded
-checkpoint in a loop while this process loads it a thousand times.
+Real processes, real files. A forked child runs ``write_checkpoint`` and SIGKILLs itself right
+after the n-th file event of the save (every fsync, rename, hard link and unlink), for every n, in
+every transition (sharded -> sharded, single -> sharded, sharded -> single, same-name
+overwrite); then the directory is opened, which must not change it. A failing file system is an
+``OSError`` raised by the n-th rename, link or fsync, once or from then on. And a saver process
+rewrites a checkpoint in a loop while this process loads it a thousand times.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import multiprocessing as mp
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,111 +24,266 @@ import torch
 from torch import nn
 
 import surgery
-from surgery.checkpoint import LEFTOVER_NAME, SAFE_WEIGHTS_INDEX_NAME, open_checkpoint, write_checkpoint
+from surgery.checkpoint import (
+    LEFTOVER_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    open_checkpoint,
+    write_checkpoint,
+)
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 KEYS = [f"t{i}" for i in range(4)]
-SHARDED = 3 * 64 + 1  # bytes per shard: 4 tensors of 64 bytes make 2 shards
+TWO_SHARDS = 3 * 64 + 1  # bytes per shard: 4 tensors of 64 bytes make 2 shards
+FOUR_SHARDS = 64 + 1
 SINGLE = 10**9
+_EVENTS = ("replace", "fsync", "link", "unlink")
 
 
 def state(value: float) -> dict[str, torch.Tensor]:
     return {k: torch.full((16,), value) for k in KEYS}
 
 
+# (shard size before, shard size after, saved to a .safetensors file path rather than a directory)
+TRANSITIONS = {
+    "sharded -> sharded": (TWO_SHARDS, TWO_SHARDS, False),
+    "2 shards -> 4 shards": (TWO_SHARDS, FOUR_SHARDS, False),
+    "single -> sharded": (SINGLE, TWO_SHARDS, False),
+    "sharded -> single": (TWO_SHARDS, SINGLE, False),
+    "same-name overwrite, directory": (SINGLE, SINGLE, False),
+    "same-name overwrite, file": (SINGLE, SINGLE, True),
+}
+
+
+def target(directory: Path, as_file: bool) -> Path:
+    return directory / "m.safetensors" if as_file else directory
+
+
+def loaded_value(path: Path) -> float | str:
+    """The one value every tensor of the checkpoint holds, or why there is no such value."""
+    try:
+        with open_checkpoint(path) as reader:
+            if reader.keys() != KEYS:
+                return f"keys {reader.keys()}"
+            tensors = [reader.get_tensor(k) for k in KEYS]
+    except surgery.CheckpointError as exc:
+        return f"error: {exc}"
+    value = float(tensors[0][0])
+    if not all(torch.equal(t, torch.full((16,), value)) for t in tensors):
+        return f"a mix of saves: {sorted({float(v) for t in tensors for v in t.unique()})}"
+    return value
+
+
+def files(directory: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_ino for p in directory.iterdir()}
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if LEFTOVER_NAME.fullmatch(p.name))
+
+
 def _save_and_die(path: str, value: float, shard_size: int, die_at: int, counter) -> None:
-    events = [0]
-    real_replace, real_fsync = os.replace, os.fsync
+    count = [0]
 
-    def event() -> None:
-        events[0] += 1
-        counter.value = events[0]
-        if events[0] == die_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+    def counted(real):
+        def call(*args, **kwargs):
+            result = real(*args, **kwargs)
+            count[0] += 1
+            counter.value = count[0]
+            if count[0] == die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
 
-    def replace(a, b):
-        real_replace(a, b)
-        event()
+        return call
 
-    def fsync(fd):
-        real_fsync(fd)
-        event()
-
-    os.replace, os.fsync = replace, fsync  # type: ignore[assignment]
+    for name in _EVENTS:
+        setattr(os, name, counted(getattr(os, name)))
     write_checkpoint(state(value), path, max_shard_size=shard_size)
     os._exit(0)
 
 
 def run_save(path: Path, value: float, shard_size: int, die_at: int) -> tuple[int, int]:
-    """(exit code, events seen) of a forked save that kills itself at event ``die_at`` (0: never)."""
+    """(exit code, file events seen) of a forked save that kills itself after event ``die_at`` (0: never)."""
     ctx = mp.get_context("fork")
     counter = ctx.Value("i", 0)
     child = ctx.Process(target=_save_and_die, args=(str(path), value, shard_size, die_at, counter))
     child.start()
     child.join(60)
-    return child.exitcode or 0, counter.value
+    return child.exitcode if child.exitcode is not None else -1, counter.value
 
 
-def values_on_disk(path: Path) -> set[float] | str:
-    """The distinct values the checkpoint holds, or the error opening it raised."""
-    try:
-        with open_checkpoint(path) as reader:
-            assert reader.keys() == KEYS
-            return {float(v) for k in KEYS for v in reader.get_tensor(k).unique()}
-    except surgery.CheckpointError as exc:
-        return str(exc)
-
-
-TRANSITIONS = {
-    "sharded -> sharded": (SHARDED, SHARDED),
-    "single -> sharded": (SINGLE, SHARDED),
-    "sharded -> single": (SHARDED, SINGLE),
-}
-
-
-@pytest.mark.parametrize("transition", sorted(TRANSITIONS))
-def test_a_save_killed_at_any_event_leaves_the_old_checkpoint_the_new_one_or_a_clear_error(
-    tmp_path, transition
-):
-    before, after = TRANSITIONS[transition]
+def count_events(tmp_path: Path, before: int, after: int, as_file: bool) -> int:
     probe = tmp_path / "probe"
-    write_checkpoint(state(1.0), probe, max_shard_size=before)
-    code, total = run_save(probe, 2.0, after, die_at=0)
-    assert code == 0 and total >= 3
-    outcomes = []
+    write_checkpoint(state(1.0), target(probe, as_file), max_shard_size=before)
+    code, total = run_save(target(probe, as_file), 2.0, after, die_at=0)
+    assert code == 0 and total >= 2
+    return total
+
+
+@pytest.mark.parametrize("transition", list(TRANSITIONS))
+def test_a_save_killed_after_any_file_event_leaves_exactly_the_old_or_the_new_checkpoint(
+    tmp_path: Path, transition: str
+) -> None:
+    before, after, as_file = TRANSITIONS[transition]
+    total = count_events(tmp_path, before, after, as_file)
+    outcomes: list[float | str] = []
+    recovered = 0  # kills after which no entry point was committed: the old one was moved away
     for die_at in range(1, total + 1):
-        path = tmp_path / f"kill-{die_at}"
+        directory = tmp_path / f"kill-{die_at}"
+        path = target(directory, as_file)
         write_checkpoint(state(1.0), path, max_shard_size=before)
         code, _ = run_save(path, 2.0, after, die_at)
         assert code == -signal.SIGKILL
-        seen = values_on_disk(path)
-        assert seen in ({1.0}, {2.0}) or (isinstance(seen, str) and "interrupted" in seen), (die_at, seen)
-        outcomes.append(seen if isinstance(seen, set) else "error")
+        on_disk = files(directory)
+        outcomes.append(loaded_value(path))
+        assert outcomes[-1] in (1.0, 2.0), (die_at, outcomes[-1])
+        assert files(directory) == on_disk, "opening a checkpoint must never change its directory"
+        recovered += not ({SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, "m.safetensors"} & set(on_disk))
         write_checkpoint(state(3.0), path, max_shard_size=after)  # the next save recovers ...
-        assert values_on_disk(path) == {3.0}
-        assert not [p.name for p in path.iterdir() if LEFTOVER_NAME.fullmatch(p.name)]  # ... and cleans up
-    assert outcomes[0] == {1.0} and outcomes[-1] == {2.0}
+        assert loaded_value(path) == 3.0
+        assert leftovers(directory) == []  # ... and removes what the killed one left
+    assert outcomes[0] == 1.0 and outcomes[-1] == 2.0
+    assert outcomes == sorted(outcomes), "once the new checkpoint showed, a later kill brought back the old"
+    if after != SINGLE:  # a sharded save moves the old entry point away before its shards
+        assert recovered, "no kill fell between moving the old entry point away and the commit"
 
 
-def test_a_killed_saves_temporary_files_are_removed_by_the_next_save(tmp_path: Path) -> None:
-    write_checkpoint(state(1.0), tmp_path, max_shard_size=SHARDED)
-    for die_at in (1, 2, 3):
-        run_save(tmp_path, 2.0, SHARDED, die_at)
-    assert [p for p in tmp_path.iterdir() if LEFTOVER_NAME.fullmatch(p.name)]
-    write_checkpoint(state(4.0), tmp_path, max_shard_size=SHARDED)
-    names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == [
-        "model-00001-of-00002.safetensors",
-        "model-00002-of-00002.safetensors",
-        SAFE_WEIGHTS_INDEX_NAME,
-    ]
+def test_a_first_save_killed_before_its_commit_leaves_no_checkpoint_and_says_so(tmp_path: Path) -> None:
+    events = run_save(tmp_path / "probe", 2.0, TWO_SHARDS, die_at=0)[1]
+    committed = 0
+    for die_at in range(1, events + 1):
+        directory = tmp_path / f"kill-{die_at}"
+        run_save(directory, 2.0, TWO_SHARDS, die_at)
+        outcome = loaded_value(directory)
+        if outcome == 2.0:
+            committed += 1
+        else:  # nothing was there before: the old checkpoint is no checkpoint
+            assert isinstance(outcome, str) and "did not commit" in outcome, outcome
+        write_checkpoint(state(3.0), directory, max_shard_size=TWO_SHARDS)
+        assert loaded_value(directory) == 3.0
+        assert leftovers(directory) == []
+    assert 0 < committed < events
+
+
+def test_a_save_killed_while_it_recovers_a_killed_save_still_leaves_old_or_new(tmp_path: Path) -> None:
+    total = count_events(tmp_path, TWO_SHARDS, TWO_SHARDS, False)
+    # The first kill: after the first shard was replaced, before the index was (its .bak exists).
+    for first in range(1, total + 1):
+        directory = tmp_path / f"first-{first}"
+        write_checkpoint(state(1.0), directory, max_shard_size=TWO_SHARDS)
+        run_save(directory, 2.0, TWO_SHARDS, first)
+        names = set(os.listdir(directory))
+        if SAFE_WEIGHTS_INDEX_NAME not in names and any(n.endswith(".bak") for n in names):
+            break
+    else:
+        pytest.fail("no kill left a replaced shard behind a moved-away index")
+    events = run_save(directory, 3.0, TWO_SHARDS, die_at=0)[1]  # the recovering save's events
+    for die_at in range(1, events + 1):
+        killed = tmp_path / f"second-{die_at}"
+        write_checkpoint(state(1.0), killed, max_shard_size=TWO_SHARDS)
+        run_save(killed, 2.0, TWO_SHARDS, first)
+        code, _ = run_save(killed, 3.0, TWO_SHARDS, die_at)
+        assert code == -signal.SIGKILL
+        assert loaded_value(killed) in (1.0, 3.0), die_at
+        write_checkpoint(state(4.0), killed, max_shard_size=TWO_SHARDS)
+        assert loaded_value(killed) == 4.0
+        assert leftovers(killed) == []
+
+
+# ------------------------------------------------------------------------------ a failing file system
+
+
+@contextlib.contextmanager
+def failing_file_system(fail_at: int, *, from_then_on: bool = False) -> Iterator[list[int]]:
+    """The ``fail_at``-th rename, hard link or fsync (and, ``from_then_on``, every later one) raises EIO."""
+    calls = [0]
+    reals = {name: getattr(os, name) for name in ("replace", "link", "fsync")}
+
+    def failing(real):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == fail_at or (from_then_on and calls[0] > fail_at):
+                raise OSError(errno.EIO, "Input/output error (injected)")
+            return real(*args, **kwargs)
+
+        return call
+
+    for name, real in reals.items():
+        setattr(os, name, failing(real))
+    try:
+        yield calls
+    finally:
+        for name, real in reals.items():
+            setattr(os, name, real)
+
+
+def steps_of(tmp_path: Path, before: int, after: int, as_file: bool) -> int:
+    path = target(tmp_path / "probe-steps", as_file)
+    write_checkpoint(state(1.0), path, max_shard_size=before)
+    with failing_file_system(0) as calls:
+        write_checkpoint(state(2.0), path, max_shard_size=after)
+    return calls[0]
+
+
+@pytest.mark.parametrize("transition", list(TRANSITIONS))
+def test_a_save_failing_at_any_step_raises_and_leaves_the_directory_as_it_was(
+    tmp_path: Path, transition: str
+) -> None:
+    before, after, as_file = TRANSITIONS[transition]
+    raised = 0
+    for step in range(1, steps_of(tmp_path, before, after, as_file) + 1):
+        directory = tmp_path / f"fail-{step}"
+        path = target(directory, as_file)
+        write_checkpoint(state(1.0), path, max_shard_size=before)
+        was = files(directory)
+        try:
+            with failing_file_system(step):
+                write_checkpoint(state(2.0), path, max_shard_size=after)
+        except surgery.CheckpointError as exc:
+            raised += 1
+            assert "previous checkpoint there (if any) is unchanged" in str(exc)
+            assert files(directory) == was, step  # the same files, the very same inodes
+            assert loaded_value(path) == 1.0
+        else:  # the step had a fallback (no hard link: the backup is a rename) or is best effort
+            assert loaded_value(path) == 2.0
+            assert leftovers(directory) == []
+    assert raised
+
+
+@pytest.mark.parametrize("transition", list(TRANSITIONS))
+def test_a_save_whose_file_system_fails_for_good_leaves_the_old_checkpoint_loadable_and_the_next_save_puts_it_back(
+    tmp_path: Path, transition: str
+) -> None:
+    before, after, as_file = TRANSITIONS[transition]
+    for step in range(1, steps_of(tmp_path, before, after, as_file) + 1):
+        directory = tmp_path / f"fail-{step}"
+        path = target(directory, as_file)
+        write_checkpoint(state(1.0), path, max_shard_size=before)
+        try:
+            with failing_file_system(step, from_then_on=True):
+                write_checkpoint(state(2.0), path, max_shard_size=after)
+        except surgery.CheckpointError as exc:
+            assert loaded_value(path) == 1.0, step
+            kept = leftovers(directory)
+            # Only files that hold the old checkpoint stay, and the error names each of them.
+            assert all(n.endswith((".bak", ".old")) for n in kept), kept
+            assert all(n in str(exc) for n in kept), (kept, str(exc))
+        else:  # failing from the directory fsync after the commit on, which is best effort
+            assert loaded_value(path) == 2.0
+        write_checkpoint(state(3.0), path, max_shard_size=after)
+        assert loaded_value(path) == 3.0
+        assert leftovers(directory) == []
+
+
+# ------------------------------------------------------------------------------ loads racing saves
 
 
 def _save_loop(path: str, stop, saves) -> None:
+    sizes = (TWO_SHARDS, SINGLE, FOUR_SHARDS)  # every transition between them, in turn
     i = 0
     while not stop.is_set():
         i += 1
-        write_checkpoint(state(float(i)), path, max_shard_size=SHARDED)
+        write_checkpoint(state(float(i)), path, max_shard_size=sizes[i % len(sizes)])
         saves.value = i
     os._exit(0)
 
@@ -134,27 +295,23 @@ class Four(nn.Module):
             self.register_parameter(k, nn.Parameter(torch.zeros(16)))
 
 
-def test_loads_racing_a_save_loop_never_see_two_saves(tmp_path: Path) -> None:
-    write_checkpoint(state(0.0), tmp_path, max_shard_size=SHARDED)
+def test_a_thousand_loads_racing_a_save_loop_each_load_exactly_one_save(tmp_path: Path) -> None:
+    write_checkpoint(state(0.0), tmp_path, max_shard_size=TWO_SHARDS)
     ctx = mp.get_context("fork")
     stop, saves = ctx.Event(), ctx.Value("i", 0)
     saver = ctx.Process(target=_save_loop, args=(str(tmp_path), stop, saves))
     saver.start()
-    loaded = refused = 0
+    seen: list[float] = []
     try:
         for _ in range(1000):
             model = Four()
-            try:
-                report = surgery.load_checkpoint(model, tmp_path, sync=True, mmap=False, progress=False)
-            except surgery.CheckpointError:
-                refused += 1
-                continue
+            report = surgery.load_checkpoint(model, tmp_path, sync=True, mmap=False, progress=False)
             assert report.ok, report
             values = {float(v) for v in torch.cat([p.detach() for p in model.parameters()]).unique()}
             assert len(values) == 1, f"a model mixed from saves {sorted(values)}"
-            loaded += 1
+            seen.append(values.pop())
     finally:
         stop.set()
         saver.join(60)
     assert saves.value > 10  # the saver really raced the loads
-    assert loaded > 900, (loaded, refused)
+    assert len(set(seen)) > 10  # and the loads saw many of its saves

@@ -6,15 +6,17 @@
   sharded checkpoint (index validated, shard paths confined to its directory); pickle files only
   with ``allow_pickle=True``, then with ``weights_only=True``.
 * :mod:`~surgery.checkpoint.writer`: :func:`write_checkpoint`, streaming, sharded, atomic
-  (temporary files, fsync, rename), so a failed save leaves the previous checkpoint intact
-  and a killed one leaves no entry point naming a mix of two saves; :func:`check_write_arguments`
-  checks its arguments without touching the disk (every rank of a collective save does, first).
+  (temporary files, fsync, rename); a failed save undoes itself and removes its files.
+  :func:`check_write_arguments` checks its arguments without touching the disk (every rank of
+  a collective save does, first).
+* :mod:`~surgery.checkpoint.commit`: the commit protocol, so that after a save killed at any
+  moment the directory loads as exactly the previous checkpoint or exactly the new one.
 """
 
+from .commit import LEFTOVER_NAME
 from .format import TensorInfo
 from .reader import CheckpointReader, open_checkpoint
 from .writer import (
-    LEFTOVER_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     SHARD_NAME,

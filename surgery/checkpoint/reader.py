@@ -19,6 +19,7 @@ Pickle checkpoints (``.bin``, ``.pt``, ...) are refused unless the caller opts i
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import math
@@ -28,13 +29,14 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from ..errors import CheckpointError
+from .commit import LEFTOVER_NAME, Interrupted, interrupted_save, save_in_progress
 from .format import SafetensorsFile, TensorInfo, unique_pairs
-from .writer import LEFTOVER_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, save_in_progress
+from .writer import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 __all__ = ["CheckpointReader", "open_checkpoint"]
 
@@ -43,7 +45,7 @@ _PICKLE_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 _PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt"})
 _MAX_INDEX_BYTES = 100_000_000  # like the safetensors header: read whole, so bounded
 _OPEN_ATTEMPTS = 20  # while a save into the directory is in progress, opening is retried
-_RETRY_SECONDS = 0.05
+_RETRY_SECONDS = 0.05  # the longest wait between two attempts; the first ones wait 1, 2, 4 ... ms
 
 
 class _IndexChanged(Exception):
@@ -51,6 +53,7 @@ class _IndexChanged(Exception):
 
 
 _NUMBERED = re.compile(r"(.+)-\d{5}-of-(\d{5})(\.\w+)")
+_ENTRY_POINTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)  # the same precedence as transformers
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,8 +447,12 @@ def _index_error(index: Path, problem: str, fix: str) -> CheckpointError:
     return CheckpointError(f"Invalid checkpoint index '{index}': {problem}. {fix}")
 
 
-def _shard_path(index: Path, name: object, key: str) -> Path:
-    """Resolve one weight_map entry, refusing anything that leaves the index's directory."""
+def _shard_path(index: Path, name: object, key: str, interrupted: Interrupted | None = None) -> Path:
+    """Resolve one weight_map entry, refusing anything that leaves the index's directory.
+
+    With ``interrupted``, the index is the previous one of a save that has not committed: a shard
+    that save replaced is read from its backup.
+    """
     directory = index.parent
     if not isinstance(name, str) or not name:
         raise _index_error(
@@ -459,6 +466,8 @@ def _shard_path(index: Path, name: object, key: str) -> Path:
             "Shard paths must be relative to the index's directory without '..'; fix the weight_map.",
         )
     candidate = directory / relative
+    if interrupted is not None and interrupted.backup(candidate).is_file():
+        candidate = interrupted.backup(candidate)
     try:
         real = candidate.resolve(strict=True)
     except (OSError, RuntimeError):
@@ -484,19 +493,33 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _open_index(given: Path, index: Path, *, allow_pickle: bool) -> CheckpointReader:
+def _open_index(
+    given: Path, index: Path, *, allow_pickle: bool, interrupted: Interrupted | None = None
+) -> CheckpointReader:
     try:
-        with open(index, "rb") as f:
-            seen = _identity(os.fstat(f.fileno()))
-            size = seen[2]
-            if size > _MAX_INDEX_BYTES:
-                raise _index_error(
-                    index,
-                    f"it is {size} bytes, more than the {_MAX_INDEX_BYTES} an index may hold (the safetensors "
-                    "header limit)",
-                    "Restore or regenerate the index file.",
-                )
-            text = f.read().decode("utf-8")
+        f = open(index, "rb")  # noqa: SIM115 - held open until the shards are checked against it
+    except OSError as exc:
+        raise CheckpointError(f"Cannot read checkpoint index '{index}': {exc.strerror or exc}.") from None
+    # While the index is open its inode cannot be reused by a later save's index, so an index
+    # with the identity of the one read is the one read.
+    with f:
+        return _open_pinned_index(given, index, f, allow_pickle=allow_pickle, interrupted=interrupted)
+
+
+def _open_pinned_index(
+    given: Path, index: Path, f: BinaryIO, *, allow_pickle: bool, interrupted: Interrupted | None
+) -> CheckpointReader:
+    try:
+        seen = _identity(os.fstat(f.fileno()))
+        size = seen[2]
+        if size > _MAX_INDEX_BYTES:
+            raise _index_error(
+                index,
+                f"it is {size} bytes, more than the {_MAX_INDEX_BYTES} an index may hold (the safetensors "
+                "header limit)",
+                "Restore or regenerate the index file.",
+            )
+        text = f.read().decode("utf-8")
         raw = json.loads(text, object_pairs_hook=unique_pairs)
     except OSError as exc:
         raise CheckpointError(f"Cannot read checkpoint index '{index}': {exc.strerror or exc}.") from None
@@ -523,8 +546,8 @@ def _open_index(given: Path, index: Path, *, allow_pickle: bool) -> CheckpointRe
         if not isinstance(name, str):
             _shard_path(index, name, key)  # raises, naming the key
         by_name.setdefault(str(Path(name)), []).append(key)  # "./a" and "a" are one shard
-    paths = {name: _shard_path(index, name, keys[0]) for name, keys in by_name.items()}
-    _check_no_orphan_shards(index, paths)
+    paths = {name: _shard_path(index, name, keys[0], interrupted) for name, keys in by_name.items()}
+    _check_no_orphan_shards(index, {name: index.parent / name for name in paths})
     pickled = sorted(n for n, p in paths.items() if p.suffix in _PICKLE_SUFFIXES)
     if pickled and not allow_pickle:
         raise _refuse_pickle(paths[pickled[0]])
@@ -536,10 +559,10 @@ def _open_index(given: Path, index: Path, *, allow_pickle: bool) -> CheckpointRe
                 files.append(shard)
                 _check_shard_against_index(index, shard, name, by_name[name])
         except CheckpointError:
-            if _changed(index, seen):
+            if _changed(index, seen, paths, interrupted):
                 raise _IndexChanged from None  # a save replaced shards under us: open again
             raise
-        if _changed(index, seen):  # the shards we hold may be from two saves: open again
+        if _changed(index, seen, paths, interrupted):  # the shards held may be from two saves
             raise _IndexChanged
     except BaseException:
         for shard in files:
@@ -548,8 +571,21 @@ def _open_index(given: Path, index: Path, *, allow_pickle: bool) -> CheckpointRe
     return CheckpointReader(given, files, index=index, index_metadata=index_metadata)
 
 
-def _changed(index: Path, seen: tuple[int, int, int, int]) -> bool:
-    """Whether ``index`` is no longer the file read (a sharded save moves it away before any shard)."""
+def _changed(
+    index: Path, seen: tuple[int, int, int, int], paths: Mapping[str, Path], interrupted: Interrupted | None
+) -> bool:
+    """Whether the shards opened may not be the ones ``index`` names: open again.
+
+    A committed index: it is no longer the file read (a sharded save moves it away before any
+    shard). The previous index of an interrupted save: a shard read under its own name has a
+    backup now (the save replaced it), or the index is gone; checked in this order, because a save
+    removes its backups only after its moved-away index (:mod:`surgery.checkpoint.commit`).
+    """
+    if interrupted is not None:
+        for name, path in paths.items():
+            own = index.parent / name
+            if path == own and interrupted.backup(own).exists():
+                return True
     try:
         return _identity(os.stat(index)) != seen
     except OSError:
@@ -594,9 +630,9 @@ def _check_shard_against_index(index: Path, shard: _File, name: str, indexed: li
         )
 
 
-def _directory_entry(directory: Path, *, allow_pickle: bool) -> Path:
-    # The same precedence as transformers: a single file wins over an index.
-    for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME):
+def _directory_entry(directory: Path, *, allow_pickle: bool) -> Path | Interrupted:
+    """The directory's entry point, or the previous checkpoint of a save that has not committed."""
+    for name in _ENTRY_POINTS:
         if (directory / name).is_file():
             return directory / name
     for name in (_PICKLE_WEIGHTS_NAME, _PICKLE_WEIGHTS_INDEX_NAME):
@@ -604,13 +640,18 @@ def _directory_entry(directory: Path, *, allow_pickle: bool) -> Path:
             if not allow_pickle:
                 raise _refuse_pickle(directory / name)
             return directory / name
+    interrupted = interrupted_save(directory, _ENTRY_POINTS)
+    if interrupted is not None:
+        return interrupted
     names = [p.name for p in directory.iterdir()]
+    if any((directory / name).is_file() for name in _ENTRY_POINTS):
+        raise _IndexChanged  # a save committed while the directory was listed: open again
     leftovers = sorted(n for n in names if LEFTOVER_NAME.fullmatch(n))
     if leftovers:
         raise CheckpointError(
-            f"Directory '{directory}' holds no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}: a save into it "
-            f"was interrupted (left: {', '.join(leftovers[:4])}), so its shards may come from two saves and "
-            "none is loaded. Save the checkpoint again (that also removes the leftovers)."
+            f"Directory '{directory}' holds no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}, only files of "
+            f"saves that did not commit (left: {', '.join(leftovers[:4])}), and none of them moved a previous "
+            "checkpoint away alone. Save the checkpoint again (that also removes these files)."
         )
     found = sorted(n for n in names if Path(n).suffix in {".safetensors", ".json"})
     raise CheckpointError(
@@ -621,6 +662,12 @@ def _directory_entry(directory: Path, *, allow_pickle: bool) -> Path:
 
 def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> CheckpointReader:
     """Open a checkpoint lazily: headers (and the index) are read and validated, no tensor data.
+
+    A directory that a save is writing into (or that a save killed midway left) opens as the
+    previous checkpoint until the save commits, and as the new one after: never a mix. Before the
+    commit the previous checkpoint is read, read-only, from the files the save moved away
+    (``.model.safetensors.index.json.<token>.old``, ``.<shard>.<token>.bak``); the rule is in
+    :mod:`surgery.checkpoint.commit`.
 
     Args:
         path: a ``.safetensors`` file, an index ``*.index.json``, or a directory holding
@@ -641,29 +688,66 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False)
         ...     rows = reader.get_slice("lm_head.weight", 0, 0, 1024)
     """
     given = Path(path)
+    directory = given if given.is_dir() else given.parent
     for attempt in range(_OPEN_ATTEMPTS):
-        try:
-            return _open(given, allow_pickle=allow_pickle)
-        except _IndexChanged:
-            pass  # a save committed while the shards were opened: open again, after a short wait
-        except CheckpointError:
-            # Opening raced a save into the directory (an entry point moved away, a shard
-            # replaced): wait for the save to commit. Otherwise the error stands.
-            directory = given if given.is_dir() else given.parent
-            if attempt + 1 == _OPEN_ATTEMPTS or not save_in_progress(directory):
-                raise
-        time.sleep(_RETRY_SECONDS)
+        with _pinned_entry_points(directory) as entry_points:
+            try:
+                return _open(given, allow_pickle=allow_pickle)
+            except _IndexChanged:
+                pass  # a save committed while the shards were opened: open again, after a short wait
+            except CheckpointError:
+                # Opening raced a save into the directory (an entry point or a shard replaced or
+                # removed while it was opened): open again. Otherwise the error stands.
+                raced = _identities(directory) != entry_points or save_in_progress(directory)
+                if attempt + 1 == _OPEN_ATTEMPTS or not raced:
+                    raise
+        time.sleep(min(_RETRY_SECONDS, 0.001 * 2**attempt))
     raise CheckpointError(
         f"'{given}' kept changing while it was opened ({_OPEN_ATTEMPTS} attempts): another process is saving "
         "into it. Open it once that save has finished."
     )
 
 
+def _identities(directory: Path) -> list[tuple[int, int, int, int] | None]:
+    """Which files the directory's entry points are now (a save replaces or moves them)."""
+    found: list[tuple[int, int, int, int] | None] = []
+    for name in _ENTRY_POINTS:
+        try:
+            found.append(_identity(os.stat(directory / name)))
+        except OSError:
+            found.append(None)
+    return found
+
+
+@contextlib.contextmanager
+def _pinned_entry_points(directory: Path) -> Iterator[list[tuple[int, int, int, int] | None]]:
+    """The entry points' identities, held open so that no later file can take their inodes."""
+    held: list[int] = []
+    found: list[tuple[int, int, int, int] | None] = []
+    try:
+        for name in _ENTRY_POINTS:
+            try:  # O_NONBLOCK: a FIFO in the way must not block
+                held.append(os.open(directory / name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)))
+                found.append(_identity(os.fstat(held[-1])))
+            except OSError:
+                found.append(None)
+        yield found
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
 def _open(given: Path, *, allow_pickle: bool) -> CheckpointReader:
     path = given
     if path.is_dir():
-        path = _directory_entry(path, allow_pickle=allow_pickle)
+        entry = _directory_entry(path, allow_pickle=allow_pickle)
+        if isinstance(entry, Interrupted):
+            return _open_interrupted(given, entry, allow_pickle=allow_pickle)
+        path = entry
     elif not path.exists():
+        interrupted = interrupted_save(path.parent, _ENTRY_POINTS)
+        if interrupted is not None and interrupted.name == path.name:
+            return _open_interrupted(given, interrupted, allow_pickle=allow_pickle)
         raise CheckpointError(f"Checkpoint '{path}' does not exist; check the path.")
     if path.name.endswith(".index.json"):
         return _open_index(given, path, allow_pickle=allow_pickle)
@@ -673,3 +757,10 @@ def _open(given: Path, *, allow_pickle: bool) -> CheckpointReader:
             "allow_pickle=True) .bin/.pt/.pth/.ckpt."
         )
     return CheckpointReader(given, [_open_file(path, allow_pickle=allow_pickle)])
+
+
+def _open_interrupted(given: Path, interrupted: Interrupted, *, allow_pickle: bool) -> CheckpointReader:
+    """The previous checkpoint of a save that moved the entry point away and has not committed."""
+    if interrupted.name.endswith(".index.json"):
+        return _open_index(given, interrupted.entry_point, allow_pickle=allow_pickle, interrupted=interrupted)
+    return CheckpointReader(given, [SafetensorsFile(interrupted.entry_point)])

@@ -5,17 +5,13 @@ mapping described by ``specs``, so at most one value is alive at once), shards t
 ``max_shard_size`` with a ``model.safetensors.index.json``, and commits atomically: every file
 goes to a temporary name in the target directory, is fsynced and renamed into place, and files
 of a previous checkpoint are removed only once the new one is complete. A failed save (an
-exception, Ctrl-C) leaves the previous checkpoint loadable.
+exception, Ctrl-C) undoes its renames and removes its temporary files before it raises.
 
-One rename is the commit point. A single file is one rename. A sharded save first moves the
-current entry point (the index, or a single ``model.safetensors``) out of the way, then renames
-the shards into place, and renames the new index last. A process killed in between (SIGKILL, OOM,
-power loss) therefore leaves a directory with no entry point, which opening reports as an
-interrupted save, never shards of two saves under one index; and a reader that opened the old
-index sees it change while it opens the shards and opens again
-(:func:`~surgery.checkpoint.open_checkpoint`). Temporary and backup files of a killed save
-carry its process id and are removed by the next save into the same directory.
-Reading lives in :mod:`surgery.checkpoint.reader`.
+The files keep the names transformers gives them; one rename is the commit point, and a save
+killed at any moment (SIGKILL, OOM) leaves the previous checkpoint or the new one: the protocol,
+and the rule by which readers find the previous checkpoint before the commit, are in
+:mod:`surgery.checkpoint.commit`. The next save puts back what a killed save moved away and
+removes its files. Reading lives in :mod:`surgery.checkpoint.reader`.
 """
 
 from __future__ import annotations
@@ -26,11 +22,8 @@ import json
 import math
 import os
 import re
-import signal
 import struct
-import threading
-import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -39,25 +32,21 @@ from typing import Any, BinaryIO
 import torch
 
 from ..errors import CheckpointError, ConfigurationError
+from .commit import commit, recover, save_token, staged_name
 from .format import DTYPE_NAMES, PACKED, tensor_memory
 
 __all__ = [
-    "LEFTOVER_NAME",
     "SAFE_WEIGHTS_INDEX_NAME",
     "SAFE_WEIGHTS_NAME",
     "SHARD_NAME",
     "check_write_arguments",
     "parse_size",
-    "save_in_progress",
     "write_checkpoint",
 ]
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-LEFTOVER_NAME = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)-[0-9a-f]{12}\.(?:tmp|bak|old)")
-"""Temporary (``.tmp``), backup (``.bak``) and moved-away (``.old``) files of a save, by process id."""
-_LEGACY_LEFTOVER = re.compile(r"\.(?P<name>.+)\.[0-9a-f]{12}\.(?:tmp|bak)")  # before process ids
 # --------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------
@@ -305,28 +294,6 @@ def _write_file(
         os.fsync(f.fileno())
 
 
-@contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
-    """Hold back Ctrl-C while files are renamed, so a commit is not cut in half."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    except (ValueError, OSError):  # not the main interpreter
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received and callable(previous):
-            previous(signal.SIGINT, None)
-        elif received and previous == signal.SIG_DFL:
-            raise KeyboardInterrupt
-
-
 def _previous_shards(directory: Path) -> set[str]:
     """Shard files of a previous save in ``directory``: only names this writer gives its shards.
 
@@ -335,118 +302,6 @@ def _previous_shards(directory: Path) -> set[str]:
     on disk, unreferenced by the new index.
     """
     return {p.name for p in directory.iterdir() if SHARD_NAME.fullmatch(p.name)}
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True  # someone else's process: leave its files alone
-    return True
-
-
-def save_in_progress(directory: Path) -> bool:
-    """Whether a live process is saving into ``directory`` (it has temporary files there)."""
-    with contextlib.suppress(OSError):
-        for p in directory.iterdir():
-            m = LEFTOVER_NAME.fullmatch(p.name)
-            if m is not None and _alive(int(m["pid"])):
-                return True
-    return False
-
-
-def _remove_leftovers(directory: Path) -> None:
-    """Delete temporary and backup files of saves whose process is gone (killed mid-save)."""
-    with contextlib.suppress(OSError):
-        for p in directory.iterdir():
-            m = LEFTOVER_NAME.fullmatch(p.name)
-            if (m is not None and not _alive(int(m["pid"]))) or _LEGACY_LEFTOVER.fullmatch(p.name):
-                with contextlib.suppress(OSError):
-                    p.unlink()
-
-
-def _fsync_directory(directory: Path) -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _commit(
-    directory: Path,
-    staged: list[tuple[Path, str]],
-    stale: list[str],
-    *,
-    token: str,
-    hide: tuple[str, ...] = (),
-) -> None:
-    """Rename staged temp files into place (the last one is the commit point), then delete ``stale``.
-
-    ``hide``: entry points of the current checkpoint to move away before any file is replaced (a
-    sharded save: the index and a single file), so that a kill in the middle leaves no entry
-    point rather than one naming a mix. Old files that are replaced are hard-linked to a backup
-    first, so an error in the middle of the renames restores the previous checkpoint exactly.
-
-    Raises:
-        CheckpointError: cleaning up after the commit failed; the message says the new
-            checkpoint is in place and which old files are left.
-    """
-    backups: list[tuple[Path, Path]] = []
-    hidden: list[tuple[Path, Path]] = []
-    created: list[Path] = []
-    with _sigint_deferred():
-        try:
-            for name in hide:
-                final = directory / name
-                if final.is_file():
-                    moved = directory / f".{name}.{token}.old"
-                    os.replace(final, moved)
-                    hidden.append((moved, final))
-            if hidden:
-                _fsync_directory(directory)  # the entry points are gone before any shard changes
-            for temp, name in staged:
-                final = directory / name
-                if final.exists():
-                    backup = directory / f".{name}.{token}.bak"
-                    try:
-                        os.link(final, backup)
-                        backups.append((backup, final))
-                    except OSError:
-                        pass  # no hard links here: the signal deferral still covers Ctrl-C
-                else:
-                    created.append(final)
-                os.replace(temp, final)
-        except BaseException:
-            for backup, final in reversed(backups):
-                os.replace(backup, final)
-            for final in created:
-                with contextlib.suppress(OSError):
-                    final.unlink()
-            for moved, final in reversed(hidden):
-                os.replace(moved, final)
-            raise
-        _fsync_directory(directory)  # committed: the new checkpoint is what the directory holds
-        left: list[str] = []
-        for path in [
-            *(directory / name for name in stale),
-            *(b for b, _ in backups),
-            *(m for m, _ in hidden),
-        ]:
-            try:
-                path.unlink(missing_ok=True)
-            except OSError as exc:
-                left.append(f"{path.name} ({exc.strerror or exc})")
-    if left:
-        raise CheckpointError(
-            f"The new checkpoint is in place in '{directory}', but old files could not be removed: "
-            f"{', '.join(left)}. They are not part of the checkpoint; delete them by hand."
-        )
 
 
 def _plan_shards(pending: list[_Pending], limit: int) -> list[list[_Pending]]:
@@ -562,8 +417,10 @@ def write_checkpoint(
     ``model.safetensors.index.json``. Every file is written to a temporary name, fsynced and
     renamed into place; files of a previous checkpoint that the new one does not use (other
     shards, a single file replaced by shards, or the reverse) are removed only once the new
-    checkpoint is complete. If anything fails (or Ctrl-C arrives) before that, the previous
-    checkpoint is left loadable and no temporary file remains.
+    checkpoint is complete. If anything fails (or Ctrl-C arrives) before that, every rename is
+    undone and every temporary and backup file removed, so the directory is as it was. A process
+    killed at any moment leaves the previous checkpoint or the new one loadable
+    (:mod:`surgery.checkpoint.commit`); the next save removes what it left.
 
     With ``specs``, ``state_dict`` may compute its values lazily (like
     :class:`~surgery.save.RevertedState`): shards, headers and the index are planned from
@@ -588,7 +445,9 @@ def write_checkpoint(
     Raises:
         CheckpointError: a bad key, tensor, spec or metadata (raised before anything is written),
             a value that does not match its spec (the previous checkpoint is then unchanged), or an
-            I/O failure.
+            I/O failure. If the failure also prevents undoing the commit (the file system refuses
+            renames), the previous checkpoint stays in the hidden ``.old``/``.bak`` files the
+            message names: it still loads, and the next save puts it back.
 
     Example:
         >>> write_checkpoint({"w": torch.ones(2)}, tmp_dir, max_shard_size="1GB")  # doctest: +SKIP
@@ -612,40 +471,40 @@ def write_checkpoint(
         names = [SAFE_WEIGHTS_NAME]
     else:
         names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    token = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    _remove_leftovers(directory)
     staged: list[tuple[Path, str]] = []
     hide: tuple[str, ...] = ()
-    try:
-        for shard, name in zip(shards, names):
-            temp = directory / f".{name}.{token}.tmp"
-            staged.append((temp, name))
-            _write_file(temp, shard, meta, None if specs is None else state_dict)
-        stale: list[str] = []
-        if not single_file:
-            old = _previous_shards(directory) - set(names)
-            if len(shards) > 1:
-                temp = directory / f".{SAFE_WEIGHTS_INDEX_NAME}.{token}.tmp"
-                staged.append((temp, SAFE_WEIGHTS_INDEX_NAME))
-                _write_index(temp, shards, names)
-                # The index is renamed last: the commit point. Until then no entry point exists
-                # (a single file would win over the index, so it is moved away too).
-                hide = (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME)
-                stale = sorted(old)
-            else:
-                stale = [SAFE_WEIGHTS_INDEX_NAME, *sorted(old)]
-        _commit(directory, staged, stale, token=token, hide=hide)
-    except BaseException as exc:
-        for temp, _ in staged:
-            with contextlib.suppress(OSError):
-                temp.unlink()
-        for created in new_directories:  # innermost first; only while empty
-            with contextlib.suppress(OSError):
-                created.rmdir()
-        if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
-            raise CheckpointError(
-                f"Saving to '{target}' failed: {exc}. The previous checkpoint there (if any) is unchanged; "
-                "fix the cause (e.g. free disk space) and save again."
-            ) from exc
-        raise
+    with save_token() as token:
+        try:
+            recover(directory, (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME))
+            for shard, name in zip(shards, names):
+                temp = directory / staged_name(name, token, "tmp")
+                staged.append((temp, name))
+                _write_file(temp, shard, meta, None if specs is None else state_dict)
+            stale: list[str] = []
+            if not single_file:
+                old = _previous_shards(directory) - set(names)
+                if len(shards) > 1:
+                    temp = directory / staged_name(SAFE_WEIGHTS_INDEX_NAME, token, "tmp")
+                    staged.append((temp, SAFE_WEIGHTS_INDEX_NAME))
+                    _write_index(temp, shards, names)
+                    # The index is renamed last: the commit point. Until then the previous entry
+                    # points are moved away (a single file would win over the index).
+                    hide = (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME)
+                    stale = sorted(old)
+                else:
+                    stale = [SAFE_WEIGHTS_INDEX_NAME, *sorted(old)]
+            commit(directory, staged, stale, token=token, hide=hide)
+        except BaseException as exc:
+            for temp, _ in staged:
+                with contextlib.suppress(OSError):
+                    temp.unlink()
+            for created in new_directories:  # innermost first; only while empty
+                with contextlib.suppress(OSError):
+                    created.rmdir()
+            if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+                raise CheckpointError(
+                    f"Saving to '{target}' failed: {exc}. The previous checkpoint there (if any) is unchanged; "
+                    "fix the cause (e.g. free disk space) and save again."
+                ) from exc
+            raise
     return [directory / name for _, name in staged]
