@@ -248,7 +248,7 @@ def test_strict_load_refuses_what_the_headers_show_before_touching_the_model(
     write_original(tmp_path, model__norm__weight=None, extra__weight=torch.ones(2))
     model = build_moe_model(CFG, seed=1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(LoadError, match="before reading any tensor") as info:
+    with pytest.raises(LoadError, match="before setting any parameter") as info:
         surgery.load_checkpoint(model, tmp_path, strict=True)
     report = info.value.report
     assert report.missing_keys == ["model.norm.weight"] and report.unexpected_keys == ["extra.weight"]

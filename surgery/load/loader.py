@@ -209,7 +209,7 @@ def plan_load(
     allow_pickle: bool = False,
     mmap: bool = True,
 ) -> LoadPlan:
-    """Plan a load without reading tensor data (headers only) and without changing ``model``.
+    """Plan a load from the headers (plus a quantizer's small scale tensors) without changing ``model``.
 
     Args:
         model: the module tree to load into (any device, ``meta`` included).
@@ -357,13 +357,13 @@ def load_checkpoint(
                 mmap=mmap,
                 quantizer=quantizer,
             )
-            if strict:  # what the headers already show fails the load before a tensor is read
+            if strict:  # what planning already shows fails the load before a parameter is set
                 early = _report(path, prep, [], [], list(prep.failures))
                 early.left_on_meta = _left_on_meta(model, _planned(prep))
                 if not early.ok:
                     early.seconds = time.perf_counter() - start
                     raise LoadError(
-                        f"strict load of {path} refused before reading any tensor (the model is "
+                        f"strict load of {path} refused before setting any parameter (the model is "
                         f"unchanged):\n{early}",
                         early,
                     )
