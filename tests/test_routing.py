@@ -737,6 +737,32 @@ def test_cached_routing_equals_uncached_routing_around_the_template_component_li
     assert_same_outcome(outcome(route_keys, keys, transforms), outcome(uncached, keys, transforms))
 
 
+def test_every_catalog_mapping_routes_a_long_key_in_time_linear_in_its_length() -> None:
+    """A key within the limits still runs every pattern: none may backtrack quadratically.
+
+    A pattern like ``([a-z_]+)\\.nothing`` takes 0.08 s / 0.32 s / 2.0 s on keys of 4 / 8 / 16 KiB
+    (about 30 s at 64 KiB); the catalog's slowest mapping takes about 0.1 s at 64 KiB.
+    """
+    import time
+
+    from surgery.registry import get_checkpoint_conversion_mapping, list_checkpoint_conversion_keys
+
+    n = 1 << 16
+    keys = ["x" * n, "0." * (n // 2) + "weight", "model.layers." + "1" * n + ".mlp", "a_" * (n // 2)]
+    distinct: dict[tuple[str, ...], tuple[str, list[WeightTransform]]] = {}
+    for name in list_checkpoint_conversion_keys():
+        mapping = get_checkpoint_conversion_mapping(name)
+        distinct.setdefault(tuple(map(repr, mapping)), (name, mapping))
+    slow = []
+    for name, mapping in distinct.values():
+        cpu = time.process_time()
+        route_keys(keys, [*legacy_renamings(), *mapping], cache=False)
+        cpu = time.process_time() - cpu
+        if cpu > 0.5:
+            slow.append(f"{name}: {cpu:.2f} s")
+    assert not slow, f"mappings whose patterns backtrack on a 64 KiB key: {slow}"
+
+
 # --------------------------------------------------------------------------- loads a file cannot stall
 
 _HOSTILE = {
