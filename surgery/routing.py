@@ -41,6 +41,7 @@ The key names come from a file, so routing is linear in their total size whateve
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -128,6 +129,9 @@ class RouteConflict:
         return f"{self.first!r} and {self.second!r} both land on {self.target_key!r}"
 
 
+_count_dots = operator.methodcaller("count", ".")
+
+
 @dataclass(frozen=True)
 class KeyLimits:
     """How large a checkpoint key may be and still go through the transforms.
@@ -157,13 +161,11 @@ class KeyLimits:
                 raise ConfigurationError(f"KeyLimits.{name} must be a positive int, got {value!r}.")
 
     @classmethod
-    def for_runtime_keys(cls, keys: Iterable[str]) -> KeyLimits:
+    def for_runtime_keys(cls, keys: Collection[str]) -> KeyLimits:
         """The default limits, raised to twice the longest and deepest of the model's own keys."""
-        length, components = cls.max_length, cls.max_components
-        for key in keys:
-            length = max(length, 2 * len(key))
-            components = max(components, 2 * (key.count(".") + 1))
-        return cls(length, components)
+        longest = max(map(len, keys), default=0)
+        deepest = max(map(_count_dots, keys), default=0) + 1
+        return cls(max(cls.max_length, 2 * longest), max(cls.max_components, 2 * deepest))
 
     def exceeded_by(self, key: str) -> bool:
         """Whether ``key`` is too long or too deep (cost: one ``len`` and one ``str.count``)."""
