@@ -25,10 +25,23 @@ components* (``layers.3.`` and ``layers.17.``, the same widths) reuse the first 
 
 ``route_keys(..., cache=False)`` routes every key exactly; the property tests check that both
 give the same :class:`Routing`.
+
+The key names come from a file, so routing is linear in their total size whatever they are:
+
+* Only keys of at most :data:`TEMPLATE_MAX_COMPONENTS` numeric components and
+  :data:`TEMPLATE_MAX_LENGTH` characters are templates; longer ones are routed exactly and never
+  probed. Learning a template routes ``2 * components`` probe keys, paid from a budget that grows
+  with the characters of every key routed exactly (plus a small allowance): however many
+  templates a file invents, probing costs at most about as much as routing its keys once.
+* When the model's runtime keys are given, a key beyond :class:`KeyLimits` (far longer, or with
+  far more components, than any key of the model) is routed only when it names a runtime key as
+  it is (or with ``base_model_prefix`` added or stripped); otherwise it goes to
+  :attr:`Routing.oversized` and to itself, unexpected, without any pattern running on it.
 """
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +54,17 @@ from .transforms import WeightTransform
 SAVE_PRIORITY = "_surgery_save_priority"
 """Attribute a save sets on its reversed converters: where two claim one runtime key, the higher wins."""
 
-__all__ = ["KeyRoute", "RouteConflict", "Routing", "TargetGroup", "route_key", "route_keys"]
+__all__ = [
+    "TEMPLATE_MAX_COMPONENTS",
+    "TEMPLATE_MAX_LENGTH",
+    "KeyLimits",
+    "KeyRoute",
+    "RouteConflict",
+    "Routing",
+    "TargetGroup",
+    "route_key",
+    "route_keys",
+]
 
 
 # --------------------------------------------------------------------------- records
@@ -106,6 +129,49 @@ class RouteConflict:
         return f"{self.first!r} and {self.second!r} both land on {self.target_key!r}"
 
 
+_count_dots = operator.methodcaller("count", ".")
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """How large a checkpoint key may be and still go through the transforms.
+
+    A key longer than ``max_length`` characters, or of more than ``max_components`` dotted
+    components, cannot come from any key of the model (the limits are far above the model's own
+    keys), so :func:`route_keys` files it as unexpected at once instead of running patterns over it.
+
+    Attributes:
+        max_length: the most characters a routed key may have.
+        max_components: the most dotted components a routed key may have.
+
+    Example:
+        >>> KeyLimits.for_runtime_keys(["model.norm.weight"])
+        KeyLimits(max_length=4096, max_components=64)
+        >>> KeyLimits.for_runtime_keys(["model.norm.weight"]).exceeded_by("a." * 64 + "weight")
+        True
+    """
+
+    max_length: int = 4096
+    max_components: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_length", "max_components"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"KeyLimits.{name} must be a positive int, got {value!r}.")
+
+    @classmethod
+    def for_runtime_keys(cls, keys: Collection[str]) -> KeyLimits:
+        """The default limits, raised to twice the longest and deepest of the model's own keys."""
+        longest = max(map(len, keys), default=0)
+        deepest = max(map(_count_dots, keys), default=0) + 1
+        return cls(max(cls.max_length, 2 * longest), max(cls.max_components, 2 * deepest))
+
+    def exceeded_by(self, key: str) -> bool:
+        """Whether ``key`` is too long or too deep (cost: one ``len`` and one ``str.count``)."""
+        return len(key) > self.max_length or key.count(".") >= self.max_components
+
+
 @dataclass
 class Routing:
     """The result of :func:`route_keys`.
@@ -115,12 +181,17 @@ class Routing:
         routes: every routed key's :class:`KeyRoute`, in the order the keys were given.
         groups: target groups by first target key, in the order their first key was routed.
         conflicts: keys refused because another key already landed there, in routing order.
+        oversized: keys beyond :attr:`limits` that name no runtime key, routed to themselves
+            (so reported unexpected) without any transform running on them, in key order.
+        limits: the :class:`KeyLimits` keys were held to (``None`` without runtime keys).
     """
 
     transforms: tuple[WeightTransform, ...]
     routes: dict[str, KeyRoute]
     groups: dict[str, TargetGroup]
     conflicts: list[RouteConflict]
+    oversized: list[str] = field(default_factory=list)
+    limits: KeyLimits | None = None
 
     def fired(self, source_keys: Iterable[str] | None = None) -> list[int]:
         """Indices of the transforms that fired on ``source_keys`` (all routed keys by default)."""
@@ -132,6 +203,19 @@ class Routing:
             if route.converter is not None:
                 seen.add(route.converter)
         return sorted(seen)
+
+    def oversized_note(self) -> str | None:
+        """A sentence for a load report about :attr:`oversized` (``None`` when there is none)."""
+        if not self.oversized or self.limits is None:
+            return None
+        first = self.oversized[0]
+        shown = first if len(first) <= 120 else f"{first[:60]}...{first[-40:]}"
+        return (
+            f"{len(self.oversized)} checkpoint key(s) longer than {self.limits.max_length} characters or "
+            f"deeper than {self.limits.max_components} components, far beyond the model's own keys, are "
+            f"reported unexpected without being routed (the first: {shown!r}, {len(first)} characters); "
+            "remove them from the checkpoint, or rename them before loading"
+        )
 
 
 # --------------------------------------------------------------------------- exact routing
@@ -217,6 +301,12 @@ def _same_recipe(a: WeightConverter, b: WeightConverter) -> bool:
 _NUMERIC = re.compile(r"\.(0|[1-9][0-9]*)(?=\.|\Z)")  # canonical: "01" stays literal text
 _MISSING = object()
 
+TEMPLATE_MAX_COMPONENTS = 16
+"""A key with more numeric components than this is routed exactly (real keys have a handful)."""
+TEMPLATE_MAX_LENGTH = 1024
+"""A key longer than this (in characters) is routed exactly (real keys have a few dozen)."""
+_PROBE_ALLOWANCE = 1 << 16  # characters of probe keys learning may route before any key paid for them
+
 
 class _Replay:
     """One template's decision, with the key's numeric components as ``str.format`` fields.
@@ -252,14 +342,20 @@ class _Replay:
 class _TemplateCache:
     """Exact decisions, shared by keys that differ only in the digits of numeric components.
 
-    Only sound for a digit-blind transform list (see the module docstring).
+    Only sound for a digit-blind transform list (see the module docstring). Learning a template
+    of ``n`` numeric components routes ``2 * n`` probe keys as long as the key; it waits (the key
+    is routed exactly) until the characters of the keys routed exactly so far, plus an allowance,
+    pay for the probes, so probing never costs much more than routing every key once.
     """
 
     def __init__(self, exact: _ExactRouter) -> None:
         self._exact = exact
         self._replays: dict[tuple[object, ...], _Replay | None] = {}
+        self._budget = _PROBE_ALLOWANCE
 
     def decide(self, key: str) -> _Decision:
+        if len(key) > TEMPLATE_MAX_LENGTH:
+            return self._exact.decide(key)
         parts = _NUMERIC.split(key)
         if len(parts) == 1:
             return self._exact.decide(key)
@@ -269,7 +365,14 @@ class _TemplateCache:
         if replay is _MISSING:
             trace: list[str] = []
             decision = self._exact.decide(key, trace)
-            self._replays[template] = _learn(self._exact, parts, decision, trace)
+            if len(values) > TEMPLATE_MAX_COMPONENTS:
+                self._replays[template] = None  # never probed: routed exactly, every time
+                return decision
+            self._budget += len(key)
+            cost = 2 * len(values) * len(key)
+            if cost <= self._budget:
+                self._budget -= cost
+                self._replays[template] = _learn(self._exact, parts, decision, trace)
             return decision
         if replay is None:
             return self._exact.decide(key)
@@ -409,6 +512,7 @@ def route_keys(
     runtime_keys: Collection[str] | None = None,
     base_model_prefix: str | None = None,
     cache: bool = True,
+    limits: KeyLimits | None = None,
 ) -> Routing:
     r"""Route checkpoint keys through ``transforms`` and group them by target.
 
@@ -422,6 +526,10 @@ def route_keys(
             again with the prefix stripped (or added), and takes that route if its targets are.
         cache: share decisions between keys of one template where that is provably exact (see
             the module docstring); ``False`` routes every key on its own (the reference).
+        limits: with ``runtime_keys``, a key beyond these limits that names no runtime key (as it
+            is, or with ``base_model_prefix`` added or stripped) goes to :attr:`Routing.oversized`,
+            routed to itself (unexpected) without any transform running on it. Default:
+            :meth:`KeyLimits.for_runtime_keys` of ``runtime_keys``. Ignored without ``runtime_keys``.
 
     Returns:
         A :class:`Routing` with one :class:`KeyRoute` per key and the target groups.
@@ -443,16 +551,29 @@ def route_keys(
     routes: dict[str, KeyRoute] = {}
     groups: dict[str, TargetGroup] = {}
     conflicts: list[RouteConflict] = []
+    oversized: list[str] = []
     keys = keys if isinstance(keys, list) else list(keys)
     bad = next((k for k in keys if not isinstance(k, str)), _MISSING)
     if bad is not _MISSING:
         raise ConfigurationError(f"Checkpoint keys must be strings, got {bad!r}; pass the tensor names.")
+    if runtime_keys is None:
+        limits = None
+    elif limits is None:
+        limits = KeyLimits.for_runtime_keys(known)
+    elif not isinstance(limits, KeyLimits):
+        raise ConfigurationError(
+            f"limits must be a KeyLimits, got {limits!r}; e.g. limits=KeyLimits(max_length=4096)."
+        )
     try:
         for key in keys:
-            d = decide(key)
             how = ""
-            if prefix and not _names_runtime_keys(d.targets, known):
-                d, how = _with_base_prefix(key, d, prefix, known, decide)
+            if limits is not None and limits.exceeded_by(key) and not _is_runtime_key(key, prefix, known):
+                d = _Decision((key,), (), None, None, ())  # no pattern runs over it: unexpected
+                oversized.append(key)
+            else:
+                d = decide(key)
+                if prefix and not _names_runtime_keys(d.targets, known):
+                    d, how = _with_base_prefix(key, d, prefix, known, decide)
             targets, renamings, converter, pattern_index, index = d
             first = targets[0]
             routes[key] = KeyRoute(key, first, renamings, converter, pattern_index, index, how)
@@ -475,7 +596,16 @@ def route_keys(
             f"Checkpoint key {shown!r} ({len(key)} characters) has an index too long to use ({exc}); "
             "expert and layer indices are small numbers. Fix or drop the key."
         ) from None
-    return Routing(router.transforms, routes, groups, conflicts)
+    return Routing(router.transforms, routes, groups, conflicts, oversized, limits)
+
+
+def _is_runtime_key(key: str, prefix: str, known: Collection[str]) -> bool:
+    """Whether ``key`` names a runtime key as it is, or with ``prefix`` added or stripped."""
+    if key in known:
+        return True
+    if not prefix:
+        return False
+    return (key[len(prefix) :] if key.startswith(prefix) else prefix + key) in known
 
 
 def _names_runtime_keys(targets: tuple[str, ...], known: Collection[str]) -> bool:

@@ -8,12 +8,14 @@ on its own) on random transform lists and keys, including patterns the cache mus
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from surgery import CheckpointError, ConfigurationError, PrefixChange, WeightConverter, WeightRenaming, ops
 from surgery.bench.route import mixtral_mapping
-from surgery.routing import KeyRoute, RouteConflict, Routing, route_key, route_keys
+from surgery.checkpoint import write_checkpoint
+from surgery.routing import KeyLimits, KeyRoute, RouteConflict, Routing, route_key, route_keys
 from surgery.transforms import WeightTransform, legacy_renamings
 
 # --------------------------------------------------------------------------- fixtures
@@ -609,3 +611,257 @@ def test_index_offset_renaming_refuses_bad_options_naming_the_fix() -> None:
         IndexOffsetRenaming(r"q\.(\d+)", "layers.q", offset=1)
     padded = IndexOffsetRenaming(r"q\.(\d+)", r"layers.\1.q", offset=1)
     assert padded.rename_source_key("q.09.w")[1] is None  # would not come back as "09"
+
+
+# --------------------------------------------------------------------------- keys a file makes hostile
+
+
+class CountingRenaming(WeightRenaming):
+    """A renaming that counts the keys matched against it and their characters (a real transform)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.calls = 0
+        self.characters = 0
+
+    def match(self, key: str):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        self.characters += len(key)
+        return super().match(key)
+
+
+def test_a_key_beyond_the_limits_that_names_no_runtime_key_is_oversized_and_no_transform_runs() -> None:
+    gamma = CountingRenaming(r"\.gamma$", ".weight")
+    deep = "model." + "0." * 100 + "gamma"  # 102 components: the default floor is 64
+    routing = route_keys([deep, "model.norm.gamma"], [gamma], runtime_keys={"model.norm.weight"})
+    assert routing.oversized == [deep]
+    assert routing.routes[deep] == KeyRoute(deep, deep)  # to itself: reported unexpected
+    assert routing.routes["model.norm.gamma"].target_key == "model.norm.weight"
+    assert gamma.calls == 1  # the other key only
+    assert routing.limits == KeyLimits(max_length=4096, max_components=64)
+
+
+def test_a_key_beyond_the_limits_that_names_a_runtime_key_is_routed_exactly() -> None:
+    long_name = "model." + "block." * 20 + "weight"
+    runtime = {long_name, "model.norm.weight"}
+    limits = KeyLimits(max_length=40, max_components=4)
+    keys = [long_name, long_name.removeprefix("model."), "x." * 30 + "weight"]
+    routing = route_keys(keys, [], runtime_keys=runtime, base_model_prefix="model", limits=limits)
+    assert routing.routes[keys[0]] == KeyRoute(keys[0], long_name)
+    assert routing.routes[keys[1]] == KeyRoute(keys[1], long_name, base_prefix="+after")
+    assert routing.oversized == [keys[2]]
+
+
+def test_keys_are_held_to_limits_only_when_the_runtime_keys_are_known() -> None:
+    deep = "a." * 100 + "gamma"
+    routing = route_keys([deep], [WeightRenaming(r"\.gamma$", ".weight")])
+    assert routing.oversized == [] and routing.limits is None
+    assert routing.routes[deep].target_key == "a." * 100 + "weight"
+
+
+def test_default_limits_stay_twice_above_the_models_own_longest_and_deepest_key() -> None:
+    assert KeyLimits.for_runtime_keys(["a.b"]) == KeyLimits()
+    deep = "m." * 99 + "weight"  # 100 components, 204 characters
+    assert KeyLimits.for_runtime_keys([deep, "x" * 3000]) == KeyLimits(max_length=6000, max_components=200)
+    routing = route_keys([deep], [], runtime_keys={deep})
+    assert routing.oversized == [] and routing.routes[deep].target_key == deep
+
+
+@pytest.mark.parametrize(
+    "value", [0, -1, 1.5, True, "64", None], ids=["zero", "negative", "float", "bool", "str", "none"]
+)
+def test_key_limits_refuse_anything_but_a_positive_int_naming_the_field(value: object) -> None:
+    with pytest.raises(ConfigurationError, match=r"KeyLimits\.max_components must be a positive int"):
+        KeyLimits(max_components=value)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="limits must be a KeyLimits"):
+        route_keys([], [], runtime_keys=set(), limits={"max_length": 1})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "model.layers." + "0." * 17 + "w1.weight",  # one numeric component more than a template holds
+        "model.layers.0." + "w" * 1100 + ".weight",  # longer than a template may be
+    ],
+    ids=["17-numeric-components", "1100-characters"],
+)
+def test_a_key_that_cannot_be_a_template_is_routed_exactly_once_and_never_probed(key: str) -> None:
+    counter = CountingRenaming(r"\.gamma$", ".weight")
+    twins = [key.replace("0", "1", 1), key.replace("0", "2", 1), key]
+    routing = route_keys(twins, [counter])
+    assert counter.calls == len(twins)
+    assert_same_routing(routing, uncached(twins, [counter]))
+
+
+def test_probing_templates_costs_at_most_about_as_much_as_routing_every_key_once() -> None:
+    """Keys a file invents, each of its own template of 16 numeric components: learning every one
+    would route 32 probe keys per key; learning is paid from the characters routed exactly."""
+    keys = [f"k{i}" + ".1" * 16 + ".w.gamma" for i in range(2000)]
+    counter = CountingRenaming(r"\.gamma$", ".weight")
+    routing = route_keys(keys, [counter])
+    total = sum(map(len, keys))
+    assert counter.characters <= 3 * total  # was 33 times
+    assert_same_routing(routing, uncached(keys, [counter]))
+
+
+def test_a_template_is_still_learned_once_and_shared_by_keys_of_many_components() -> None:
+    keys = ["m" + "".join(f".{(i * 7 + j) % 10}" for j in range(16)) + ".gamma" for i in range(200)]
+    counter = CountingRenaming(r"\.gamma$", ".weight")
+    route_keys(keys, [counter])
+    assert counter.calls <= 1 + 2 * 16  # the first key and its probes; 199 replays
+
+
+@st.composite
+def deep_key_lists(draw: st.DrawFn) -> list[str]:
+    """Keys of 12 to 20 numeric components (a template holds 16), in a few families."""
+    lists = []
+    for _ in range(draw(st.integers(1, 3))):
+        n = draw(st.integers(12, 20))
+        head = draw(st.sampled_from(["model.layers", "x.blocks", "experts"]))
+        tail = draw(st.sampled_from(["w1.weight", "gamma", "fc2.weight", "experts.3.w2.weight"]))
+        for _ in range(draw(st.integers(1, 4))):
+            digits = draw(
+                st.lists(st.sampled_from(["0", "1", "7", "10", "12", "99", "05"]), min_size=n, max_size=n)
+            )
+            lists.append(".".join([head, *digits, tail]))
+    return lists
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+@given(transforms=transform_lists(), keys=deep_key_lists())
+def test_cached_routing_equals_uncached_routing_around_the_template_component_limit(
+    transforms: list[WeightTransform], keys: list[str]
+) -> None:
+    assert_same_outcome(outcome(route_keys, keys, transforms), outcome(uncached, keys, transforms))
+
+
+def test_every_catalog_mapping_routes_a_long_key_in_time_linear_in_its_length() -> None:
+    """A key within the limits still runs every pattern: none may backtrack quadratically.
+
+    A pattern like ``([a-z_]+)\\.nothing`` takes 0.08 s / 0.32 s / 2.0 s on keys of 4 / 8 / 16 KiB
+    (about 30 s at 64 KiB); the catalog's slowest mapping takes about 0.1 s at 64 KiB.
+    """
+    import time
+
+    from surgery.registry import get_checkpoint_conversion_mapping, list_checkpoint_conversion_keys
+
+    n = 1 << 16
+    keys = ["x" * n, "0." * (n // 2) + "weight", "model.layers." + "1" * n + ".mlp", "a_" * (n // 2)]
+    distinct: dict[tuple[str, ...], tuple[str, list[WeightTransform]]] = {}
+    for name in list_checkpoint_conversion_keys():
+        mapping = get_checkpoint_conversion_mapping(name)
+        distinct.setdefault(tuple(map(repr, mapping)), (name, mapping))
+    slow = []
+    for name, mapping in distinct.values():
+        cpu = time.process_time()
+        route_keys(keys, [*legacy_renamings(), *mapping], cache=False)
+        cpu = time.process_time() - cpu
+        if cpu > 0.5:
+            slow.append(f"{name}: {cpu:.2f} s")
+    assert not slow, f"mappings whose patterns backtrack on a 64 KiB key: {slow}"
+
+
+# --------------------------------------------------------------------------- loads a file cannot stall
+
+_HOSTILE = {
+    "layers-then-100000-zeros": lambda: ["model.layers." + "0." * 100_000 + "w1.weight"],
+    "expert-then-100000-zeros": lambda: [
+        "model.layers.0.block_sparse_moe.experts.0" + ".0" * 100_000 + ".w1.weight"
+    ],
+    "a-1-MiB-expert-index": lambda: [
+        "model.layers.0.block_sparse_moe.experts." + "1" * (1 << 20) + ".w1.weight"
+    ],
+    "10000-keys-of-1000-components": lambda: [
+        f"model.layers.{i}." + "0." * 998 + "w1.weight" for i in range(10_000)
+    ],
+}
+
+
+def _load_timed(path: str, hostile: list[str], queue) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    import torch
+
+    import surgery
+    from surgery.examples.moe import build_moe_model
+
+    model = build_moe_model(seed=1)
+    surgery.get_model_conversion_mapping(model)  # the catalog's first import is not the load's cost
+    wall, cpu = time.perf_counter(), time.process_time()
+    report = surgery.load_checkpoint(model, path)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    truth = build_moe_model(seed=0).state_dict()
+    exact = all(torch.equal(v, truth[k]) for k, v in model.state_dict().items())
+    queue.put(
+        (
+            cpu,
+            wall,
+            sorted(report.unexpected_keys) == sorted(hostile),
+            exact and report.missing_keys == [] and len(report.loaded_keys) == len(truth),
+            [n for n in report.notes if "without being routed" in n],
+        )
+    )
+
+
+@pytest.mark.parametrize("case", sorted(_HOSTILE))
+def test_a_key_no_model_can_have_is_reported_unexpected_and_the_load_returns_within_2_seconds(
+    tmp_path, case: str
+) -> None:
+    """A file must not be able to stall the process that loads it.
+
+    Measured on main at 790be25, one key added to the example MoE checkpoint, load time:
+    ``model.layers.`` + ``0.`` x N + ``w1.weight`` with N = 1,000 / 2,000 / 4,000 components:
+    1.1 s / 6.8 s / 32 s; ``model.layers.0.block_sparse_moe.experts.0`` + ``.0`` x N +
+    ``.w1.weight``: 1.7 s / 5.2 s / 23 s; N = 100,000 never returned (the template cache probed
+    every numeric component, each probe joining the whole key). The load runs in a child process
+    that is killed if it has not returned after a minute; the bound is on the child's CPU time,
+    which other work on a shared machine does not inflate.
+    """
+    import multiprocessing as mp
+
+    from surgery.examples.moe import build_moe_model, original_state_dict
+
+    hostile = _HOSTILE[case]()
+    state = original_state_dict(build_moe_model(seed=0))
+    write_checkpoint({**state, **{k: torch.zeros(1) for k in hostile}}, tmp_path / "ckpt")
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_load_timed, args=(str(tmp_path / "ckpt"), hostile, queue))
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail(f"loading a checkpoint with {case} did not return within a minute")
+    cpu, wall, all_unexpected, rest_exact, notes = queue.get(timeout=5)
+    assert all_unexpected, "every hostile key, and only those, is reported unexpected"
+    assert rest_exact, "every real weight still loads exactly"
+    assert len(notes) == 1 and f"{len(hostile)} checkpoint key(s)" in notes[0]
+    assert cpu < 2.0, f"the load took {cpu:.2f} s of CPU ({wall:.2f} s wall)"
+
+
+def test_a_parameter_as_deep_as_a_hostile_key_still_loads_routed_exactly(tmp_path) -> None:
+    """Limits scale with the model: a key with 80 numeric components that names a parameter loads."""
+    from torch import nn
+
+    import surgery
+
+    class Deep(nn.Module):
+        def __init__(self, depth: int) -> None:
+            super().__init__()
+            inner: nn.Module = nn.Linear(2, 2)
+            for _ in range(depth):
+                inner = nn.Sequential(inner)
+            self.model = inner
+
+    torch.manual_seed(0)
+    source = Deep(80)
+    deeper = "model." + "0." * 200 + "weight"
+    write_checkpoint({**source.state_dict(), deeper: torch.zeros(1)}, tmp_path / "ckpt")
+    torch.manual_seed(1)
+    target = Deep(80)
+    report = surgery.load_checkpoint(target, tmp_path / "ckpt")
+    assert sorted(report.loaded_keys) == sorted(source.state_dict())
+    assert report.unexpected_keys == [deeper] and report.missing_keys == []
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in target.state_dict().items())

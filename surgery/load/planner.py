@@ -281,6 +281,9 @@ def prepare(
     if hooks is not None and hooks.decodes:
         keys, companions_of, key_errors = claim_companions(keys, reader, hooks)
     routing = route_keys(keys, transforms, runtime_keys=runtime.keys(), base_model_prefix=base_prefix)
+    oversized = routing.oversized_note()
+    if oversized is not None:
+        notes.append(oversized)
     config_for = config_lookup(model)
     plan = LoadPlan(str(path), fusions=fusions, notes=notes)
     if tp is not None:
