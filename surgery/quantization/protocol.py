@@ -265,14 +265,7 @@ class QuantizerHooks:
         return result
 
     def checks(self, key: str, info: TensorInfo) -> bool:
-        if "checks" not in self._hooks:
-            return False
-        result = self._call("checks", key, key, info)
-        if not isinstance(result, bool):
-            raise ConfigurationError(
-                f"{self.name}.checks({key!r}) returned {bounded_repr(result)}, not True or False."
-            )
-        return result
+        return self._predicate("checks", key, info)
 
     def check(self, key: str, tensor: torch.Tensor) -> None:
         """``check(key, tensor)``: raises a :class:`ConversionError` naming ``key`` if the values are unusable."""
@@ -323,14 +316,7 @@ class QuantizerHooks:
 
     # ------------------------------------------------------------------ quantized on the fly
     def quantizes(self, key: str, module: nn.Module) -> bool:
-        if "quantizes" not in self._hooks:
-            return False
-        result = self._call("quantizes", key, key, module)
-        if not isinstance(result, bool):
-            raise ConfigurationError(
-                f"{self.name}.quantizes({key!r}) returned {result!r}, not True or False."
-            )
-        return result
+        return self._predicate("quantizes", key, module)
 
     def quantize(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         return self._tensors("quantize", key, self._call("quantize", key, key, tensor))
@@ -340,6 +326,17 @@ class QuantizerHooks:
         return {
             k: _meta(t) for k, t in self.quantize(key, torch.empty(shape, dtype=dtype, device="meta")).items()
         }
+
+    def _predicate(self, hook: str, key: str, arg: Any) -> bool:
+        """An optional yes/no hook (absent: no), checked to answer a bool."""
+        if hook not in self._hooks:
+            return False
+        result = self._call(hook, key, key, arg)
+        if not isinstance(result, bool):
+            raise ConfigurationError(
+                f"{self.name}.{hook}({key!r}) returned {bounded_repr(result)}, not True or False."
+            )
+        return result
 
     def _tensors(self, hook: str, key: str, result: Any) -> dict[str, torch.Tensor]:
         if not isinstance(result, dict) or not all(
