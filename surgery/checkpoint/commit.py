@@ -9,9 +9,11 @@ commit is done) and ``.<name>.<token>.old`` (a moved-away entry point).
 
 1. *hide*: a sharded save renames the current entry points (the index, and a single
    ``model.safetensors``, which would win over any index) to ``.old``; directory fsync.
-2. Each staged file is renamed over its name; a name that exists is first hard-linked to its
-   ``.bak`` (renamed to it where the file system has no hard links).
-3. The last rename (the index, or the one file) is the commit point; directory fsync.
+2. Each staged file but the last is renamed over its name; a name that exists is first
+   hard-linked to its ``.bak`` (renamed to it where the file system has no hard links).
+3. The last rename (the index, or the one file) is the commit point, over its name with no
+   backup: one atomic rename that either leaves the previous file or commits (so a single-file
+   save never has a moment without its entry point, hard links or not); directory fsync.
 4. Clean-up: every ``.old`` first, then (only once they are gone) every ``.bak``, then the stale
    files of the previous checkpoint.
 
@@ -310,15 +312,18 @@ def commit(
                     done.hidden.append((moved, final))
             if done.hidden:
                 fsync_directory(directory)  # the entry points are gone before any shard changes
-            for temp, name in staged:
+            for i, (temp, name) in enumerate(staged):
                 final = directory / name
-                if final.exists():
+                if i == len(staged) - 1:  # the commit point: one atomic rename, nothing to undo
+                    os.replace(temp, final)
+                elif final.exists():
                     backup = directory / staged_name(name, token, "bak")
                     _keep_as_backup(final, backup)
                     done.backups.append((backup, final))
+                    os.replace(temp, final)
                 else:
                     done.created.append(final)
-                os.replace(temp, final)
+                    os.replace(temp, final)
         except BaseException as exc:
             kept = done.undo()
             if kept:
