@@ -691,14 +691,22 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False)
     directory = given if given.is_dir() else given.parent
     for attempt in range(_OPEN_ATTEMPTS):
         with _pinned_entry_points(directory) as entry_points:
+            # No committed entry point: the previous checkpoint may be read from a dead save's
+            # moved-away files, which the next save's recovery renames back while we read them.
+            staged = None if any(entry_points) else _leftover_names(directory)
             try:
                 return _open(given, allow_pickle=allow_pickle)
             except _IndexChanged:
                 pass  # a save committed while the shards were opened: open again, after a short wait
             except CheckpointError:
                 # Opening raced a save into the directory (an entry point or a shard replaced or
-                # removed while it was opened): open again. Otherwise the error stands.
-                raced = _identities(directory) != entry_points or save_in_progress(directory)
+                # removed, or a killed save's files put back, while it was opened): open again.
+                # Otherwise the error stands.
+                raced = (
+                    _identities(directory) != entry_points
+                    or save_in_progress(directory)
+                    or (staged is not None and _leftover_names(directory) != staged)
+                )
                 if attempt + 1 == _OPEN_ATTEMPTS or not raced:
                     raise
         time.sleep(min(_RETRY_SECONDS, 0.001 * 2**attempt))
@@ -706,6 +714,14 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False)
         f"'{given}' kept changing while it was opened ({_OPEN_ATTEMPTS} attempts): another process is saving "
         "into it. Open it once that save has finished."
     )
+
+
+def _leftover_names(directory: Path) -> frozenset[str]:
+    """The names of the save files (``.tmp``, ``.bak``, ``.old``) in ``directory``."""
+    try:
+        return frozenset(n for n in os.listdir(directory) if LEFTOVER_NAME.fullmatch(n))
+    except OSError:
+        return frozenset()
 
 
 def _identities(directory: Path) -> list[tuple[int, int, int, int] | None]:
