@@ -227,7 +227,9 @@ class Int8WeightOnlyLinear(nn.Module):
             )
         flat = x.reshape(-1, self.in_features)  # the kernel takes 2-D input, contiguous in its last dim
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self._decide():
+        # Compiled code takes the dequantize + matmul path: the kernel's alignment preconditions
+        # need real addresses (data_ptr), which a traced (fake) tensor does not have.
+        if self._decide() and not torch.compiler.is_compiling():
             out = self._kernel_forward(flat).to(x.dtype)
             if bias is not None:
                 out = out + bias
