@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .checkpoint import check_write_arguments, write_checkpoint
+from .checkpoint import check_write_arguments, write_checkpoint, write_file_atomically
 from .collective import Collective
 from .converter import WeightConverter, split_transforms
 from .errors import CheckpointError, ConfigurationError, ConversionError
@@ -841,9 +841,7 @@ def _carry_configs(model: nn.Module, path: Path) -> None:
             data = src.read_bytes()
         except OSError:
             continue
-        tmp = dst.with_name(f".{name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, dst)
+        write_file_atomically(dst, data)
 
 
 def _model_quantizer(model: nn.Module) -> Any:

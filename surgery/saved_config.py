@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import write_file_atomically
 from .fusion import find_fusion
 
 __all__ = [
@@ -189,7 +189,5 @@ def write_config_json(directory: Path, saved: SavedConfig) -> bool:
     new = rewrite_config(data, saved)
     if new == data:
         return False
-    tmp = cfg.with_name(f".{cfg.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(new, indent=2, sort_keys=True))
-    os.replace(tmp, cfg)
+    write_file_atomically(cfg, json.dumps(new, indent=2, sort_keys=True).encode())
     return True

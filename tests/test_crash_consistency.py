@@ -30,6 +30,7 @@ from surgery.checkpoint import (
     SAFE_WEIGHTS_NAME,
     open_checkpoint,
     write_checkpoint,
+    write_file_atomically,
 )
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -327,3 +328,25 @@ def test_a_thousand_loads_racing_a_save_loop_each_load_exactly_one_save(tmp_path
         saver.join(60)
     assert saves.value > 10  # the saver really raced the loads
     assert len(set(seen)) > 10  # and the loads saw many of its saves
+
+
+def test_a_side_file_killed_before_its_rename_leaves_a_file_the_next_save_removes(tmp_path: Path) -> None:
+    """config.json and the like are written through a token-named temporary file, like the shards."""
+    write_checkpoint(state(1.0), tmp_path, max_shard_size=SINGLE)
+    ctx = mp.get_context("fork")
+
+    def write_and_die() -> None:
+        os.replace = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        write_file_atomically(tmp_path / "config.json", b"{}")
+
+    child = ctx.Process(target=write_and_die)
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    left = leftovers(tmp_path)
+    assert len(left) == 1 and left[0].startswith(".config.json.") and left[0].endswith(".tmp")
+    assert not (tmp_path / "config.json").exists()
+    write_checkpoint(state(2.0), tmp_path, max_shard_size=SINGLE)
+    assert leftovers(tmp_path) == []
+    write_file_atomically(tmp_path / "config.json", b'{"a": 1}')
+    assert (tmp_path / "config.json").read_bytes() == b'{"a": 1}' and leftovers(tmp_path) == []

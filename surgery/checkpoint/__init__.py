@@ -13,7 +13,7 @@
   moment the directory loads as exactly the previous checkpoint or exactly the new one.
 """
 
-from .commit import LEFTOVER_NAME
+from .commit import LEFTOVER_NAME, write_file_atomically
 from .format import TensorInfo
 from .reader import CheckpointReader, open_checkpoint
 from .writer import (
@@ -36,4 +36,5 @@ __all__ = [
     "open_checkpoint",
     "parse_size",
     "write_checkpoint",
+    "write_file_atomically",
 ]

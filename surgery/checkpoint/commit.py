@@ -63,6 +63,7 @@ __all__ = [
     "save_in_progress",
     "save_token",
     "staged_name",
+    "write_file_atomically",
 ]
 
 LEFTOVER_NAME = re.compile(r"\.(?P<name>.+)\.(?P<token>(?P<pid>\d+)-[0-9a-f]{12})\.(?P<kind>tmp|bak|old)")
@@ -76,6 +77,23 @@ _active_lock = threading.Lock()
 def staged_name(name: str, token: str, kind: str) -> str:
     """The hidden name of ``name``'s temporary (``tmp``), backup (``bak``) or moved-away (``old``) file."""
     return f".{name}.{token}.{kind}"
+
+
+def write_file_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and one rename (a small side file).
+
+    The temporary file carries a save token, so a process killed before the rename leaves a file
+    the next save into the directory removes (:func:`recover`), not a stray one.
+    """
+    with save_token() as token:
+        temp = path.with_name(staged_name(path.name, token, "tmp"))
+        try:
+            temp.write_bytes(data)
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+            raise
 
 
 @contextlib.contextmanager
