@@ -31,8 +31,9 @@ The key names come from a file, so routing is linear in their total size whateve
 * Only keys of at most :data:`TEMPLATE_MAX_COMPONENTS` numeric components and
   :data:`TEMPLATE_MAX_LENGTH` characters are templates; longer ones are routed exactly and never
   probed. Learning a template routes ``2 * components`` probe keys, paid from a budget that grows
-  with the characters of every key routed exactly (plus a small allowance): however many
-  templates a file invents, probing costs at most about as much as routing its keys once.
+  with the characters of every key that missed the template cache (plus a small allowance):
+  however many templates a file invents, probing costs at most about as much as routing its
+  keys once.
 * When the model's runtime keys are given, a key beyond :class:`KeyLimits` (far longer, or with
   far more components, than any key of the model) is routed only when it names a runtime key as
   it is (or with ``base_model_prefix`` added or stripped); otherwise it goes to
@@ -344,8 +345,8 @@ class _TemplateCache:
 
     Only sound for a digit-blind transform list (see the module docstring). Learning a template
     of ``n`` numeric components routes ``2 * n`` probe keys as long as the key; it waits (the key
-    is routed exactly) until the characters of the keys routed exactly so far, plus an allowance,
-    pay for the probes, so probing never costs much more than routing every key once.
+    is routed exactly) until the characters of the keys that missed the cache so far, plus an
+    allowance, pay for the probes, so probing never costs much more than routing every key once.
     """
 
     def __init__(self, exact: _ExactRouter) -> None:
