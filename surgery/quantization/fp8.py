@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ..checkpoint import TensorInfo
 from ..errors import ConfigurationError, ConversionError
 from ..slicing import Region
-from .protocol import bounded_repr
+from .protocol import bounded_repr, first_bad_scale
 
 __all__ = ["FP8BlockQuantizer", "blockwise_dequantize", "blockwise_quantize", "expand_block_scales"]
 
@@ -345,17 +345,10 @@ class FP8BlockQuantizer:
                 f"{key!r} is {tensor.dtype}; block scales must be float32, bfloat16 or float8_e8m0fnu "
                 "(float16 flushes the small scales FP8 weights need)."
             )
-        s = tensor if tensor.dtype == torch.float32 else tensor.to(torch.float32)
         limit = torch.finfo(torch.float32).max / torch.finfo(self.weight_dtype).max
-        if s.numel() == 0:
-            return
-        lo, hi = torch.aminmax(s)  # one pass; NaN propagates and fails both comparisons
-        if float(lo) > 0 and float(hi) <= limit:
-            return
-        bad = ~((s > 0) & (s <= limit))
-        if bool(bad.any()):
-            index = tuple(int(i) for i in bad.nonzero()[0])
-            value = float(s[index])
+        bad = first_bad_scale(tensor, zero_allowed=False, limit=limit)
+        if bad is not None:
+            index, value = bad
             why = "not finite" if not math.isfinite(value) else "not positive" if value <= 0 else "too large"
             raise ConversionError(
                 f"{key!r}: the scale of block {index} is {value} ({why}); FP8 block scales are finite, positive "

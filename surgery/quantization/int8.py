@@ -31,7 +31,6 @@ decode-sized batches (memory bound); see ``docs/benchmarks.md``.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -44,7 +43,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from ..checkpoint import TensorInfo
 from ..errors import ConfigurationError, ConversionError
 from ..graph import match_modules, swap_module
-from .protocol import QUANTIZER_ATTRIBUTE, bounded_repr, config_metadata
+from .protocol import QUANTIZER_ATTRIBUTE, bounded_repr, config_metadata, first_bad_scale
 
 __all__ = [
     "KERNEL_ALIGNMENT",
@@ -431,17 +430,11 @@ class Int8WeightOnlyQuantizer:
             raise ConversionError(
                 f"{key!r} is {tensor.dtype}; int8 weight scales are floats (float32 as written by a save)."
             )
-        s = tensor if tensor.dtype == torch.float32 else tensor.to(torch.float32)
-        if s.numel() == 0:
-            return
-        lo, hi = torch.aminmax(s)  # one pass; NaN propagates and fails both comparisons
-        if float(lo) >= 0 and float(hi) < math.inf:
-            return
-        bad = ~((s >= 0) & (s < math.inf))
-        if bool(bad.any()):
-            index = tuple(int(i) for i in bad.nonzero()[0])
+        bad = first_bad_scale(tensor, zero_allowed=True, limit=torch.finfo(torch.float32).max)
+        if bad is not None:
+            index, value = bad
             raise ConversionError(
-                f"{key!r}: the scale of row {index} is {float(s[index])}; int8 per-channel scales are finite and not "
+                f"{key!r}: the scale of row {index} is {value}; int8 per-channel scales are finite and not "
                 "negative. The file is corrupt or was not written by Int8WeightOnlyQuantizer."
             )
 

@@ -65,6 +65,7 @@ __all__ = [
     "QuantizerHooks",
     "bounded_repr",
     "config_metadata",
+    "first_bad_scale",
 ]
 
 QUANTIZER_ATTRIBUTE = "_surgery_quantizer"
@@ -130,6 +131,31 @@ class QuantizedModule(Protocol):
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 3, 6, 6, 6
 _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 80, 80, 40
+
+
+def first_bad_scale(
+    scale: torch.Tensor, *, zero_allowed: bool, limit: float
+) -> tuple[tuple[int, ...], float] | None:
+    """The index and value of the first element of ``scale`` outside ``(0, limit]`` (``[0, limit]``
+    with ``zero_allowed``), or ``None``: a stored scale checked for values a file made unusable.
+
+    NaN is outside every range. One ``aminmax`` pass when every value is good; the search for the
+    first bad one only when there is one.
+
+    Example:
+        >>> first_bad_scale(torch.tensor([[1.0, 2.0], [float("nan"), 0.5]]), zero_allowed=False, limit=1e3)
+        ((1, 0), nan)
+    """
+    s = scale if scale.dtype == torch.float32 else scale.to(torch.float32)
+    if s.numel() == 0:
+        return None
+    lo, hi = torch.aminmax(s)  # NaN propagates and fails both comparisons
+    low_ok = float(lo) >= 0 if zero_allowed else float(lo) > 0
+    if low_ok and float(hi) <= limit:
+        return None
+    good = ((s >= 0) if zero_allowed else (s > 0)) & (s <= limit)
+    index = tuple(int(i) for i in (~good).nonzero()[0])
+    return index, float(s[index])
 
 
 def bounded_repr(value: object) -> str:
