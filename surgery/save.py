@@ -666,10 +666,6 @@ class RevertedState(Mapping[str, torch.Tensor]):
         """The keys of each group, in write order: what one computation produces."""
         return [g.names for g in self._groups]
 
-    def source_tensors(self) -> list[torch.Tensor]:
-        """The model tensors the values are computed from (DTensors stay DTensors)."""
-        return list(self._state.values())
-
     @property
     def encoded_keys(self) -> tuple[str, ...]:
         """The keys written re-encoded as stored at load (``quantization="as_loaded"``), companions excluded."""
@@ -797,10 +793,10 @@ def save_checkpoint(
         state = RevertedState(
             model, original_format=original_format, quantization=quantization, collective=collective
         )
-        quantizer = _model_quantizer(model)
-        if not original_format and quantizer is not None and _has_quantized(model):
-            meta.update(QuantizerHooks(quantizer).metadata())
-        described = _describe_written(model, state, original_format=original_format)  # before any I/O
+        written_quantized = _quantized_on_the_fly(model) if not original_format else None
+        if written_quantized is not None:
+            meta.update(written_quantized.metadata())
+        described = _describe_written(model, state, written_quantized, original_format=original_format)
     collective.agree()
     if collective.rank != 0:
         with collective.step():  # the groups rank 0's writes compute, in its order, for the gathers
@@ -811,7 +807,8 @@ def save_checkpoint(
     with collective.step():
         files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
         _carry_configs(model, Path(path))
-        _update_config_json(Path(path), described)
+        target = Path(path)
+        write_config_json(target if target.is_dir() else target.parent, described)
     collective.agree()
     return files
 
@@ -852,12 +849,21 @@ def _model_quantizer(model: nn.Module) -> Any:
     return model.__dict__.get(QUANTIZER_ATTRIBUTE)
 
 
-def _has_quantized(model: nn.Module) -> bool:
-    return any(getattr(m, "quantized_names", None) is not None for m in model.modules())
+def _quantized_on_the_fly(model: nn.Module) -> QuantizerHooks | None:
+    """The hooks of the quantizer whose modules the model holds (a runtime-layout save writes their codes)."""
+    quantizer = _model_quantizer(model)
+    if quantizer is None or not any(getattr(m, "quantized_names", None) is not None for m in model.modules()):
+        return None
+    return QuantizerHooks(quantizer)
 
 
-def _describe_written(model: nn.Module, state: RevertedState, *, original_format: bool) -> SavedConfig:
-    """What the ``config.json`` of this save must say: the fusions and the quantization written."""
+def _describe_written(
+    model: nn.Module, state: RevertedState, written_quantized: QuantizerHooks | None, *, original_format: bool
+) -> SavedConfig:
+    """What the ``config.json`` of this save must say: the fusions and the quantization written.
+
+    ``written_quantized``: the quantizer whose codes a runtime-layout save writes (``None``: none).
+    """
     fusions = None if original_format else fusion_config_of(model)
     record = load_record(model)
     encoded = set(state.encoded_keys)
@@ -880,17 +886,10 @@ def _describe_written(model: nn.Module, state: RevertedState, *, original_format
             unquantized_modules=unquantized,
             original_format=original_format,
         )
-    quantizer = _model_quantizer(model)
-    if not original_format and quantizer is not None and _has_quantized(model):  # int8 codes and scales
-        hooks = QuantizerHooks(quantizer)
+    if written_quantized is not None:  # int8 codes and scales
         return saved_config(
             fusions=fusions,
-            quantization=hooks.quantization_config(),
-            quantization_loads_in_transformers=hooks.loads_in_transformers,
+            quantization=written_quantized.quantization_config(),
+            quantization_loads_in_transformers=written_quantized.loads_in_transformers,
         )
     return saved_config(fusions=fusions)  # floats only
-
-
-def _update_config_json(path: Path, described: SavedConfig) -> None:
-    """Make ``config.json`` (where the checkpoint has one) describe the tensors this save wrote."""
-    write_config_json(path if path.is_dir() else path.parent, described)
