@@ -155,6 +155,23 @@ def _fresh_scales(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool) ->
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 
+def _is_block_size(block: object) -> bool:
+    """Two positive ints up to :data:`_MAX_BLOCK` (rows, columns), as a list or a tuple."""
+    return (
+        isinstance(block, (list, tuple))
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= _MAX_BLOCK for b in block)
+    )
+
+
+def _check_scale_dtype(key: str, dtype: torch.dtype) -> None:
+    if dtype not in _SCALE_DTYPES:
+        raise ConversionError(
+            f"{key!r} is {dtype}; block scales must be float32, bfloat16 or float8_e8m0fnu "
+            "(float16 flushes the small scales FP8 weights need)."
+        )
+
+
 def _fitting_block(shape: tuple[int, ...], scale: tuple[int, ...]) -> tuple[int, int] | None:
     """The smallest block size for which a ``shape`` weight has ``scale``-shaped scales, if one does."""
     if scale[:-2] != shape[:-2]:
@@ -193,10 +210,7 @@ class FP8BlockQuantizer:
         scale_suffix: str = "_scale_inv",
         power_of_two: bool | None = None,
     ) -> None:
-        block = tuple(block_size) if isinstance(block_size, (list, tuple)) else ()
-        if len(block) != 2 or not all(
-            isinstance(b, int) and not isinstance(b, bool) and 0 < b <= _MAX_BLOCK for b in block
-        ):
+        if not _is_block_size(block_size):
             raise ConfigurationError(
                 f"block_size={bounded_repr(block_size)}: give two positive ints (rows, columns) up to 2**31, "
                 "e.g. (128, 128)."
@@ -207,7 +221,7 @@ class FP8BlockQuantizer:
             )
         if not isinstance(scale_suffix, str) or not scale_suffix:
             raise ConfigurationError("scale_suffix must be a non-empty string such as '_scale_inv'.")
-        self.block_size: tuple[int, int] = (block[0], block[1])
+        self.block_size: tuple[int, int] = (block_size[0], block_size[1])
         self.weight_dtype = _FORMATS[weight_format]
         self.scale_suffix = scale_suffix
         self.power_of_two = power_of_two
@@ -261,11 +275,7 @@ class FP8BlockQuantizer:
                 f"{where}.weight_block_size is missing or null (per-tensor FP8); FP8BlockQuantizer decodes "
                 "block-wise scales only."
             )
-        if not (
-            isinstance(block, (list, tuple))
-            and len(block) == 2
-            and all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= _MAX_BLOCK for b in block)
-        ):
+        if not _is_block_size(block):
             raise ConfigurationError(
                 f"{field('weight_block_size')}; give two positive ints (rows, columns) up to 2**31, e.g. [128, 128]."
             )
@@ -340,11 +350,7 @@ class FP8BlockQuantizer:
         Raises:
             ConversionError: naming ``key``, the first bad block and its value.
         """
-        if tensor.dtype not in _SCALE_DTYPES:
-            raise ConversionError(
-                f"{key!r} is {tensor.dtype}; block scales must be float32, bfloat16 or float8_e8m0fnu "
-                "(float16 flushes the small scales FP8 weights need)."
-            )
+        _check_scale_dtype(key, tensor.dtype)
         limit = torch.finfo(torch.float32).max / torch.finfo(self.weight_dtype).max
         bad = first_bad_scale(tensor, zero_allowed=False, limit=limit)
         if bad is not None:
@@ -361,11 +367,7 @@ class FP8BlockQuantizer:
         scale = companions.get(name)
         if scale is None:
             raise ConversionError(f"{key!r}: its block scales {name!r} are missing from the checkpoint.")
-        if scale.dtype not in _SCALE_DTYPES:
-            raise ConversionError(
-                f"{name!r} is {scale.dtype}; block scales must be float32, bfloat16 or float8_e8m0fnu "
-                "(float16 flushes the small scales FP8 weights need)."
-            )
+        _check_scale_dtype(name, scale.dtype)
         return scale
 
     def _check(self, key: str, shape: tuple[int, ...], scale: torch.Tensor, region: Region | None) -> None:
