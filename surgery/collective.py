@@ -109,11 +109,6 @@ class Collective:
         return cls(None, what=what)
 
     @property
-    def distributed(self) -> bool:
-        """Whether more than one rank takes part."""
-        return self._group is not None
-
-    @property
     def rank(self) -> int:
         """This process's rank in the group (0 for one process)."""
         if self._group is None:
