@@ -278,6 +278,13 @@ def _differences(families: tuple[ModuleType, ...]) -> str:
             rows.append(
                 f"| {_code(key)} | registered as {_code(theirs)} | registered by class | `{fam.__name__}` |"
             )
+        for key, renamed in getattr(fam, "RENAMED_PREFIXES", {}).items():
+            for theirs, ours in renamed.items():
+                rows.append(
+                    f"| {_code(key)} | `PrefixChange(prefix_to_remove={theirs!r})` | "
+                    f"{_code(theirs + '.')} → {_code(ours + '.')} (the hub's name of the base model) | "
+                    f"`{fam.__name__}` |"
+                )
         for key, patterns in getattr(fam, "OMITTED", {}).items():
             for p in patterns:
                 rows.append(f"| {_code(key)} | converter from {_code(p)} | left out | `{fam.__name__}` |")

@@ -2,7 +2,9 @@ r"""Encoders and embedding models: BERT-like (GTE, Jina v3, Nomic, Ultrabert), A
 
 * GTE, Jina embeddings v3, Nomic BERT: ``encoder.layer(s)`` → ``layers``, fused ``Wqkv`` /
   ``qkv_proj`` chunked into q/k/v, fused ``up_gate_proj`` chunked (up first) or ``fc11``/``fc12``
-  renamed, post-attention/post-MLP norms renamed; GTE's hub files carry a ``new.`` prefix.
+  renamed, post-attention/post-MLP norms renamed. GTE's hub files name the base model ``new``
+  (``new.*`` beside the head's ``lm_head.*``): renamed to ``gte.``, where transformers strips it
+  (``RENAMED_PREFIXES``: stripped, its inverse wrote ``new.gte.*``, a layout no file has).
 * Ultrabert: ``ultrabert.`` → ``model.`` in the heads, ``cls.`` → ``head.decoder.``; the base
   model drops ``ultrabert.`` (inside a head that ``PrefixChange`` is not inverted on save unless
   it fired: the head's renaming already places the keys).
@@ -16,7 +18,7 @@ from __future__ import annotations
 from surgery import PrefixChange, WeightConverter, WeightRenaming, ops
 from surgery.transforms import WeightTransform
 
-__all__ = ["ALIASES", "ENTRIES"]
+__all__ = ["ALIASES", "ENTRIES", "RENAMED_PREFIXES"]
 
 ENTRIES: dict[str, list[WeightTransform]] = {
     "altclip": [
@@ -43,7 +45,15 @@ ENTRIES: dict[str, list[WeightTransform]] = {
         ),
     ],
     "gte": [
-        PrefixChange(prefix_to_remove="new"),
+        # transformers lists ``PrefixChange(prefix_to_remove="new")``: inverted, that adds ``new.`` to
+        # every key of the head model (``new.gte.embeddings.*``, ``new.lm_head.*``), a layout no file
+        # has. The hub files were written by the remote-code ``NewModel`` family, whose head models
+        # hold the base model as ``self.new`` and the head beside it (``NewForMaskedLM``:
+        # ``new.embeddings.*``, ``new.encoder.layer.*``, ``lm_head.*``; its tied-weights table names
+        # ``new.embeddings.word_embeddings.weight``), and whose base model is saved bare. So ``new``
+        # is the hub's name of the base model ``gte``: renamed, not stripped. A bare ``GteModel`` reads
+        # ``new.*`` files through the base-model prefix (``gte.`` added, then stripped).
+        WeightRenaming(r"^new\.", "gte."),
         WeightRenaming(r"encoder\.layer", "layers"),
         WeightRenaming(r"attention\.o_proj", "self_attn.o_proj"),
         WeightRenaming("attn_ln", "post_attention_layernorm"),
@@ -104,3 +114,9 @@ ENTRIES: dict[str, list[WeightTransform]] = {
 }
 
 ALIASES: dict[str, str] = {}
+
+RENAMED_PREFIXES: dict[str, dict[str, str]] = {
+    # key -> {prefix transformers' PrefixChange strips: the base-model prefix it is renamed to here}
+    "gte": {"new": "gte"},
+}
+"""Where transformers strips a prefix that is the hub's name of the base model, and surgery renames it."""

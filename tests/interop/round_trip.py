@@ -19,9 +19,18 @@ from safetensors.torch import load_file
 from tiny import Candidate, build
 
 from surgery.load.loader import load_checkpoint
+from surgery.resolution import get_model_conversion_mapping as get_surgery_mapping
 from surgery.save import save_checkpoint
 
-__all__ = ["NotBuilt", "NotSelfRoundTripped", "Outcome", "SurgeryMismatch", "round_trip"]
+__all__ = [
+    "NoSuchLayout",
+    "NotBuilt",
+    "NotSelfRoundTripped",
+    "Outcome",
+    "SurgeryMismatch",
+    "impossible_keys",
+    "round_trip",
+]
 
 
 class Outcome(Exception):
@@ -38,6 +47,33 @@ class NotSelfRoundTripped(Outcome):
 
 class SurgeryMismatch(Outcome):
     """surgery's load or save differs from transformers'."""
+
+
+class NoSuchLayout(Outcome):
+    """transformers writes keys no layout of the family has, and the test records no hub layout for it."""
+
+
+def impossible_keys(keys: Any, model: Any) -> list[str]:
+    """The keys that no checkpoint of the family holds: the same name twice at the front.
+
+    ``thinker.thinker.``, ``text_encoder.text_encoder.``, ``ultrabert.ultrabert.``: a reversed prefix
+    change that fired inside the scope already holding its prefix (transformers 5.23 writes those),
+    unless the family's own mapping reads that doubled name (TIPSv2-DPT's hub files hold
+    ``depth_head.depth_head.``). A prefix put around another family's base model (GTE's
+    ``new.gte.``) cannot be told from a real wrapper by its shape (a Qwen-Omni thinker's
+    ``thinker.model.`` is the hub layout): those are established per family, with evidence, in
+    ``HUB_LAYOUT``.
+    """
+    read_by_mapping = " ".join(
+        p.replace("\\", "") for t in get_surgery_mapping(model) for p in t.source_patterns
+    )
+    return sorted(
+        k
+        for k in keys
+        if len(parts := k.split(".")) > 2
+        and parts[0] == parts[1]
+        and f"{parts[0]}.{parts[1]}." not in read_by_mapping
+    )
 
 
 def read(directory: Path) -> dict[str, torch.Tensor]:
@@ -103,8 +139,14 @@ def round_trip(
             model.save_pretrained(root / "original")
         except Exception as e:
             raise NotSelfRoundTripped(f"save_pretrained fails: {type(e).__name__}: {e}") from e
+        written = read(root / "original")
         if hub_layout is not None:
             _rewrite(root / "original", hub_layout)
+        elif bad := impossible_keys(written, model):
+            raise NoSuchLayout(
+                f"transformers writes {len(bad)} keys no checkpoint of the family holds ({bad[:3]}): "
+                "establish the hub layout and record it (HUB_LAYOUT), or save transformers' layout"
+            )
         want = _state(model)
         try:
             reference, info = cls.from_pretrained(root / "original", output_loading_info=True)
@@ -133,7 +175,12 @@ def round_trip(
     if (diff := differences(_state(fresh), want)) is not None:
         raise SurgeryMismatch(f"load differs from what the file holds: {diff}")
     save_checkpoint(fresh, root / "saved")
-    if (diff := differences(read(root / "saved"), original)) is not None:
+    saved = read(root / "saved")
+    if bad := impossible_keys(saved, fresh):
+        raise SurgeryMismatch(f"save writes {len(bad)} keys no checkpoint of the family holds: {bad[:3]}")
+    # Bit for bit the file transformers' from_pretrained was checked on above (note None: it gives
+    # the writing model back exactly), so transformers reloads surgery's save exactly as well.
+    if (diff := differences(saved, original)) is not None:
         raise SurgeryMismatch(f"save differs from the original file: {diff}")
     if check_never_loaded and note is None:
         # The model that wrote the file was never loaded through surgery: saving it in original

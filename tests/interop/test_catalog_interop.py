@@ -841,6 +841,9 @@ def _signature(kind: str, sources: Any, targets: Any, ops: Any) -> tuple[Any, ..
 OMITTED: dict[str, list[str]] = {
     key: srcs for fam in FAMILIES for key, srcs in getattr(fam, "OMITTED", {}).items()
 }
+RENAMED_PREFIXES: dict[str, dict[str, str]] = {
+    key: renamed for fam in FAMILIES for key, renamed in getattr(fam, "RENAMED_PREFIXES", {}).items()
+}
 REKEYED: dict[str, str] = {
     key: theirs for fam in FAMILIES for key, theirs in getattr(fam, "REKEYED", {}).items()
 }
@@ -856,6 +859,14 @@ def _theirs(key: str) -> list[tuple[Any, ...]]:
     omitted = OMITTED.get(key, [])
     for t in build()[REKEYED.get(key, key)]:
         if any(p in omitted for p in getattr(t, "_original_source_patterns", ())):
+            continue
+        renamed = RENAMED_PREFIXES.get(key, {})
+        if type(t).__name__ == "PrefixChange" and not t.model_prefix and t.prefix_to_remove in renamed:
+            # The hub's name of the base model: renamed to ours, not stripped (the family module says why).
+            prefix = t.prefix_to_remove
+            out.append(
+                _signature("WeightRenaming", [f"^{escape_dots(prefix)}\\."], [f"{renamed[prefix]}."], [])
+            )
             continue
         if type(t).__name__ == "PrefixChange":  # compare by what it adds/removes, not its generated regex
             out.append(("PrefixChange", t.prefix_to_add, t.prefix_to_remove, t.model_prefix or None))

@@ -116,6 +116,13 @@ _DOTS3_NOTE = _renames(  # the adapter sits in the audio encoder in the hub file
     (r"^model\.lm_head\.", "lm_head."),
 )
 
+_GTE = (
+    _renames(  # transformers adds new. to every key; the hub has it on the base model only (specs.encoders)
+        (r"^new\.gte\.", "new."),
+        (r"^new\.", ""),
+    )
+)
+
 HUB_LAYOUT: dict[str, Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]] = {
     # transformers 5.23 writes these families' files in a layout no hub checkpoint has (its reverse
     # renamings also fire inside other names, or add a base prefix twice): the file is put back into
@@ -136,6 +143,7 @@ HUB_LAYOUT: dict[str, Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor
     "Tipsv2DptForSemanticSegmentation": _TIPSV2_DPT,
     "Dots3NoteForConditionalGeneration": _DOTS3_NOTE,
     "qwen3_vl_moe": _transposed_experts,
+    "gte": _GTE,
     "tipsv2": _DOUBLED,
     "altclip": _DOUBLED,
     "UltraVBertForMaskedLM": _DOUBLED,
