@@ -226,6 +226,7 @@ def render() -> str:
     )
     lines.append("")
     lines.append(_offline_exceptions())
+    lines.append(_hub_layouts())
     lines.append(_differences(families))
     lines.append("## Modules\n")
     lines.append("| module | entries | aliases |\n| --- | --- | --- |")
@@ -242,6 +243,29 @@ def render() -> str:
         lines.append(_docstring(fam))
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _hub_layouts() -> str:
+    """Where surgery saves the hub layout and transformers writes another (``HUB_EVIDENCE``)."""
+    from test_every_family_interop import HUB_EVIDENCE  # importable: _measure put tests/interop on the path
+
+    rows = [
+        f"| {', '.join(_code(k) for k in keys)} | {why.replace('|', '/')} |"
+        for keys, why in HUB_EVIDENCE.items()
+    ]
+    return (
+        "## The layout a save writes\n\n"
+        "A save in original format writes the family's hub layout, however the weights arrived. Where "
+        "transformers' own save writes another (its reversed prefix changes fire twice or wrap the base "
+        "model), the test rewrites transformers' file into the hub layout (`HUB_LAYOUT`) before anything "
+        "loads it, and surgery must save exactly that; the evidence for each layout is below "
+        "(`HUB_EVIDENCE`). Where the hub layout cannot be established, surgery saves transformers' layout "
+        "and the row says NOT ESTABLISHED. Every saved file is refused if it holds the same name twice at "
+        "the front (`thinker.thinker.`) unless the family's mapping reads that name, and transformers "
+        "(5.23 and the newest release in range) reloads every saved file exactly: the save is bit for bit "
+        "the file its `from_pretrained` was checked on.\n\n"
+        "| families | what surgery saves, and the evidence |\n| --- | --- |\n" + "\n".join(rows) + "\n"
+    )
 
 
 def _offline_exceptions() -> str:

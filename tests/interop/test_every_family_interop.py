@@ -149,6 +149,88 @@ HUB_LAYOUT: dict[str, Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor
     "UltraVBertForMaskedLM": _DOUBLED,
 }
 
+HUB_EVIDENCE: dict[tuple[str, ...], str] = {
+    # families -> the layout surgery saves where transformers' write differs, and why it is the hub's.
+    ("gte",): (
+        "`new.*` (the base model) beside `lm_head.*`; a bare `GteModel` saves bare keys. transformers "
+        "writes `new.gte.*` and `new.lm_head.*`. Evidence: its own mapping strips `new.` (the hub's name "
+        "of the base model), and the remote-code `NewForMaskedLM` that wrote the hub files "
+        "(gte-multilingual-mlm-base, loaded by transformers' GTE integration test) holds `self.new` and "
+        "`self.lm_head`, its tied-weights table naming `new.embeddings.word_embeddings.weight`"
+    ),
+    ("ViTMAEForPreTraining",): (
+        "`decoder.decoder_layers.N.attention.attention.query.*`; transformers writes "
+        "`decoder.decoder_encoder.layer.N.*` (the ViT `encoder.layer` renaming reversed inside the "
+        "decoder). Evidence: the decoder's module is `decoder_layers` in the class that wrote the hub "
+        "files, and transformers' docs quote a VideoMAE hub checkpoint (same decoder) reporting "
+        "`decoder.decoder_layers.1.attention.output.dense.bias` (docs/source/ko/tasks/video_classification.md)"
+    ),
+    (
+        "UltrabertForMaskedLM",
+        "UltrabertForSequenceClassification",
+        "UltrabertForTokenClassification",
+        "UltrabertForQuestionAnswering",
+    ): (
+        "`ultrabert.*` with the head at the root (`cls.*`, `classifier.*`); transformers writes "
+        "`ultrabert.ultrabert.*`, `ultrabert.head.decoder.*`, `ultrabert.classifier.*`. Evidence: the heads' own mappings read "
+        "`^ultrabert.` and `^cls.` (the BERT layout: base model and head side by side)"
+    ),
+    ("UltraVBertForMaskedLM",): (
+        "`model.vision_model.*` (transformers writes it twice: `model.vision_model.vision_model.*`; the "
+        "class keeps `vision_model.head.` among the hub keys it ignores). NOT ESTABLISHED: the text "
+        "tower's `model.text_model.ultrabert.*` (Ultrabert's `ultrabert.` put back inside the tower): no "
+        "hub key list of UltraVBERT is quoted in transformers, so surgery saves transformers' layout there"
+    ),
+    (
+        "Qwen2_5OmniThinkerForConditionalGeneration",
+        "Qwen3OmniMoeThinkerForConditionalGeneration",
+        "qwen2_5_omni_thinker",
+        "qwen3_omni_moe_thinker",
+        "qwen3_omni_moe",
+    ): (
+        "`thinker.model.*`, `thinker.lm_head.*`, `thinker.audio_tower.*`, `thinker.visual.*`; transformers "
+        "writes `thinker.model.thinker.language_model.*` / `thinker.thinker.*`. Evidence: the thinker "
+        "mapping strips `thinker.` and moves `model.` under `language_model`, i.e. it reads the omni "
+        "checkpoint's `thinker.model.*` (the v4 module tree of `Qwen2_5OmniForConditionalGeneration.thinker`)"
+    ),
+    (
+        "tipsv2",
+        "tipsv2_dpt",
+        "Tipsv2DptForDepthEstimation",
+        "Tipsv2DptForNormalEstimation",
+        "Tipsv2DptForSemanticSegmentation",
+    ): (
+        "`text_encoder.*` / `vision_encoder.*` once, DPT heads at the root (`depth_head.*`); transformers "
+        "writes `text_encoder.text_encoder.*`, `vision_encoder.vision_encoder.*`, `vision_encoder.depth_head.*`. "
+        "Evidence: the tower mappings read the original TIPS names under one prefix (`transformer.resblocks`, "
+        "`ln_final`, `patch_embed.proj`, `pos_embed`), the DPT mappings read `depth_head.depth_head.` at the root"
+    ),
+    ("Dots3NoteForConditionalGeneration",): (
+        "`model.*` (text decoder), `lm_head.*`, `vision_encoder.*`, `audio_encoder.*` (adapter at "
+        "`audio_encoder.audio_adapter.*`); transformers writes `model.model.*` and `model.lm_head.*`. "
+        "Evidence: the class mapping reads `^audio_encoder.audio_adapter.` and `^(vision_encoder|audio_encoder)` at the root"
+    ),
+    ("altclip",): (
+        "`vision_model.*` once; transformers writes `vision_model.vision_model.*` (a doubled name is in "
+        "no module tree that wrote hub files)"
+    ),
+    ("qwen3_vl_moe",): (
+        "fused experts as `[E, H, 2I]` / `[E, I, H]`; transformers 5.23 writes the runtime `[E, 2I, H]` "
+        "(its shape-checked transpose never fires on save)"
+    ),
+    ("hyperclovax_vision_v2",): (
+        "the same as transformers: `model.language_model.model.*`, `model.language_model.lm_head.*`, "
+        "`model.vision_projector.*`. Evidence: the mapping reads exactly these (`^model.language_model.lm_head`, "
+        "`^model.vision_projector`, `model.` removed under `model.language_model`)"
+    ),
+    ("lfm3_vl_vision",): (
+        "the same as transformers: `patchifier`, `q_layernorm` / `k_layernorm`. Evidence: the mapping reads "
+        "them, the LFM attention's own names (`q_layernorm`, `k_layernorm` beside `out_proj`)"
+    ),
+}
+"""Where surgery's save is the hub layout and transformers writes another, with the evidence
+(docs/catalog.md renders this table); the last two are checked and equal transformers' write."""
+
 NEVER_LOADED_SAVES_OTHERWISE: dict[str, str] = {
     # catalog key -> why saving the model that wrote the file, never loaded, gives another file.
     "nemo_speechlm": (
@@ -229,6 +311,11 @@ def test_family_loads_and_saves_exactly(case: Candidate, tmp_path: Path) -> None
         assert note is None, note
 
 
+def test_every_recorded_hub_layout_has_its_evidence() -> None:
+    documented = {k for keys in HUB_EVIDENCE for k in keys}
+    assert set(HUB_LAYOUT) <= documented, sorted(set(HUB_LAYOUT) - documented)
+
+
 def test_lists_name_catalog_keys() -> None:
     keys = set(_catalog_keys())
     for listed in (
@@ -237,5 +324,6 @@ def test_lists_name_catalog_keys() -> None:
         UNRELIABLE_SAVE,
         HUB_LAYOUT,
         NEVER_LOADED_SAVES_OTHERWISE,
+        {k: "" for group in HUB_EVIDENCE for k in group},
     ):
         assert set(listed) <= keys, set(listed) - keys
