@@ -30,6 +30,7 @@ from specs import (
     dinov2,
     encoders,
     ernie4_5_vl_moe,
+    inkling2,
     llava,
     mixtral,
     qwen2_moe,
@@ -40,6 +41,7 @@ from specs import (
     vit,
     vit_heads,
 )
+from specs.releases import PINNED
 from surgery import ConversionError, WeightConverter
 from surgery.ops import OpContext, Slot
 from surgery.registry import (
@@ -71,6 +73,7 @@ FAMILIES = (
     dense_vision,
     vit_heads,
     encoders,
+    inkling2,
 )
 CATALOG_MODULES = ("transformers", "surgery.examples")
 
@@ -82,7 +85,7 @@ def catalog() -> Iterator[None]:
         with registering_catalog("builtin"):
             register_catalog_modules(*CATALOG_MODULES)
             for family in FAMILIES:
-                register_family(family)
+                register_family(family, release=PINNED)  # the release the layouts were recorded under
         yield
 
 
