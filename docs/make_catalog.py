@@ -319,6 +319,8 @@ def _offline_exceptions() -> str:
     for key, why in reasons.items():
         kind = "runtime-layout file is routed" if key in tests.RUNTIME_LAYOUT_ROUTED else "no recorded layout"
         rows.append(f"| {_code(key)} | {kind}: {why.replace('|', '/')} |")
+    for key, why in tests.PADDING_ZEROED.items():
+        rows.append(f"| {_code(key)} | exact for zero padding rows only: {why.replace('|', '/')} |")
     return "\n".join(rows) + "\n"
 
 
@@ -342,6 +344,22 @@ def _differences(families: tuple[ModuleType, ...]) -> str:
         for key, patterns in getattr(fam, "OMITTED", {}).items():
             for p in patterns:
                 rows.append(f"| {_code(key)} | converter from {_code(p)} | left out | `{fam.__name__}` |")
+        for key, patterns in getattr(fam, "QUANTIZED_COMPANIONS", {}).items():
+            for p in patterns:
+                rows.append(
+                    f"| {_code(key)} | converter source {_code(p)} | left to a quantizer (issue 29): reported "
+                    f"unexpected | `{fam.__name__}` |"
+                )
+        for key, release in getattr(fam, "EXTENDED", {}).items():
+            rows.append(
+                f"| {_code(key)} | the list of each release | the {release} list, for every release (it only "
+                f"adds renamings) | `{fam.__name__}` |"
+            )
+        for key, before in getattr(fam, "BEFORE", {}).items():
+            rows.append(
+                f"| {_code(key)} | one list per release | the installed release's list (before {before.release}: "
+                f"`BEFORE`) | `{fam.__name__}` |"
+            )
     head = (
         "## Where the catalog deliberately differs from transformers\n\n"
         "transformers' loader falls back to the original key when a renamed key names no parameter, which "

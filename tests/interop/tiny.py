@@ -768,6 +768,13 @@ def build(candidate: Candidate, *, seed: int = 0) -> Any:
 
     cls = getattr(transformers, candidate.class_name)
     config_class = cls.config_class if cls.config_class is not None else CONFIG_MAPPING[candidate.model_type]
+    if (
+        getattr(config_class, "model_type", None) != candidate.model_type
+        and candidate.model_type in CONFIG_MAPPING
+    ):
+        # A model type served by another family's classes (exaone by Llama's, sarvam_moe by
+        # GLM-4-MoE's): its own config, so that the model carries its model_type and mapping.
+        config_class = CONFIG_MAPPING[candidate.model_type]
     config = tiny_config(config_class, **OVERRIDES.get(candidate.model_type, {}))
     with torch.device("meta"):
         probe = cls(config)
