@@ -203,7 +203,34 @@ def _catalog_keys() -> list[str]:
 CASES: list[Candidate] = [c for key in _catalog_keys() for c in candidates(key)]
 UNBUILDABLE_KEYS = sorted(set(_catalog_keys()) - {c.key for c in CASES})
 
+ADDED_IN_5_24: tuple[str, ...] = (
+    "LlavaOnevision15ForConditionalGeneration",
+    "LlavaOnevision15Model",
+    "apertus1p5_text",
+    "dory",
+    "ergo",
+    "exaone",
+    "hy_v4_vl",
+    "hy_v4_vl_text",
+    "inkling2_loop",
+    "inkling2_loop_text",
+    "kolibri1_1",
+    "lara_mini",
+    "llava_onevision1_5_vision",
+    "minicpm5_moe",
+    "ovis2_5",
+    "param2moe",
+    "pi05",
+    "sarvam_mla",
+    "sarvam_moe",
+)
+"""Catalog keys of the classes and model types transformers 5.24 and 5.25 added."""
+
 NO_CLASS: dict[str, str] = {
+    **dict.fromkeys(
+        ADDED_IN_5_24 if _BEFORE_5_24 else (),
+        f"transformers {transformers.__version__} has no class or model type of that name (a later release added it)",
+    ),
     **dict.fromkeys(
         (
             "MaskFormerDetrDecoder",
@@ -213,7 +240,7 @@ NO_CLASS: dict[str, str] = {
             "xCLIPTextModel",
             "xCLIPVisionModel",
         ),
-        "no transformers 5.23 class or model type of that name (kept for parity with its mapping)",
+        "no transformers class or model type of that name (kept for parity with its mapping)",
     ),
     **dict.fromkeys(
         (
