@@ -12,15 +12,12 @@ Most entries are renamings of a family's module names onto transformers' modular
 * ``nemotron_h``: ``backbone.`` → ``model.``; up/down experts stacked (no gate).
 * ``hrm_text``: fused ``gate_up_proj`` and ``gqkv_proj`` chunked; ``olmo_hybrid``,
   ``kimi_linear``, ``bailing_hybrid``: q/k/v short convolutions concatenated into one ``conv1d``.
-* ``inkling2_text``: interleaved ``w13`` experts de-interleaved (``Interleave``); the per-layer
-  attention queries stored from layer 1 on are moved by one index
-  (``surgery.transforms.IndexOffsetRenaming``).
 * ``qwen3_5_text`` / ``qwen3_5_moe_text``: the text model of a VL checkpoint drops
   ``language_model``. ``GPTNeoXForCausalLM``: ``embed_out`` → ``lm_head``.
 * ``MtpModel``: multi-token-prediction heads (a remote-code class).
 
 **Adapted** (``ADAPTED_PATTERNS``): ``deepseek_v4``'s unanchored ``.norm.`` skips the final
-``model.norm``; ``inkling2_text`` and ``mistral_large4_text`` renames skip names already in the
+``model.norm``; ``mistral_large4_text`` renames skip names already in the
 runtime layout. **Left out** (``OMITTED``): ``qwen4_exp_text``'s concatenation of
 ``ngram_embedding.shard_*``, whose wildcard is not a whole key component.
 """
@@ -28,9 +25,9 @@ runtime layout. **Left out** (``OMITTED``): ``qwen4_exp_text``'s concatenation o
 from __future__ import annotations
 
 from surgery import PrefixChange, WeightConverter, WeightRenaming, ops
-from surgery.transforms import IndexOffsetRenaming, WeightTransform
+from surgery.transforms import LayerPairCollapse, WeightTransform
 
-__all__ = ["ADAPTED_PATTERNS", "ALIASES", "ENTRIES", "OMITTED"]
+__all__ = ["ADAPTED_PATTERNS", "ALIASES", "ENTRIES", "EXTENDED", "OMITTED"]
 
 ENTRIES: dict[str, list[WeightTransform]] = {
     "hy_v4": [
@@ -46,40 +43,6 @@ ENTRIES: dict[str, list[WeightTransform]] = {
         WeightRenaming(r"\.hc_head_fn", ".hc_fn"),
         WeightRenaming(r"\.hc_head_base", ".hc_base"),
         WeightRenaming(r"\.hc_head_scale", ".hc_scale"),
-    ],
-    "inkling2_text": [
-        WeightRenaming(r"model\.llm\.unembed\.weight", "lm_head.weight"),
-        WeightRenaming(r"model\.llm\.", "model."),
-        WeightRenaming(r"embed\.weight", "embed_tokens.weight"),
-        WeightRenaming(r"(?<!embed_tokens\.)embed_norm\.", "embed_tokens.embed_norm."),
-        WeightConverter(r"mlp\.experts\.w13_weight", "mlp.experts.gate_up_proj", [ops.Interleave(dim=1)]),
-        WeightConverter(
-            r"mlp\.experts\.w13_weight_scale", "mlp.experts.gate_up_proj_scale_inv", [ops.Interleave(dim=1)]
-        ),
-        WeightRenaming(r"mlp\.experts\.w2_weight", "mlp.experts.down_proj"),
-        WeightRenaming(r"mlp\.experts\.w2_weight_scale", "mlp.experts.down_proj_scale_inv"),
-        WeightRenaming(r"mlp\.gate\.bias", "mlp.gate.e_score_correction_bias"),
-        WeightRenaming(r"attn\.wq_du", "self_attn.q_proj"),
-        WeightRenaming(r"attn\.wk_dv", "self_attn.k_proj"),
-        WeightRenaming(r"attn\.wv_dv", "self_attn.v_proj"),
-        WeightRenaming(r"attn\.wr_du", "self_attn.r_proj"),
-        WeightRenaming(r"attn\.wo_ud", "self_attn.o_proj"),
-        WeightRenaming(r"attn\.gate_attn", "self_attn.gate_proj"),
-        WeightRenaming(r"attn\.attn_sink_proj", "self_attn.sink_proj"),
-        WeightRenaming(
-            r"\.attn\.(q_l2_clip|k_l2_clip|rel_l2_clip|k_sconv|v_sconv|rel_logits_proj)\.", r".self_attn.\1."
-        ),
-        WeightRenaming(r"attn_sconv\.", "post_attention_convolution."),
-        WeightRenaming(r"mlp_sconv\.", "post_mlp_convolution."),
-        WeightRenaming(r"(convolution|sconv)\.weight(?!_)", r"\1.conv1d.weight"),
-        WeightRenaming(r"(convolution|sconv)\.static_w", r"\1.static_weight"),
-        WeightRenaming(r"(convolution|sconv)\.weight_proj$", r"\1.weight_proj.weight"),
-        WeightRenaming("mlp_norm", "post_attention_layernorm"),
-        WeightRenaming("attn_norm", "input_layernorm"),
-        WeightRenaming("(q|k|v)_input_norm", r"\1_input_layernorm"),
-        IndexOffsetRenaming(r"attn_res\.attn_queries\.(\d+)", r"layers.\1.attention_input.query", offset=1),
-        WeightRenaming(r"attn_res\.mlp_queries\.(\d+)", r"layers.\1.mlp_input.query"),
-        WeightRenaming(r"attn_res\.output_query", "final_input.query"),
     ],
     "GPTNeoXForCausalLM": [
         WeightRenaming(r"^embed_out\.", "lm_head."),
@@ -311,6 +274,10 @@ ENTRIES: dict[str, list[WeightTransform]] = {
         WeightRenaming(r"\.input_proj\.", ".eh_proj."),
         WeightRenaming(r"^chain_norm\.", "shared_post_norm."),
         WeightRenaming(r"layers\.(\d+)\.transformer_block\.", r"layers.\1.mtp_block."),
+        WeightRenaming(r"^mtp_block\.(\d+)\.", r"layers.\1.mtp_block."),
+        WeightRenaming(r"^mtp_emb_norm\.(\d+)\.", r"layers.\1.enorm."),
+        WeightRenaming(r"^mtp_hidden_norm\.(\d+)\.", r"layers.\1.hnorm."),
+        WeightRenaming(r"^mtp_linear_proj\.(\d+)\.", r"layers.\1.eh_proj."),
         WeightRenaming(
             r"^layers\.(\d+)\.(?!(?:mtp_block|enorm|hnorm|eh_proj|post_norm)\.)", r"layers.\1.mtp_block."
         ),
@@ -358,9 +325,84 @@ ENTRIES: dict[str, list[WeightTransform]] = {
         ),
         WeightConverter(r"\.experts\.*\.w2\.weight", ".experts.down_proj", [ops.MergeModulelist(dim=0)]),
     ],
+    "dory": [
+        LayerPairCollapse(),
+        WeightRenaming(r"\.self_attn\.g_proj\.", ".self_attn.gate_proj."),
+        WeightRenaming(r"^backbone\.", "model."),
+        WeightRenaming(r"\.embeddings\.", ".embed_tokens."),
+    ],
+    "ergo": [
+        WeightRenaming(r"^tok_embeddings\.", "model.embed_tokens."),
+        WeightRenaming(r"^norm\.", "model.norm."),
+        WeightRenaming(r"^output\.", "lm_head."),
+        WeightRenaming(r"^layers\.", "model.layers."),
+        WeightRenaming(r"\.attention_norm\.", ".input_layernorm."),
+        WeightRenaming(r"\.post_attention_norm\.", ".post_attention_layernorm."),
+        WeightRenaming(r"\.ffn_norm\.", ".pre_feedforward_layernorm."),
+        WeightRenaming(r"\.post_ffn_norm\.", ".post_feedforward_layernorm."),
+        WeightRenaming(r"\.post_attention_residual\.scale", ".attention_residual_gate.weight"),
+        WeightRenaming(r"\.post_ffn_residual\.scale", ".feedforward_residual_gate.weight"),
+        WeightRenaming(r"\.attention\.wqkv\.", ".self_attn.qkv_proj."),
+        WeightRenaming(r"\.attention\.wo\.", ".self_attn.o_proj."),
+        WeightRenaming(r"\.attention\.q_norm\.", ".self_attn.q_norm."),
+        WeightRenaming(r"\.attention\.k_norm\.", ".self_attn.k_norm."),
+        WeightRenaming(r"\.feed_forward\.up\.", ".mlp.up_proj."),
+        WeightRenaming(r"\.feed_forward\.down\.", ".mlp.down_proj."),
+        WeightRenaming(r"\.feed_forward\.router_bias", ".mlp.gate.e_score_correction_bias"),
+        WeightRenaming(r"\.feed_forward\.up_proj", ".mlp.experts.up_proj"),
+        WeightRenaming(r"\.feed_forward\.down_proj", ".mlp.experts.down_proj"),
+        WeightRenaming(r"\.feed_forward\.expert_output_norm\.scale", ".mlp.experts.post_expert_norm.weight"),
+        WeightRenaming(
+            r"\.feed_forward\.shared_expert_output_norm\.scale", ".mlp.shared_experts.norm.weight"
+        ),
+        # Stored as (hidden, experts) and (in, out): transposed into nn.Linear's (out, in).
+        WeightConverter(
+            r"feed_forward\.gate_kernel", "mlp.gate.linear.weight", [ops.Transpose(dim0=0, dim1=1)]
+        ),
+        WeightConverter(
+            r"feed_forward\.shared_up_proj",
+            "mlp.shared_experts.up_proj.weight",
+            [ops.Transpose(dim0=0, dim1=1)],
+        ),
+        WeightConverter(
+            r"feed_forward\.shared_down_proj",
+            "mlp.shared_experts.down_proj.weight",
+            [ops.Transpose(dim0=0, dim1=1)],
+        ),
+    ],
+    "exaone": [
+        WeightRenaming(r"^transformer\.wte\.", "model.embed_tokens."),
+        WeightRenaming(r"^transformer\.h\.", "model.layers."),
+        WeightRenaming(r"^transformer\.ln_f\.", "model.norm."),
+        WeightRenaming(r"\.attn\.attention\.", ".self_attn."),
+        WeightRenaming(r"\.self_attn\.out_proj\.", ".self_attn.o_proj."),
+        WeightRenaming(r"\.ln_1\.", ".input_layernorm."),
+        WeightRenaming(r"\.ln_2\.", ".post_attention_layernorm."),
+        WeightRenaming(r"\.mlp\.c_fc_0\.", ".mlp.gate_proj."),
+        WeightRenaming(r"\.mlp\.c_fc_1\.", ".mlp.up_proj."),
+        WeightRenaming(r"\.mlp\.c_proj\.", ".mlp.down_proj."),
+    ],
+    "lara_mini": [
+        WeightRenaming(r"linear_attn\.out_norm\.", "linear_attn.norm."),
+        # One fused input projection, rows [q|k|v|z|b|a]: split by each target's size.
+        WeightConverter(
+            r"linear_attn\.in_proj",
+            [
+                "linear_attn.in_proj_qkv",
+                "linear_attn.in_proj_z",
+                "linear_attn.in_proj_b",
+                "linear_attn.in_proj_a",
+            ],
+            [ops.Split(dim=0)],
+        ),
+    ],
+    "apertus1p5_text": [
+        PrefixChange(prefix_to_remove="language_model", model_prefix="model"),
+    ],
 }
 
 ALIASES: dict[str, str] = {
+    "hy_v4_vl_text": "hy_v4",
     "glm5_next_text": "glm5_next",
     "granitemoeshared": "granitemoe",
     "granitemoehybrid": "granitemoe",
@@ -369,15 +411,17 @@ ALIASES: dict[str, str] = {
 
 
 ADAPTED_PATTERNS: dict[str, dict[str, str]] = {
+    # transformers' LayerPairCollapse matches any ``layers.N`` and decides in code; ours names the
+    # block names it renames, so the pattern says which keys it claims.
+    "dory": {
+        r"layers\.(\d+)": r"layers\.(\d+)\.(mixer|attn_alpha|mlp_alpha)(?=\.|$)",
+        r"layers.\1": r"layers.\1.\2",
+    },
     # transformers' unanchored ``.norm.`` also renames the final ``model.norm``; it then falls
     # back to the original key, which surgery's loader never does.
     "deepseek_v4": {r"\.norm\.": r"(?<!^model)\.norm\."},
     # The targets contain the sources, so these fire again on runtime keys (transformers then
     # falls back to the original key, surgery never does): they skip names already renamed.
-    "inkling2_text": {
-        r"embed_norm\.": r"(?<!embed_tokens\.)embed_norm\.",
-        r"(convolution|sconv)\.weight_proj": r"(convolution|sconv)\.weight_proj$",
-    },
     "mistral_large4_text": {
         r"\.gate\.": r"(?<!\.mlp)\.gate\.",
         r"\.experts\.": r"(?<!\.mlp)\.experts\.",
@@ -390,3 +434,8 @@ OMITTED: dict[str, list[str]] = {
     "qwen4_exp_text": [r"ngram_embedding.shard_*.weight"],
 }
 """Key -> source patterns of transformers' list left out here (the entry's comment says why)."""
+
+EXTENDED: dict[str, str] = {
+    "MtpModel": "5.24.0",  # + Ernie 4.5 MoE's ``mtp_{part}.{k}`` layout
+}
+"""Key -> the release whose (longer) list ``ENTRIES`` holds; it loads the earlier layouts too."""

@@ -40,6 +40,25 @@ _EXPERTS: list[WeightTransform] = [
     ),
 ]
 
+_KOLIBRI1: list[WeightTransform] = [
+    WeightRenaming(r"moe\.router\.expert_bias", "mlp.gate.e_score_correction_bias"),
+    WeightRenaming("post_attn_norm", "post_self_attn_layernorm"),
+    WeightRenaming("post_ffn_norm", "post_mlp_layernorm"),
+    *_EXPERTS,
+]
+
+_SARVAM_MOE: list[WeightTransform] = [
+    WeightRenaming(r"^model\.word_embeddings\.", "model.embed_tokens."),
+    WeightRenaming(r"\.attention\.", ".self_attn."),
+    WeightRenaming(r"\.self_attn\.dense\.", ".self_attn.o_proj."),
+    WeightRenaming(r"\.self_attn\.query_layernorm\.", ".self_attn.q_norm."),
+    WeightRenaming(r"\.self_attn\.key_layernorm\.", ".self_attn.k_norm."),
+    WeightRenaming(r"\.mlp\.gate\.expert_bias", ".mlp.gate.e_score_correction_bias"),
+    *_EXPERTS,
+    # Grouped-query attention: the fused [q|k|v] rows are split by each target's size.
+    WeightConverter(r"query_key_value", ["q_proj", "k_proj", "v_proj"], [ops.Split(dim=0)]),
+]
+
 ENTRIES: dict[str, list[WeightTransform]] = {
     "qwen2_moe": [*_EXPERTS],
     "ernie4_5_moe": [
@@ -52,12 +71,14 @@ ENTRIES: dict[str, list[WeightTransform]] = {
         WeightRenaming(r"mlp\.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
         *_EXPERTS,
     ],
-    "kolibri1": [
-        WeightRenaming(r"moe\.router\.expert_bias", "mlp.gate.e_score_correction_bias"),
-        WeightRenaming("post_attn_norm", "post_self_attn_layernorm"),
-        WeightRenaming("post_ffn_norm", "post_mlp_layernorm"),
+    "kolibri1": list(_KOLIBRI1),
+    "kolibri1_1": list(_KOLIBRI1),
+    "minicpm5_moe": [
+        WeightRenaming(r"self_attn\.q_proj", "self_attn.q_gate_proj"),
         *_EXPERTS,
     ],
+    "sarvam_moe": list(_SARVAM_MOE),
+    "param2moe": list(_SARVAM_MOE),
     "mimo_v2_flash": [
         WeightRenaming(r"self_attn\.attention_sink_bias", "self_attn.sinks"),
         *_EXPERTS,
@@ -107,6 +128,7 @@ ALIASES: dict[str, str] = {
     "qwen3_omni_moe": "qwen2_moe",
     "qwen3_omni_moe_text": "qwen2_moe",
     "qwen3_omni_moe_thinker": "qwen2_moe",
+    "sarvam_mla": "qwen2_moe",
     "solar_open": "qwen2_moe",
     # class-name keys
     "Dots3NoteTextModel": "qwen2_moe",

@@ -37,6 +37,7 @@ ENTRIES: dict[str, list[WeightTransform]] = {
 ALIASES: dict[str, str] = {
     "Qwen2_5_VLModel": "Qwen2VLModel",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2VLForConditionalGeneration",
+    "LlavaOnevision15ForConditionalGeneration": "Qwen2VLForConditionalGeneration",
 }
 """Registry key → the key whose mapping it shares."""
 

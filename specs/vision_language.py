@@ -23,7 +23,7 @@ and MoE experts merge as in the decoder families. Notable:
 
 **Adapted** (``ADAPTED_PATTERNS``): ``inkling_mm_model``'s shared-expert targets say they start
 a name (saving reversed ``up_proj`` into a pattern that also matched the experts'
-``gate_up_proj``); ``deepseek_ocr2``/``unlimited_ocr``, ``inkling2`` and ``pi0`` renames skip
+``gate_up_proj``); ``deepseek_ocr2``/``unlimited_ocr`` and ``pi0`` renames skip
 names already in the runtime layout.
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 from surgery import PrefixChange, WeightConverter, WeightRenaming, ops
 from surgery.transforms import WeightTransform
 
-__all__ = ["ADAPTED_PATTERNS", "ALIASES", "ENTRIES"]
+__all__ = ["ADAPTED_PATTERNS", "ALIASES", "ENTRIES", "EXTENDED"]
 
 ENTRIES: dict[str, list[WeightTransform]] = {
     "cosmos3_edge": [
@@ -104,25 +104,6 @@ ENTRIES: dict[str, list[WeightTransform]] = {
         WeightRenaming("mlp_norm", "post_attention_layernorm"),
         WeightRenaming("attn_norm", "input_layernorm"),
     ],
-    "inkling2": [
-        WeightRenaming(r"model\.llm\.unembed\.weight", "lm_head.weight"),
-        WeightRenaming(r"model\.llm\.", "model.language_model."),
-        WeightRenaming(r"model\.visual\.backbone\.embeddings\.", "model.vision_tower.embeddings."),
-        WeightRenaming(
-            r"vision_tower\.embeddings\.position_embedding$",
-            "vision_tower.embeddings.position_embedding.weight",
-        ),
-        WeightRenaming(r"model\.visual\.backbone\.ln_pre\.", "model.vision_tower.pre_layernorm."),
-        WeightRenaming(r"model\.visual\.backbone\.layers\.", "model.vision_tower.layers."),
-        WeightRenaming(r"model\.visual\.proj_in\.", "model.vision_tower.merger.linear_1."),
-        WeightRenaming(r"model\.visual\.proj_out\.", "model.vision_tower.merger.linear_2."),
-        WeightRenaming(r"(vision_tower\.layers\.\d+)\.ln_1\.", r"\1.layernorm_before."),
-        WeightRenaming(r"(vision_tower\.layers\.\d+)\.ln_2\.", r"\1.layernorm_after."),
-        WeightRenaming(r"(vision_tower\.layers\.\d+)\.mlp\.c_fc\.", r"\1.mlp.fc1."),
-        WeightRenaming(r"(vision_tower\.layers\.\d+)\.mlp\.c_proj\.", r"\1.mlp.fc2."),
-        WeightRenaming(r"(vision_tower\.layers\.\d+)\.ls_1\.gamma", r"\1.lambda_1"),
-        WeightRenaming(r"(vision_tower\.layers\.\d+)\.ls_2\.gamma", r"\1.lambda_2"),
-    ],
     "gemma4_unified": [
         WeightRenaming(r"vision_embedder\.patch_ln1", "embed_vision.patch_ln1"),
         WeightRenaming(r"vision_embedder\.patch_dense", "embed_vision.patch_dense"),
@@ -137,6 +118,7 @@ ENTRIES: dict[str, list[WeightTransform]] = {
         WeightRenaming(r"^mlp1\.0\.", "multi_modal_projector.layer_norm."),
         WeightRenaming(r"^mlp1\.1\.", "multi_modal_projector.linear_1."),
         WeightRenaming(r"^mlp1\.3\.", "multi_modal_projector.linear_2."),
+        WeightRenaming(r"^vision_projector\.vision_final_layernorm\.", "vision_final_layernorm."),
         WeightRenaming(r"^sound_encoder\.encoder\.", "audio_tower."),
         WeightRenaming(r"^sound_projection\.norm\.", "embed_audio.layer_norm."),
         WeightRenaming(r"^sound_projection\.linear1\.", "embed_audio.linear_1."),
@@ -376,6 +358,7 @@ ENTRIES: dict[str, list[WeightTransform]] = {
         WeightRenaming(
             r"(?<!embed_action_time\.)action_time_mlp_out", "embed_action_time.action_time_mlp_out"
         ),
+        WeightRenaming(r"^time_mlp_(in|out)", r"embed_action_time.time_mlp_\1"),
         WeightRenaming(r"^paligemma_with_expert\.paligemma\.model", "model.vlm"),
         WeightRenaming(r"^paligemma_with_expert\.gemma_expert\.model", "model.dit"),
         WeightRenaming(r"^paligemma_with_expert\.gemma_expert\.lm_head", "model.dit.embed_tokens"),
@@ -536,9 +519,60 @@ ENTRIES: dict[str, list[WeightTransform]] = {
             [ops.PermuteForRope(config_attribute="vision_config.num_attention_heads")],
         ),
     ],
+    "hy_v4_vl": [
+        # vision tower: Megatron-style MLP and norm names, as in hunyuan_vl
+        WeightRenaming(r"mlp\.dense_h_to_4h", "mlp.fc1"),
+        WeightRenaming(r"mlp\.dense_4h_to_h", "mlp.fc2"),
+        WeightRenaming(r"^vit\.layers\.(\d+)\.input_layernorm\.", r"vit.layers.\1.layer_norm1."),
+        WeightRenaming(r"^vit\.layers\.(\d+)\.post_attention_layernorm\.", r"vit.layers.\1.layer_norm2."),
+        # projector
+        WeightRenaming(r"(perceive|patch_merger)\.norm\.", r"\1.before_rms."),
+        WeightRenaming(r"perceive\.proj\.0\.", "perceive.proj_conv."),
+        WeightRenaming(r"perceive\.proj\.2\.", "perceive.proj_out."),
+        WeightRenaming(r"perceive\.", "patch_merger."),
+        # text under model.language_model, the tower under model.vision_tower
+        WeightRenaming(r"^model(?!\.(language_model|vit|vision_tower))", "model.language_model"),
+        WeightRenaming("^vit", "model.vision_tower"),
+    ],
+    "LlavaOnevision15Model": [
+        WeightRenaming(r"^model\.(?!language_model\.|visual\.)", "language_model."),
+    ],
+    "llava_onevision1_5_vision": [
+        PrefixChange(prefix_to_remove="visual"),
+        WeightRenaming("^class_embedding", "cls_embeddings.class_embedding"),
+        WeightRenaming("^class_pos_emb", "cls_embeddings.class_pos_emb"),
+        WeightRenaming(r"merger\.fc1\.", "merger.linear_fc1."),
+        WeightRenaming(r"merger\.fc2\.", "merger.linear_fc2."),
+        WeightRenaming(r"merger\.mlp\.0\.", "merger.linear_fc1."),
+        WeightRenaming(r"merger\.mlp\.2\.", "merger.linear_fc2."),
+        WeightRenaming(r"merger\.ln_q\.", "merger.norm."),
+    ],
+    "ovis2_5": [
+        WeightRenaming(r"^llm\.model\.", "model.language_model."),
+        WeightRenaming(r"^llm\.lm_head\.", "lm_head."),
+        WeightRenaming(
+            r"^visual_tokenizer\.vit\.vision_model\.embeddings\.", "model.vision_tower.embeddings."
+        ),
+        WeightRenaming(
+            r"^visual_tokenizer\.vit\.vision_model\.encoder\.layers\.", "model.vision_tower.layers."
+        ),
+        WeightRenaming(
+            r"^visual_tokenizer\.vit\.vision_model\.post_layernorm\.", "model.vision_tower.post_layernorm."
+        ),
+        WeightRenaming(
+            r"^visual_tokenizer\.head\.0\.", "model.multi_modal_projector.visual_tokenizer.linear."
+        ),
+        WeightRenaming(r"^visual_tokenizer\.head\.1\.", "model.multi_modal_projector.visual_tokenizer.norm."),
+        WeightRenaming(r"^vte\.", "model.vte."),
+        WeightConverter(
+            r"vte\.weight", "multi_modal_projector.visual_embeddings_table.weight", [ops.Transpose()]
+        ),
+    ],
 }
 
-ALIASES: dict[str, str] = {}
+ALIASES: dict[str, str] = {
+    "pi05": "pi0",
+}
 
 _OCR_LANGUAGE_MODEL = {  # deepseek_ocr2, unlimited_ocr
     rf"(^|model\.){name}\.": rf"(^|(?<!_)model\.){name}\." for name in ("embed_tokens", "layers", "norm")
@@ -547,10 +581,6 @@ _OCR_LANGUAGE_MODEL = {  # deepseek_ocr2, unlimited_ocr
 ADAPTED_PATTERNS: dict[str, dict[str, str]] = {
     # The patterns below also match runtime keys, where transformers falls back to the original
     # key and surgery never does; each skips the names it has already renamed.
-    # The bare parameter only: its renamed ``position_embedding.weight`` starts with the source.
-    "inkling2": {
-        r"vision_tower\.embeddings\.position_embedding": r"vision_tower\.embeddings\.position_embedding$"
-    },
     # ``model.`` must not be the end of ``language_model.``.
     "deepseek_ocr2": _OCR_LANGUAGE_MODEL,
     "unlimited_ocr": _OCR_LANGUAGE_MODEL,
@@ -564,3 +594,9 @@ ADAPTED_PATTERNS: dict[str, dict[str, str]] = {
     "inkling_mm_model": {"gate_proj": r"(?<!_)gate_proj", "up_proj": r"(?<!_)up_proj"},
 }
 """Key -> {transformers' source or target pattern: ours}, where ours deliberately differs."""
+
+EXTENDED: dict[str, str] = {
+    "NemotronH_Omni_Reasoning_V3": "5.24.0",  # + the vision projector's final layer norm
+    "pi0": "5.24.0",  # + pi05's ``time_mlp_{in,out}``
+}
+"""Key -> the release whose (longer) list ``ENTRIES`` holds; it loads the earlier layouts too."""

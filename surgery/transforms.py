@@ -28,6 +28,7 @@ from .patterns import SourcePattern, TargetPattern, compile_source, parse_target
 
 __all__ = [
     "IndexOffsetRenaming",
+    "LayerPairCollapse",
     "PrefixChange",
     "TransformMatch",
     "WeightRenaming",
@@ -302,6 +303,69 @@ class IndexOffsetRenaming(WeightRenaming):
         if shifted < 0:
             return None
         return m._replace(groups=(str(shifted), *m.groups[1:]))
+
+
+_PAIR_BLOCKS = ("mixer", "attn_alpha", "mlp_alpha")  # names in the two-block layout
+_PAIR_LAYER = ("self_attn", "mlp", "lambda_1", "lambda_2")  # names in the one-layer layout
+
+
+class LayerPairCollapse(WeightRenaming):
+    r"""Decoder layers stored as two blocks each (attention at ``layers.{2i}``, mlp at ``layers.{2i+1}``).
+
+    ``layers.{2i}.mixer.*`` → ``layers.{i}.self_attn.*``, ``layers.{2i+1}.mixer.*`` →
+    ``layers.{i}.mlp.*``, ``layers.{2i}.attn_alpha`` → ``layers.{i}.lambda_1`` and
+    ``layers.{2i+1}.mlp_alpha`` → ``layers.{i}.lambda_2``. The reverse (``inverse=True``) writes
+    the two-block layout back. A block name on an index of the other parity (``attn_alpha`` on an
+    odd block) has no one-layer name that comes back as written, so it does not match and is
+    reported unexpected.
+
+    Example:
+        >>> LayerPairCollapse().rename_source_key("model.layers.3.mixer.up_proj.weight")[0]
+        'model.layers.1.mlp.up_proj.weight'
+        >>> LayerPairCollapse(inverse=True).rename_source_key("model.layers.1.mlp.up_proj.weight")[0]
+        'model.layers.3.mixer.up_proj.weight'
+    """
+
+    def __init__(self, *, inverse: bool = False, scope_prefix: str | None = None) -> None:
+        names = _PAIR_LAYER if inverse else _PAIR_BLOCKS
+        # The name is whole (``mixers`` is not ``mixer``): followed by a dot or the end of the key.
+        super().__init__(
+            rf"layers\.(\d+)\.({'|'.join(names)})(?=\.|$)", r"layers.\1.\2", scope_prefix=scope_prefix
+        )
+        self.inverse = inverse
+
+    def __repr__(self) -> str:
+        scope = f", scope_prefix={self.scope_prefix!r}" if self.scope_prefix is not None else ""
+        return f"LayerPairCollapse(inverse={self.inverse}{scope})"
+
+    def reverse_transform(self) -> WeightTransform:
+        return LayerPairCollapse(inverse=not self.inverse, scope_prefix=self.scope_prefix)
+
+    @property
+    def digit_blind(self) -> bool:
+        return False  # the index is rewritten, and its parity picks the name
+
+    def match(self, key: str) -> TransformMatch | None:
+        m = super().match(key)
+        if m is None:
+            return None
+        index, name = m.groups
+        if index != str(int(index)):
+            return None  # not a plain index (``07`` would not come back as written)
+        i = int(index)
+        if self.inverse:
+            block, renamed = {
+                "self_attn": (2 * i, "mixer"),
+                "mlp": (2 * i + 1, "mixer"),
+                "lambda_1": (2 * i, "attn_alpha"),
+                "lambda_2": (2 * i + 1, "mlp_alpha"),
+            }[name]
+            return m._replace(groups=(str(block), renamed))
+        odd = i % 2 == 1
+        if (name == "attn_alpha" and odd) or (name == "mlp_alpha" and not odd):
+            return None
+        layer_name = {"attn_alpha": "lambda_1", "mlp_alpha": "lambda_2"}.get(name, _PAIR_LAYER[odd])
+        return m._replace(groups=(str(i // 2), layer_name))
 
 
 class PrefixChange(WeightRenaming):

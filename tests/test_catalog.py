@@ -30,6 +30,7 @@ from specs import (
     dinov2,
     encoders,
     ernie4_5_vl_moe,
+    inkling2,
     llava,
     mixtral,
     qwen2_moe,
@@ -40,6 +41,7 @@ from specs import (
     vit,
     vit_heads,
 )
+from specs.releases import NEWEST, PINNED, entries_for
 from surgery import ConversionError, WeightConverter
 from surgery.ops import OpContext, Slot
 from surgery.registry import (
@@ -71,6 +73,7 @@ FAMILIES = (
     dense_vision,
     vit_heads,
     encoders,
+    inkling2,
 )
 CATALOG_MODULES = ("transformers", "surgery.examples")
 
@@ -82,7 +85,7 @@ def catalog() -> Iterator[None]:
         with registering_catalog("builtin"):
             register_catalog_modules(*CATALOG_MODULES)
             for family in FAMILIES:
-                register_family(family)
+                register_family(family, release=PINNED)  # the release the layouts were recorded under
         yield
 
 
@@ -113,12 +116,23 @@ class Case:
     original: dict[str, tuple[int, ...]]
     runtime: dict[str, tuple[int, ...]]
     extra_original: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    release: str = PINNED
 
     def transforms(self) -> list[WeightTransform]:
         out: list[WeightTransform] = []
         for key, scope in self.resolved:
-            out.extend(t.scoped(scope) for t in get_checkpoint_conversion_mapping(key))
+            out.extend(t.scoped(scope) for t in _mapping(key, self.release))
         return out
+
+
+def _mapping(key: str, release: str) -> list[WeightTransform]:
+    """The key's list for ``release`` (the registry holds the pinned release's lists)."""
+    entry = checkpoint_conversion_entry(key)
+    target = entry.alias if entry is not None and entry.alias is not None else key
+    for fam in FAMILIES:
+        if target in getattr(fam, "BEFORE", {}):
+            return [t.copy() for t in entries_for(fam, release)[target]]
+    return get_checkpoint_conversion_mapping(key)
 
 
 H = 4  # hidden size of every synthetic model
@@ -646,24 +660,32 @@ CASES: tuple[Case, ...] = (
 
 
 def _recorded() -> tuple[Case, ...]:
-    """Every family's layout as transformers 5.23 writes it, recorded by tests/interop/record_layouts.py.
+    """Every family's layout as transformers writes it, recorded by tests/interop/record_layouts.py:
+    all of them under the pinned release, and under the newest the families it added or changed.
 
     The hub file's keys and shapes, the runtime keys and shapes the file fills, and the registry
     key each sub-model resolved to: the layouts as transformers writes them (put into the hub layout
     where its save is known to be wrong), checked against transformers' own loader by the generated
     interop test when they were recorded.
     """
-    path = Path(__file__).resolve().parent / "data" / "catalog_layouts.json.gz"
-    data = json.loads(gzip.decompress(path.read_bytes()))
-    return tuple(
-        Case(
-            f"recorded-{name}",
-            tuple((key, scope) for key, scope in layout["resolved"]),
-            {k: tuple(v) for k, v in layout["original"].items()},
-            {k: tuple(v) for k, v in layout["runtime"].items()},
+    data = Path(__file__).resolve().parent / "data"
+    cases: list[Case] = []
+    for file, release, tag in (
+        ("catalog_layouts.json.gz", PINNED, ""),
+        ("catalog_layouts_newest.json.gz", NEWEST, f"@{NEWEST}"),
+    ):
+        layouts = json.loads(gzip.decompress((data / file).read_bytes()))
+        cases.extend(
+            Case(
+                f"recorded-{name}{tag}",
+                tuple((key, scope) for key, scope in layout["resolved"]),
+                {k: tuple(v) for k, v in layout["original"].items()},
+                {k: tuple(v) for k, v in layout["runtime"].items()},
+                release=release,
+            )
+            for name, layout in sorted(layouts.items())
         )
-        for name, layout in sorted(data.items())
-    )
+    return tuple(cases)
 
 
 RECORDED = _recorded()
@@ -729,8 +751,16 @@ def _to_runtime(
     return out, [transforms[i] for i in routing.fired()]
 
 
-def _to_original(tensors: dict[str, torch.Tensor], fired: list[WeightTransform]) -> dict[str, torch.Tensor]:
-    """Invert like a save: reversed converters on runtime keys, then reversed renamings in reverse order."""
+def _to_original(
+    tensors: dict[str, torch.Tensor],
+    fired: list[WeightTransform],
+    shapes: dict[str, tuple[int, ...]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Invert like a save: reversed converters on runtime keys, then reversed renamings in reverse order.
+
+    ``shapes`` (the checkpoint's shapes) stand in for the shapes a save recorded at load, as the
+    target shapes the reversed ops get (``Inkling2UnpadVocab`` pads back to them).
+    """
     converters = [t.reverse_transform() for t in fired if isinstance(t, WeightConverter)]
     renamings = [t.reverse_transform() for t in reversed(fired) if not isinstance(t, WeightConverter)]
     routing = route_keys(list(tensors), converters)
@@ -746,14 +776,21 @@ def _to_original(tensors: dict[str, torch.Tensor], fired: list[WeightTransform])
         for pattern, by_index in group.sources.items():
             for index, src in by_index.items():
                 conv.add_tensor(group.key, src, pattern, tensors[src], index=index)
-        produced.update(conv.convert(group.key, OpContext(config=_CONFIG)))
+        names = [_renamed(k, renamings) for k in conv.expand_target_keys(group.key)]
+        target_shapes = tuple((shapes or {}).get(k) for k in names)
+        produced.update(conv.convert(group.key, OpContext(config=_CONFIG, target_shapes=target_shapes)))
     out: dict[str, torch.Tensor] = {}
     for key, t in produced.items():
-        for r in renamings:
-            key, _ = r.rename_source_key(key)
+        key = _renamed(key, renamings)
         assert key not in out, f"two tensors reverted to {key!r}"
         out[key] = t
     return out
+
+
+def _renamed(key: str, renamings: list[WeightTransform]) -> str:
+    for r in renamings:
+        key, _ = r.rename_source_key(key)
+    return key
 
 
 # --------------------------------------------------------------------------- structure
@@ -878,17 +915,56 @@ def test_conversion_produces_the_runtime_shapes(case: Case) -> None:
     assert {k: tuple(t.shape) for k, t in runtime.items()} == case.runtime
 
 
+PADDING_ZEROED: dict[str, str] = {
+    f"{key}@{NEWEST}": (
+        "the unembedding's padding rows (past unpadded_vocab_size) come back as zeros, as transformers "
+        "writes them; keeping other values needs a per-load record of the dropped rows (not done)"
+    )
+    for key in ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text")
+}
+"""Families whose round trip is exact only for zero padding rows, and why (docs/catalog.md lists them)."""
+
+
+def _zero_padding(original: dict[str, torch.Tensor], runtime_shapes: dict[str, tuple[int, ...]]) -> None:
+    rows = runtime_shapes["lm_head.weight"][0]
+    original["model.llm.unembed.weight"][rows:] = 0
+
+
 @pytest.mark.parametrize("case", ALL_CASES, ids=_ids(ALL_CASES))
 def test_convert_then_revert_reproduces_the_checkpoint_bit_for_bit(case: Case) -> None:
     original = _random(case.original, seed=1)
+    family = case.id.removeprefix("recorded-").split("/")[0] + (
+        "" if case.release == PINNED else f"@{case.release}"
+    )
+    if family in PADDING_ZEROED:
+        runtime, fired = _to_runtime(original, case.transforms(), case.runtime)
+        back = _to_original(runtime, fired, case.original)
+        assert not torch.equal(back["model.llm.unembed.weight"], original["model.llm.unembed.weight"]), (
+            f"{family!r} keeps the padding rows now: remove it from PADDING_ZEROED"
+        )
+        _zero_padding(original, case.runtime)
     runtime, fired = _to_runtime(original, case.transforms(), case.runtime)
-    back = _to_original(runtime, fired)
+    back = _to_original(runtime, fired, case.original)
     assert set(back) == set(original)
     for k, t in original.items():
         assert torch.equal(back[k], t), k
 
 
+_UNEMBEDDING = (
+    r"^lm_head\.weight$",
+    "hub and runtime name the unembedding alike (5.24 on); the converter keeps the padded one's first "
+    "rows, the target's row count, so a runtime-layout one passes through it unchanged",
+)
+
 RUNTIME_LAYOUT_ROUTED: dict[str, tuple[str, str]] = {
+    **dict.fromkeys(
+        (f"{key}@{NEWEST}" for key in ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text")),
+        _UNEMBEDDING,
+    ),
+    f"pi05@{NEWEST}": (
+        r"^model\.",
+        "an alias of pi0, whose entry strips `model.` from every key: save pi05 in original format",
+    ),
     "pi0": (
         r"^model\.",
         "the entry strips `model.` from every key (hub files nest the whole model under it), so a "
@@ -907,7 +983,9 @@ and why (docs/catalog.md lists them); every other runtime key of theirs passes t
 @pytest.mark.parametrize("case", ALL_CASES, ids=_ids(ALL_CASES))
 def test_runtime_layout_keys_pass_through_untouched(case: Case) -> None:
     routing = route_keys(list(case.runtime), case.transforms())
-    family = case.id.removeprefix("recorded-").split("/")[0]
+    family = case.id.removeprefix("recorded-").split("/")[0] + (
+        "" if case.release == PINNED else f"@{case.release}"
+    )
     routed = None
     if case.id.startswith("recorded-") and family in RUNTIME_LAYOUT_ROUTED:
         routed = RUNTIME_LAYOUT_ROUTED[family][0]

@@ -56,7 +56,7 @@ def test_the_interop_extra_pins_the_release_the_catalog_is_measured_against() ->
     pyproject = (ROOT / "pyproject.toml").read_text()
     interop = re.search(r"^interop = \[(.*?)\]", pyproject, re.M)
     assert interop is not None
-    pinned = re.search(r'^PINNED = "(.+)"', (ROOT / "docs" / "make_catalog.py").read_text(), re.M)
+    pinned = re.search(r'^PINNED = "(.+)"', (ROOT / "specs" / "releases.py").read_text(), re.M)
     assert pinned is not None
     assert interop.group(1) == f'"transformers=={pinned.group(1)}"'
 

@@ -7,9 +7,14 @@ and shapes, and which registry key each sub-model resolved to (with its scope). 
 ``tests/data/catalog_layouts.json.gz`` (gzipped JSON: 20,000 keys), is what ``tests/test_catalog.py`` routes, converts and
 reverts without transformers installed.
 
-Run it after changing the catalog (it needs the interop extra, transformers 5.23)::
+Run it after changing the catalog, under the pinned release (the interop extra) and under the
+newest release in range (``specs.releases``)::
 
     python tests/interop/record_layouts.py
+
+Under the pinned release it writes every family's layout; under the newest it writes
+``catalog_layouts_newest.json.gz`` with only the families the pinned file lacks (keys a later
+release added) and the keys whose list changed with the release (``BEFORE``).
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE.parent / "data" / "catalog_layouts.json.gz"
+OUT_NEWEST = HERE.parent / "data" / "catalog_layouts_newest.json.gz"
 
 
 def main() -> int:
     sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE.parents[1]))  # this checkout's surgery and specs
     warnings.filterwarnings("ignore")
     import transformers
     from safetensors import safe_open
@@ -38,14 +45,21 @@ def main() -> int:
     from test_every_family_interop import NEVER_LOADED_SAVES_OTHERWISE as NEVER_LOADED
     from tiny import build
 
+    import specs
+    from specs.releases import NEWEST, PINNED
     from surgery.load.loader import load_checkpoint
     from surgery.registry import load_catalogs
     from surgery.resolution import explain_model_conversion_mapping
 
+    if transformers.__version__ not in (PINNED, NEWEST):
+        raise SystemExit(f"record under transformers {PINNED} or {NEWEST}, not {transformers.__version__}")
+    newest = transformers.__version__ == NEWEST
+    recorded = {v["key"] for v in json.loads(gzip.decompress(OUT.read_bytes())).values()} if newest else set()
+    changed = {k for fam in specs.FAMILIES for k in getattr(fam, "BEFORE", {})}
     load_catalogs()
     layouts: dict[str, dict[str, object]] = {}
     for case in CASES:
-        if case.key in NOT_BUILT:
+        if case.key in NOT_BUILT or (newest and case.key in recorded and case.key not in changed):
             continue
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
@@ -80,10 +94,11 @@ def main() -> int:
             "original": original,
             "runtime": runtime,
         }
-    OUT.parent.mkdir(exist_ok=True)
+    out = OUT_NEWEST if newest else OUT
+    out.parent.mkdir(exist_ok=True)
     data = json.dumps(layouts, separators=(",", ":"), sort_keys=True).encode()
-    OUT.write_bytes(gzip.compress(data, mtime=0))
-    print(f"wrote {len(layouts)} layouts to {OUT}")
+    out.write_bytes(gzip.compress(data, mtime=0))
+    print(f"wrote {len(layouts)} layouts to {out}")
     return 0
 
 

@@ -24,8 +24,9 @@ def _generator():
 
 def test_catalog_doc_is_generated_from_the_registry() -> None:
     gen = _generator()
-    if transformers.__version__ != gen.PINNED:
-        pytest.skip(f"docs/catalog.md is counted against transformers {gen.PINNED}")
+    if transformers.__version__ not in (gen.PINNED, gen.NEWEST):
+        pytest.skip(f"docs/catalog.md is counted against transformers {gen.PINNED} and {gen.NEWEST}")
+    # Under either release: its own block is regenerated, the rest of the page must be unchanged.
     assert (ROOT / "docs" / "catalog.md").read_text() == gen.render(), (
         "stale: run python docs/make_catalog.py"
     )

@@ -316,6 +316,26 @@ def _merge(d: dict[str, Any], overrides: dict[str, Any]) -> None:
 
 
 OVERRIDES: dict[str, dict[str, Any]] = {
+    # transformers 5.24+: the padded unembedding keeps its first unpadded_vocab_size rows, which
+    # must be fewer than vocab_size (the default 200058 is the real vocabulary)
+    **{
+        model_type: {"text_config": {"unpadded_vocab_size": 120}}
+        for model_type in ("inkling2", "inkling2_loop")
+    },
+    **{model_type: {"unpadded_vocab_size": 120} for model_type in ("inkling2_text", "inkling2_loop_text")},
+    # index_layers must name the shrunk layer_types' indexed-attention layers
+    "kolibri1_1": {"index_layers": [1], "index_num_heads": 1},
+    # counted in blocks (an attention and an mlp block per layer): two layers, one input, one output
+    "dory": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp"],
+        "n_input_layers": 2,
+        "n_recurrent_layers": 0,
+        "n_output_layers": 2,
+    },
+    # the M-RoPE sections must sum to qk_rope_head_dim // 2 (shrunk to 4)
+    "hy_v4_vl": {"text_config": {"rope_parameters": {"mrope_section": [1, 0, 1]}}},
+    "hy_v4_vl_text": {"rope_parameters": {"mrope_section": [1, 0, 1]}},
     # The experts' transpose is told apart by shape: gate_up [E, 2I, H] must not be square (2I != H).
     "qwen3_vl_moe": {"text_config": {"moe_intermediate_size": 8}},
     # num_layers is the stage count (len(depths)), so the generic shrink cut the 4-stage num_heads list to 2
@@ -748,6 +768,13 @@ def build(candidate: Candidate, *, seed: int = 0) -> Any:
 
     cls = getattr(transformers, candidate.class_name)
     config_class = cls.config_class if cls.config_class is not None else CONFIG_MAPPING[candidate.model_type]
+    if (
+        getattr(config_class, "model_type", None) != candidate.model_type
+        and candidate.model_type in CONFIG_MAPPING
+    ):
+        # A model type served by another family's classes (exaone by Llama's, sarvam_moe by
+        # GLM-4-MoE's): its own config, so that the model carries its model_type and mapping.
+        config_class = CONFIG_MAPPING[candidate.model_type]
     config = tiny_config(config_class, **OVERRIDES.get(candidate.model_type, {}))
     with torch.device("meta"):
         probe = cls(config)
