@@ -35,7 +35,8 @@ MODELS: dict[str, dict[str, int]] = {
 def _build(name: str, dtype: torch.dtype) -> nn.Module:
     import transformers  # optional: only this benchmark needs it
 
-    config = transformers.LlamaConfig(
+    config_cls: Any = transformers.LlamaConfig  # its typed signature does not list every kwarg it takes
+    config = config_cls(
         **MODELS[name],
         tie_word_embeddings=True,
         attn_implementation="sdpa",
