@@ -44,7 +44,8 @@ def _build(name: str, dtype: torch.dtype) -> nn.Module:
         pad_token_id=0,
     )
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+    model: nn.Module = transformers.LlamaForCausalLM(config)
+    return model.to(dtype).eval()
 
 
 def _generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
