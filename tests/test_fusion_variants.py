@@ -46,8 +46,8 @@ def _fused() -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     model = nn.Sequential(_CachedAttention()).eval()
     reference = copy.deepcopy(model)
-    apply_fusions(model, {"qkv": True})
-    assert isinstance(model[0], FusedModule)
+    plan = apply_fusions(model, {"qkv": True})
+    assert isinstance(model[0], FusedModule), str(plan)
     return model, reference
 
 
@@ -96,3 +96,16 @@ def test_a_pickled_fused_module_keeps_the_default_case_and_refuses_the_others() 
 def test_variants_name_their_case() -> None:
     assert str(Variant(True, frozenset({"cache"}))) == "train, cache given"
     assert str(Variant(False)) == "eval, no state argument given"
+
+
+def test_a_deep_copy_owns_its_graphs_and_follows_its_own_mode() -> None:
+    model, reference = _fused()
+    clone = copy.deepcopy(model)
+    assert clone[0].variants is not None and model[0].variants is not None
+    for variant, graph in clone[0].variants.graphs.items():
+        assert graph is not model[0].variants.graphs[variant]
+    clone.train()
+    reference.train()
+    assert model[0].training is False
+    assert "2.0" in clone[0].code and "2.0" not in model[0].code
+    assert torch.equal(clone(X), reference(X))

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -153,8 +154,12 @@ class FusedModule(fx.GraphModule):
         res._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
         table = self.variants
         if table is not None:
-            # The compiled forwards take the module as ``self``: the copy shares them.
-            object.__setattr__(res, "_variants", table)
+            # The compiled forwards take the module as ``self``: the copy shares them; it owns
+            # copies of the graphs (its own ``graph`` for the case that is the original's).
+            graphs = {
+                v: res.graph if g is self.graph else copy.deepcopy(g, memo) for v, g in table.graphs.items()
+            }
+            object.__setattr__(res, "_variants", dataclasses.replace(table, graphs=graphs))
             res.recompile()
         return res  # type: ignore[return-value]
 
