@@ -100,7 +100,7 @@ class FusedModule(fx.GraphModule):
         :attr:`graph`); each call runs the forward of its case (see :mod:`surgery.fusion.variants`)."""
         table = VariantTable.build(graphs, class_name=type(self).__name__, reads_training=reads_training)
         object.__setattr__(self, "_variants", table)
-        self.recompile()
+        type(self).forward = _forward_of_its_case  # type: ignore[method-assign]
 
     @property
     def variants(self) -> VariantTable | None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from torch import fx
+from torch.fx.graph import PythonCode
 
 from ..errors import FusionError
 
@@ -81,10 +82,10 @@ class TracedVariants(Protocol):
 _compiled = itertools.count()
 
 
-def compile_forward(graph: fx.Graph, *, name: str) -> Callable[..., Any]:
-    """The ``forward(self, ...)`` function ``graph`` generates, like :class:`torch.fx.GraphModule`'s,
-    with its source registered in :mod:`linecache` so tracebacks show the generated lines."""
-    code = graph.python_code(root_module="self")
+def compile_forward(code: PythonCode, *, name: str) -> Callable[..., Any]:
+    """The ``forward(self, ...)`` function of a graph's generated ``code``
+    (``graph.python_code(root_module="self")``), as :class:`torch.fx.GraphModule` makes it, with its
+    source registered in :mod:`linecache` so tracebacks show the generated lines."""
     filename = f"<surgery fused forward {next(_compiled)}: {name}>"
     linecache.cache[filename] = (len(code.src), None, code.src.splitlines(keepends=True), filename)
     namespace = dict(code.globals)
@@ -123,10 +124,10 @@ class VariantTable:
         by_code: dict[str, Callable[..., Any]] = {}
         compiled: dict[Variant, Callable[..., Any]] = {}
         for variant, graph in graphs.items():
-            src = graph.python_code(root_module="self").src
-            if src not in by_code:
-                by_code[src] = compile_forward(graph, name=f"{class_name} ({variant})")
-            compiled[variant] = by_code[src]
+            code = graph.python_code(root_module="self")
+            if code.src not in by_code:
+                by_code[code.src] = compile_forward(code, name=f"{class_name} ({variant})")
+            compiled[variant] = by_code[code.src]
         forwards: dict[Variant, Callable[..., Any]] = {}
         for variant in every_variant(training=first.training, reads_training=True, optional=optional):
             traced = variant if reads_training else Variant(first.training, variant.given)
