@@ -24,7 +24,9 @@ outputs feed, so ``wq/wk/wv`` and ``w1/w3`` are found as well as ``q_proj`` and 
   ``qkv_proj`` in call order;
 * ``gate_up``: two siblings of equal width whose outputs meet in one product with an
   activation on one side (``act(gate(x)) * up(x)``), fused as ``gate_up_proj`` with the
-  activated one first (transformers' and vLLM's ``gate_up_proj`` row order);
+  activated one first (transformers' and vLLM's ``gate_up_proj`` row order). The activation is
+  recognised by what it does, not by its name: any module, function or method applied element
+  by element to that one output (:func:`surgery.fusion.matching.is_elementwise`);
 * ``sibling_linears``: every group, fused in call order under the siblings' names joined
   (``q_k_v_proj`` for ``q_proj``/``k_proj``/``v_proj``, ``w1_w3`` otherwise).
 
@@ -46,7 +48,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 
 from surgery import WeightConverter, ops
@@ -59,7 +60,13 @@ from surgery.fusion import (
     register_leaf_function,
     trace_module,
 )
-from surgery.fusion.matching import child_problem, child_reads, is_passthrough, reads_only_metadata
+from surgery.fusion.matching import (
+    child_problem,
+    child_reads,
+    is_elementwise,
+    is_passthrough,
+    reads_only_metadata,
+)
 from surgery.parallel import local_split_sizes
 from surgery.transforms import WeightTransform
 
@@ -80,34 +87,6 @@ _LAYOUT_METHODS = frozenset(
 _INPLACE_OPERATORS = frozenset(
     {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv}
 )
-_ACTIVATION_FUNCTIONS = frozenset(
-    {
-        F.silu,
-        F.gelu,
-        F.relu,
-        F.mish,
-        F.elu,
-        F.leaky_relu,
-        F.hardswish,
-        F.softplus,
-        torch.sigmoid,
-        torch.tanh,
-        torch.relu,
-    }
-)
-_ACTIVATION_MODULES = (
-    nn.SiLU,
-    nn.GELU,
-    nn.ReLU,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.Mish,
-    nn.ELU,
-    nn.LeakyReLU,
-    nn.Hardswish,
-    nn.Softplus,
-)
-_ACTIVATION_METHODS = frozenset({"sigmoid", "tanh", "relu"})
 _MUL = frozenset({operator.mul, torch.mul})
 
 
@@ -151,18 +130,6 @@ def _joined_name(names: Sequence[str]) -> str:
         if suffix.startswith("_") and all(n.endswith(suffix) and len(n) > len(suffix) for n in names):
             return "_".join(n[: -len(suffix)] for n in names) + suffix
     return "_".join(names)
-
-
-def _is_activation(node: fx.Node, module: nn.Module) -> bool:
-    if node.op == "call_function":
-        return node.target in _ACTIVATION_FUNCTIONS
-    if node.op == "call_method":
-        return node.target in _ACTIVATION_METHODS
-    if node.op == "call_module":
-        child = module.get_submodule(str(node.target))
-        # transformers' activations (ACT2FN) are modules named ``...Activation`` besides torch's own.
-        return isinstance(child, _ACTIVATION_MODULES) or type(child).__name__.endswith("Activation")
-    return False
 
 
 _ALIASING_METHODS = frozenset(
@@ -448,7 +415,7 @@ class SiblingLinearsFusion(FusionSpec):
             )
         for gate, up in ((a, b), (b, a)):
             for act in nodes[gate].users:
-                if not _is_activation(act, module) or act.args[:1] != (nodes[gate],):
+                if not is_elementwise(act, nodes[gate], module, like=linears[gate].weight):
                     continue
                 for product in act.users:
                     if (

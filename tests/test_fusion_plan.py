@@ -135,7 +135,9 @@ def test_nothing_compatible_found_says_what_was_looked_for():
     model = nn.Sequential(nn.Linear(2, 2))
     plan = preview_fusions(model, ON)
     message = plan.messages["patch_embeddings"]
-    assert "no module path matched" in message and "(-1, C, T, P, P)" in message and "'modules'" in message
+    assert (
+        "no module whose path matches" in message and "(-1, C, T, P, P)" in message and "'modules'" in message
+    )
     with pytest.raises(FusionError, match="Nothing compatible found"):
         preview_fusions(model, ON, strict=True)
 

@@ -15,8 +15,12 @@ float32 and bfloat16: the projections unfused (five ``nn.Linear`` calls), fused 
 their splits) and the floor (two bare ``F.linear`` of the fused weights), and the whole layer
 forward unfused and fused. Then preview and apply on a 32-layer decoder built on ``meta``.
 
+Part 4 (``--part generate``, not part of ``all``; needs transformers) times ``generate()`` of a
+tiny and a ~100M transformers Llama, unfused and fused, in float32 and bfloat16
+(:mod:`surgery.bench.generation`).
+
 Run it with ``python -m surgery.bench.fusion`` (``--device cuda`` on a GPU machine;
-``--part patch|siblings`` runs one part).
+``--part patch|siblings|generate`` runs one part).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from ..examples.layers import DecoderLayer
 from ..examples.vision import build_vision_tower, example_pixel_values
 from ..fusion import apply_fusions, preview_fusions
 from . import parser, positive_int
+from .generation import run_generate
 
 __all__ = ["main", "run", "run_siblings"]
 
@@ -295,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--part",
-        choices=("all", "patch", "siblings"),
+        choices=("all", "patch", "siblings", "generate"),
         default="all",
         help="which fusions to time (default all)",
     )
@@ -303,7 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--intermediate", type=positive_int, default=5632, help="decoder MLP width (siblings part)"
     )
+    p.add_argument("--new-tokens", type=positive_int, default=32, help="tokens to generate (generate part)")
     args = p.parse_args(argv)
+    if args.part == "generate":
+        run_generate(new_tokens=args.new_tokens, rounds=args.repeat)
     if args.part in ("all", "patch"):
         run(
             patches=args.patches,

@@ -8,6 +8,8 @@ Map of the package:
   the ``surgery.catalogs`` entry points.
 * ``config``: :func:`validate_fusion_config` (``{"patch_embeddings": True}``, ``{"name": {...}}``).
 * ``tracing``: :func:`trace_module` and what lets real model code trace (leaf functions, ...).
+* ``variants``: one traced graph per case a forward branches on (train/eval, a cache given or
+  ``None``), and the choice among them at each call.
 * ``rewrite``: the on-the-side rewrite and :class:`FusedModule`.
 * ``plan``: :class:`FusionPlan`, rendered as text, dict, Mermaid or DOT.
 * ``apply``: :func:`preview_fusions`, :func:`apply_fusions` and the record the loader and saver

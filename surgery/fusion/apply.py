@@ -352,7 +352,7 @@ def _strict_failure(fusion: str, candidate: FusionCandidate) -> FusionError:
 def _nothing_found(fusion: EnabledFusion, n_candidates: int) -> str:
     patterns = list(fusion.spec.candidate_patterns(fusion.options))
     where = (
-        f"no module path matched {patterns}"
+        f"no module whose path matches {patterns} has the structure it looks for"
         if n_candidates == 0
         else f"none of the {n_candidates} candidate(s) matching {patterns} could be fused"
     )

@@ -3,11 +3,13 @@
 ``torch.fx.subgraph_rewriter`` cannot match patterns that contain ``call_module`` nodes (pytorch
 issue #139163), so a spec walks the dataflow around a module call itself with these helpers:
 recognise reshapes (``x.view(...)``, ``x.reshape(...)``, ``torch.reshape``), flattens, and the
-shape-preserving casts a forward often puts in between (``.to(dtype)``, ``.contiguous()``).
+shape-preserving casts a forward often puts in between (``.to(dtype)``, ``.contiguous()``), and
+calls that apply a function element by element (:func:`is_elementwise`: an activation).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ __all__ = [
     "child_problem",
     "child_reads",
     "flattens_to_width",
+    "is_elementwise",
     "is_passthrough",
     "reads_only_metadata",
     "reshape_shape",
@@ -154,3 +157,62 @@ def reads_only_metadata(node: fx.Node) -> bool:
         and u.args[1] in PARAMETER_METADATA
         for u in node.users
     )
+
+
+_PROBE_WIDTH = 8
+
+
+def is_elementwise(node: fx.Node, source: fx.Node, module: nn.Module, *, like: torch.Tensor) -> bool:
+    """Whether ``node`` applies a function to ``source`` alone, element by element (an activation).
+
+    Decided by what the call does, not by its name: ``node`` must take ``source`` as its only
+    traced input (other arguments constant), and, run on a probe tensor, give an output of the
+    probe's shape in which each element depends only on the probe's element at the same place
+    (changing half of the probe leaves the other half of the output as it was). A softmax, a norm
+    or a projection fails that; any activation in transformers' ``ACT2FN`` passes. The probe has
+    ``like``'s dtype and device (CPU for ``meta``, with meta parameters of a child module given
+    values on a copy); the random state of the process is left as it was.
+    """
+    inputs = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
+    if inputs != [source] or node.args[:1] != (source,):
+        return False
+    fn = _probe_callable(node, module)
+    if fn is None:
+        return False
+    device = torch.device("cpu") if like.device.type == "meta" else like.device
+    dtype = like.dtype if like.dtype.is_floating_point else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)
+    probe = torch.randn(2, _PROBE_WIDTH, generator=gen, device=device).to(dtype)
+    changed = probe.clone()
+    half = torch.arange(_PROBE_WIDTH, device=device) % 2 == 0
+    changed[:, half] = torch.randn(2, int(half.sum()), generator=gen, device=device).to(dtype)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            out, again, out_changed = fn(probe), fn(probe.clone()), fn(changed)
+    except Exception:
+        return False  # it does not run on one tensor alone: not an elementwise function of it
+    tensors = (out, again, out_changed)
+    if not all(isinstance(t, torch.Tensor) and t.shape == probe.shape for t in tensors):
+        return False
+    return torch.equal(out, again) and torch.equal(out[:, ~half], out_changed[:, ~half])
+
+
+def _probe_callable(node: fx.Node, module: nn.Module) -> Any:
+    """``node``'s call as a function of its first argument, or ``None`` when it is no call."""
+    rest, kwargs = node.args[1:], dict(node.kwargs)
+    if node.op == "call_function":
+        target = node.target
+        return lambda t: target(t, *rest, **kwargs)  # type: ignore[operator]
+    if node.op == "call_method":
+        return lambda t: getattr(t, str(node.target))(*rest, **kwargs)
+    if node.op == "call_module":
+        child = module.get_submodule(str(node.target))
+        if any(t.is_meta for t in (*child.parameters(), *child.buffers())):
+            child = copy.deepcopy(child).to_empty(device="cpu")
+            for t in (*child.parameters(), *child.buffers()):
+                if t.is_floating_point():
+                    with torch.no_grad():
+                        t.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+        # ``forward`` itself: a probe must not run the hooks a user registered on the child.
+        return lambda t: child.forward(t, *rest, **kwargs)
+    return None

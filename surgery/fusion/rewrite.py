@@ -12,8 +12,9 @@
 from __future__ import annotations
 
 import copy
-import inspect
+import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 from torch import fx, nn
@@ -21,7 +22,8 @@ from torch import fx, nn
 from ..errors import FusionError
 from .plan import SKIPPED, WOULD_FUSE, FusionCandidate, GraphSnapshot, tensor_infos
 from .spec import FusionSpec, GraphRewrite
-from .tracing import SELF_ATTRIBUTE, TRACE_LOCK, trace_module
+from .tracing import SELF_ATTRIBUTE, optional_arguments, reads_training, trace_module
+from .variants import Variant, VariantTable, every_variant
 
 __all__ = ["NOTHING_HERE", "NO_MATCH", "FusedModule", "build_fused_module", "examine_candidate"]
 
@@ -44,30 +46,25 @@ _HOOK_DICTS = (
 )
 
 
-def _reads_training(module: nn.Module) -> bool:
-    forward = inspect.unwrap(type(module).forward)
-    code = getattr(forward, "__code__", None)
-    return code is not None and "training" in code.co_names
-
-
-def _other_mode_trace(module: nn.Module, graph: fx.Graph, constants: dict[str, Any]) -> fx.Graph | None:
-    """The graph of ``module`` traced in the other train/eval mode, when its forward reads
-    ``self.training`` and the two graphs differ (``dropout=0.0 if not self.training else p`` is
-    evaluated while tracing); else ``None``. The module's mode is put back."""
-    if not _reads_training(module):
-        return None
-    mode = module.training
-    with TRACE_LOCK:
-        object.__setattr__(module, "training", not mode)
-        try:
-            other, other_constants = trace_module(module)
-        finally:
-            object.__setattr__(module, "training", mode)
-    if other.python_code(root_module="self").src == graph.python_code(root_module="self").src:
-        return None
-    if set(other_constants) - set(constants):
-        raise FusionError("its train-mode and eval-mode graphs read different tensor constants")
-    return other
+def _variant_traces(module: nn.Module, graph: fx.Graph, constants: dict[str, Any]) -> dict[Variant, fx.Graph]:
+    """The graph of every other case ``module``'s forward branches on (the other mode when it reads
+    ``self.training``; each optional state argument given or ``None``), traced as ``graph`` was.
+    Cases whose code equals ``graph``'s are left out; the module's mode is put back."""
+    optional = optional_arguments(module)
+    training = reads_training(module)
+    if not optional and not training:
+        return {}
+    main_src = graph.python_code(root_module="self").src
+    out: dict[Variant, fx.Graph] = {}
+    for variant in every_variant(training=module.training, reads_training=training, optional=optional)[1:]:
+        other, other_constants = trace_module(module, variant=variant)
+        if set(other_constants) - set(constants):
+            raise FusionError(
+                f"its graphs for {variant} and the default case read different tensor constants"
+            )
+        if other.python_code(root_module="self").src != main_src:
+            out[variant] = other
+    return out
 
 
 def module_hooks(module: nn.Module) -> list[str]:
@@ -98,32 +95,78 @@ class FusedModule(fx.GraphModule):
     def surgery_self(self, value: object) -> None:
         pass  # GraphModule copies every get_attr target; this one always answers with the module
 
-    def set_mode_graphs(self, graphs: dict[bool, fx.Graph]) -> None:
-        """Keep one graph per mode (``True``: training) for a forward that branches on
-        ``self.training``; :meth:`train` switches to the graph of the new mode."""
-        object.__setattr__(self, "_mode_graphs", dict(graphs))
+    def set_variants(self, graphs: dict[Variant, fx.Graph], *, reads_training: bool) -> None:
+        """Keep one graph per case the forward branches on (the first: the default case, which is
+        :attr:`graph`); each call runs the forward of its case (see :mod:`surgery.fusion.variants`)."""
+        table = VariantTable.build(graphs, class_name=type(self).__name__, reads_training=reads_training)
+        object.__setattr__(self, "_variants", table)
+        type(self).forward = _forward_of_its_case  # type: ignore[method-assign]
+
+    @property
+    def variants(self) -> VariantTable | None:
+        """The graph and forward of every case, or ``None`` when the forward has one case only."""
+        return self.__dict__.get("_variants")
+
+    def forward_for(self, variant: Variant) -> Callable[..., Any]:
+        table = self.variants
+        if table is None:
+            return type(self).forward  # type: ignore[no-any-return]
+        return table.forwards[variant]
+
+    def optional_arguments(self) -> tuple[str, ...]:
+        table = self.variants
+        return tuple(name for name, _ in table.slots) if table is not None else ()
+
+    def reads_training(self) -> bool:
+        table = self.variants
+        return table is not None and table.reads_training
+
+    def recompile(self) -> Any:
+        code = super().recompile()
+        # GraphModule installs the code of ``graph`` as the forward of this instance's own class;
+        # with several cases, a forward that picks the case of each call takes its place.
+        if self.__dict__.get("_variants") is not None:
+            type(self).forward = _forward_of_its_case  # type: ignore[method-assign]
+        return code
 
     def train(self, mode: bool = True) -> FusedModule:
         super().train(mode)
-        graphs = self.__dict__.get("_mode_graphs")
-        if graphs and graphs.get(mode) is not None and graphs[mode] is not self.graph:
-            self.graph = graphs[mode]
+        table = self.variants
+        graph = table.graph_for(Variant(mode)) if table is not None and table.reads_training else None
+        if graph is not None and graph is not self.graph:
+            self.graph = graph  # what ``code`` and ``graph`` show follows the mode
         return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # torch.fx pickles the generated code of ``graph`` only: the default case. The compiled
+        # forwards of the other cases do not pickle; the unpickled module checks, as torch.fx
+        # does, that it is called in the default case.
+        rebuild, (body, imports) = super().__reduce__()
+        body.pop("_variants", None)
+        return rebuild, (body, imports)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FusedModule:
         res = super().__deepcopy__(memo)
-        graphs = self.__dict__.get("_mode_graphs")
-        if graphs:
-            copies = {
-                m: (res.graph if g is self.graph else copy.deepcopy(g, memo)) for m, g in graphs.items()
-            }
-            object.__setattr__(res, "_mode_graphs", copies)
         res.__class__.__name__ = type(self).__name__  # GraphModule.__init__ resets it
         for key in self.__dict__.get("_fusion_attrs", ()):
             object.__setattr__(res, key, copy.deepcopy(self.__dict__[key], memo))
         object.__setattr__(res, "_fusion_attrs", self.__dict__.get("_fusion_attrs", ()))
         res._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
+        table = self.variants
+        if table is not None:
+            # The compiled forwards take the module as ``self``: the copy shares them; it owns
+            # copies of the graphs (its own ``graph`` for the case that is the original's).
+            graphs = {
+                v: res.graph if g is self.graph else copy.deepcopy(g, memo) for v, g in table.graphs.items()
+            }
+            object.__setattr__(res, "_variants", dataclasses.replace(table, graphs=graphs))
+            res.recompile()
         return res  # type: ignore[return-value]
+
+
+def _forward_of_its_case(self: FusedModule, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a fused module with several cases: run the code of the case this call is."""
+    return self.__dict__["_variants"].select(self.training, args, kwargs)(self, *args, **kwargs)
 
 
 _PLAIN = (int, float, str, bool, type(None), tuple, frozenset)
@@ -261,7 +304,7 @@ def examine_candidate(
         return entry, None
     try:
         graph, constants = trace_module(module)
-        other = _other_mode_trace(module, graph, constants)
+        others = _variant_traces(module, graph, constants)
     except FusionError as exc:
         entry.reason = f"untraceable: {exc}"
         return entry, None
@@ -270,17 +313,17 @@ def examine_candidate(
     if not matches:
         entry.reason = f"{NO_MATCH}{reason}"
         return entry, None
-    other_matches: list[Any] = []
-    if other is not None:
-        other_matches, _ = spec.find_matches(module, other)
-        if [type(m) for m in other_matches] != [type(m) for m in matches] or [
-            m.description for m in other_matches
-        ] != [m.description for m in matches]:
+    other_matches: dict[Variant, list[Any]] = {}
+    for variant, other in others.items():
+        found, _ = spec.find_matches(module, other)
+        if [(type(m), m.description) for m in found] != [(type(m), m.description) for m in matches]:
             entry.reason = (
-                "untraceable: forward depends on self.training and the pattern differs between train and "
-                "eval mode; fuse a module whose forward does not branch on it"
+                f"untraceable: the pattern differs between the default case and {variant} (its forward "
+                "branches on the mode or on an optional state argument such as a cache); fuse a module "
+                "whose forward does the same projections in every case"
             )
             return entry, None
+        other_matches[variant] = found
     try:
         transforms = spec.make_transforms(path, module, matches)
         rewrite = spec.rewrite(module, graph, matches, materialize=materialize)
@@ -288,10 +331,13 @@ def examine_candidate(
         fused = build_fused_module(
             module, graph, rewrite, constants, class_name=spec.fused_class_name(module), fusion=fusion
         )
-        if other is not None:
-            spec.rewrite(module, other, other_matches, materialize=False)  # the graph only: same children
-            other.lint()
-            fused.set_mode_graphs({module.training: fused.graph, not module.training: other})
+        if others:
+            for variant, other in others.items():
+                spec.rewrite(module, other, other_matches[variant], materialize=False)  # the graph only
+                other.lint()
+            fused.set_variants(
+                {Variant(module.training): fused.graph, **others}, reads_training=reads_training(module)
+            )
     except FusionError:
         raise
     except Exception as exc:

@@ -11,11 +11,11 @@ failing the trace (never guessing) where its assumption does not hold:
   while the trace runs, where the forward can reach it: the forward's globals, and the attention
   registries of transformers when that library is loaded. Outside a trace the wrapper calls the
   original, so another thread running a model meanwhile is not affected.
-* **Arguments that are None in inference.** A forward parameter named in
-  :data:`NONE_IN_INFERENCE` (caches: ``past_key_values``, ``cache``, ``cache_position`` ...) whose
-  default is ``None`` is traced as ``None``; torch.fx keeps the parameter and checks at run time
-  that it is still ``None``, so a fused module called with a cache fails loudly instead of
-  ignoring it. Add names with :func:`register_none_argument`.
+* **Optional state arguments.** A forward parameter named in :data:`NONE_IN_INFERENCE` (caches:
+  ``past_key_values``, ``cache``, ``cache_position`` ...) whose default is ``None`` is traced as
+  ``None`` or as a value, as the ``variant`` asks (:mod:`surgery.fusion.variants` keeps one graph
+  per case); traced as ``None``, torch.fx checks at run time that it still is. Add names with
+  :func:`register_none_argument`.
 * **Unpacking a shape.** ``(*x.shape[:-1], -1, d)`` and ``y.reshape(*shape, -1)`` become a node
   that builds the tuple at run time. Any other iteration of a traced value (a ``for`` loop,
   ``len``, ``tuple(...)``) fails as in torch.fx. Limit: ``len()`` or indexing of such a tuple in
@@ -49,6 +49,7 @@ import torch
 from torch import fx, nn
 
 from ..errors import FusionError
+from .variants import TracedVariants, Variant
 
 __all__ = [
     "NONE_IN_INFERENCE",
@@ -57,7 +58,10 @@ __all__ = [
     "TRANSPARENT_DECORATOR_MODULES",
     "FusionTracer",
     "check_inference_state",
+    "check_none",
     "leaf_functions",
+    "optional_arguments",
+    "reads_training",
     "register_leaf_function",
     "register_none_argument",
     "restore_tracing_state",
@@ -66,7 +70,8 @@ __all__ = [
 ]
 
 NONE_IN_INFERENCE: set[str] = {"past_key_value", "past_key_values", "layer_past", "cache", "cache_position"}
-"""Forward parameters traced as ``None`` when their default is ``None`` (extend with :func:`register_none_argument`)."""
+"""Forward parameters that are optional state when their default is ``None``: traced once as ``None`` and
+once as a value (extend with :func:`register_none_argument`)."""
 
 SELF_ATTRIBUTE = "surgery_self"
 """The attribute a traced graph reads when the forward passes the module itself to a leaf function
@@ -96,7 +101,8 @@ def register_leaf_function(fn: Callable[..., Any]) -> None:
 
 
 def register_none_argument(name: str) -> None:
-    """Trace forward parameters called ``name`` as ``None`` when their default is ``None``."""
+    """Treat forward parameters called ``name`` that default to ``None`` as optional state: a fusion
+    traces the forward with it ``None`` and with a value, and runs the graph of the case each call is."""
     if not isinstance(name, str) or not name.isidentifier():
         raise FusionError(f"register_none_argument needs a parameter name, got {name!r}.")
     with _LOCK:
@@ -136,12 +142,14 @@ def _recording(fn: Callable[..., Any], *, record: Callable[..., Any] | None = No
 # fusion on it), so they are leaves of that trace too.
 @_recording
 def check_inference_state(kwargs: Mapping[str, Any], names: tuple[str, ...]) -> None:
-    """Fail when ``**kwargs`` hold a non-None cache that the trace took as ``None`` (``past_key_values=``
-    under a deprecated spelling would otherwise be passed on and ignored)."""
+    """Fail when ``**kwargs`` hold a cache under a name the forward does not take (a deprecated
+    spelling its decorator renamed): passed on to the attention kernel, it would be ignored."""
     given = [n for n in names if kwargs.get(n) is not None]
     if given:
         raise AssertionError(
-            f"{given} were specialized to have value None when this module was fused; run it without a cache"
+            f"{given} reached this fused module in **kwargs, where nothing reads them (the forward's "
+            "decorator that renamed a deprecated spelling is not part of a fused module); pass the cache "
+            "under the parameter name of the forward"
         )
 
 
@@ -191,6 +199,15 @@ def leaf_functions(fn_globals: Mapping[str, Any] | None = None) -> list[Callable
 
 
 # ---------------------------------------------------------------------- run-time helpers
+@_recording
+def check_none(value: Any, message: str) -> None:
+    """torch.fx's check that an argument traced as ``None`` still is, as a function of this module:
+    torch.fx's own is registered with ``torch.fx.wrap`` when a pickled graph is loaded, under a
+    dotted name no namespace has, which breaks every later trace in the process."""
+    if value is not None:
+        raise AssertionError(message)
+
+
 @_recording
 def splice(*pieces: tuple[Any, ...]) -> tuple[Any, ...]:
     """``(*a, -1, d)`` at run time: the concatenation of ``pieces`` (each a tuple)."""
@@ -429,11 +446,12 @@ def _opnames(code: types.CodeType) -> dict[int, str]:
     return {inst.offset: inst.opname for inst in dis.get_instructions(code)}
 
 
-def _twin(module: nn.Module) -> nn.Module:
+def _twin(module: nn.Module, variant: Variant) -> nn.Module:
     """``module`` itself, or, when its ``forward`` is decorated, a twin sharing its state whose
-    class has the undecorated ``forward`` (the decorator's ``*args, **kwargs`` cannot be traced)."""
+    class has the undecorated ``forward`` (the decorator's ``*args, **kwargs`` cannot be traced);
+    for a module that runs one forward per case (a fused module), the forward of ``variant``."""
     cls = type(module)
-    inner = cls.forward
+    inner = module.forward_for(variant) if isinstance(module, TracedVariants) else cls.forward
     while hasattr(inner, "__wrapped__"):
         # functools.wraps copies the wrapped function's names: where the wrapper's code lives says who wrote it.
         code = getattr(inner, "__code__", None)
@@ -452,21 +470,48 @@ def _twin(module: nn.Module) -> nn.Module:
     return twin
 
 
-def _none_arguments(fn: Callable[..., Any]) -> dict[str, None]:
+def _none_arguments(fn: Callable[..., Any]) -> list[str]:
     with _LOCK:
         names = set(NONE_IN_INFERENCE)
     params = inspect.signature(fn).parameters
-    return {
-        name: None
+    return [
+        name
         for name, p in params.items()
         if name in names
         and p.default is None
         and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    }
+    ]
 
 
-def trace_module(module: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
+def _undecorated_forward(module: nn.Module) -> Callable[..., Any]:
+    forward = type(module).forward
+    while hasattr(forward, "__wrapped__"):
+        forward = forward.__wrapped__
+    return forward
+
+
+def optional_arguments(module: nn.Module) -> tuple[str, ...]:
+    """The forward parameters of ``module`` that are optional state (a name in
+    :data:`NONE_IN_INFERENCE` defaulting to ``None``): the cases its forward may branch on."""
+    if isinstance(module, TracedVariants):
+        return module.optional_arguments()
+    return tuple(_none_arguments(_undecorated_forward(module)))
+
+
+def reads_training(module: nn.Module) -> bool:
+    """Whether the forward of ``module`` reads ``self.training`` (so train and eval may trace differently)."""
+    if isinstance(module, TracedVariants):
+        return module.reads_training()
+    code = getattr(_undecorated_forward(module), "__code__", None)
+    return code is not None and "training" in code.co_names
+
+
+def trace_module(module: nn.Module, *, variant: Variant | None = None) -> tuple[fx.Graph, dict[str, Any]]:
     """Trace ``module`` alone with :class:`FusionTracer`, leaving it exactly as it was.
+
+    ``variant`` (default: the module's current mode, no optional state argument given) says which
+    case to trace: the mode set while tracing, and which optional state arguments
+    (:func:`optional_arguments`) are traced as values instead of ``None``.
 
     Returns:
         ``(graph, constants)``: ``constants`` are the tensor constants the graph reads through
@@ -479,16 +524,22 @@ def trace_module(module: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
     before = dict(module.__dict__)
     added: dict[str, Any] = {}
     try:
-        root = _twin(module)
+        variant = variant or Variant(module.training)
+        root = _twin(module, variant)
         forward = type(root).forward
         tracer = FusionTracer()
         tracer.root_code = forward.__code__
-        none_args = _none_arguments(forward)
+        none_args = {n: None for n in _none_arguments(forward) if n not in variant.given}
+        mode = module.training
         try:
             # One trace at a time: torch.fx patches nn.Module.__call__ process-wide while it traces,
             # and two traces patching the same registries would restore each other's wrappers.
             with TRACE_LOCK, _leaves_patched(forward.__globals__):
-                graph = tracer.trace(root, concrete_args=none_args or None)
+                object.__setattr__(module, "training", variant.training)
+                try:
+                    graph = tracer.trace(root, concrete_args=none_args or None)
+                finally:
+                    object.__setattr__(module, "training", mode)
         finally:
             # torch.fx parks tensor constants on the traced root; a forward may also assign
             # attributes (``self.last_len = x.shape[1]``). Put the module back exactly as it was.
@@ -511,6 +562,8 @@ def trace_module(module: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
             f"torch.fx could not trace {type(module).__name__}.forward: {_reason(exc)}"
         ) from exc
     for node in list(graph.nodes):
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_is_none":
+            node.target = check_none
         if (
             node.op == "placeholder"
             and str(node.target).endswith("_1")
@@ -530,14 +583,16 @@ def trace_module(module: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
 
 
 def _guard_forwarded_kwargs(graph: fx.Graph) -> None:
-    """After the placeholders, check that ``**kwargs`` carry no cache the trace took as ``None``."""
+    """After the placeholders, check that ``**kwargs`` carry no cache under a name the forward does not
+    take. ``cache_position`` is not checked: it holds positions, and transformers passes it on to
+    attention kernels in ``**kwargs``, as a fused module does."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     star = next((n for n in placeholders if str(n.target).startswith("**")), None)
     already = any(n.op == "call_function" and n.target is check_inference_state for n in graph.nodes)
     if star is None or already:
         return
     with _LOCK:
-        names = tuple(sorted(NONE_IN_INFERENCE))
+        names = tuple(sorted(NONE_IN_INFERENCE - {"cache_position"}))
     with graph.inserting_after(placeholders[-1]):
         graph.call_function(check_inference_state, (star, names))
 

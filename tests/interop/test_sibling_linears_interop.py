@@ -5,8 +5,8 @@ Each model is built tiny, saved by transformers in its own (original) layout, an
 the unfused model's, and saving in the original layout gives back transformers' file byte for
 byte. The attention modules trace although their forwards are decorated, unpack shapes
 (``(*input_shape, -1, d)``), take ``**kwargs`` and call an attention kernel through
-``ALL_ATTENTION_FUNCTIONS`` (a leaf of the trace). Caches are traced as ``None``: a fused
-attention called with a cache fails loudly.
+``ALL_ATTENTION_FUNCTIONS`` (a leaf of the trace). Running with a cache and ``generate()`` is
+tested in test_fused_generation_interop.py.
 """
 
 from __future__ import annotations
@@ -96,25 +96,19 @@ def test_fused_model_loads_transformers_checkpoint_runs_the_same_and_saves_it_ba
     assert filecmp.cmp(tmp_path / "out" / "model.safetensors", original, shallow=False)
 
 
-def test_a_fused_attention_called_with_a_cache_fails_loudly() -> None:
-    model = _build("llama", "sdpa", seed=0)
-    surgery.apply_fusions(model, {"qkv": True})
-    with pytest.raises(AssertionError, match="specialized to have value None"):
-        model(IDS, use_cache=True)
-    with torch.no_grad():
-        model(IDS, use_cache=False)  # and runs without one
-
-
-def test_a_cache_under_the_deprecated_keyword_is_refused_not_ignored() -> None:
-    """``deprecate_kwarg`` renames ``past_key_values`` to ``cache``; the fused forward takes the inner
-    signature, so the old spelling lands in ``**kwargs``, where it is checked, not passed on."""
+def test_a_cache_under_a_name_the_fused_forward_does_not_take_is_refused_not_ignored() -> None:
+    """transformers 5.25's ``deprecate_kwarg`` renames ``past_key_values`` to ``cache``; the fused
+    forward takes the inner signature, so a cache under the other spelling lands in ``**kwargs``,
+    where it is refused instead of being passed on to the attention kernel and ignored."""
     model = _build("llama", "sdpa", seed=0)
     surgery.apply_fusions(model, {"qkv": True})
     attn = model.model.layers[0].self_attn
+    taken = attn.optional_arguments()
+    other = "past_key_value" if "past_key_values" in taken else "past_key_values"
     hidden = torch.randn(1, 3, SIZES["hidden_size"])
     cos_sin = model.model.rotary_emb(hidden, torch.arange(3)[None])
-    with pytest.raises(AssertionError, match="specialized to have value None"):
-        attn(hidden, cos_sin, None, past_key_values=transformers.DynamicCache(config=model.config))
+    with pytest.raises(AssertionError, match="pass the cache under the parameter name of the forward"):
+        attn(hidden, cos_sin, None, **{other: transformers.DynamicCache(config=model.config)})
 
 
 def test_attention_dropout_follows_train_and_eval_after_fusing_in_train_mode() -> None:
