@@ -8,8 +8,9 @@ keep theirs: casting a scale would change every value it decodes).
 
 Every cast a save makes is recorded as a :class:`Cast`, with whether it changed a value: a cast
 the dtypes make exact (bfloat16 → float32) is not checked; a narrowing one (float32 → bfloat16)
-is cast back and compared, one tensor at a time, so ``lossy`` says whether *these* values
-changed, not whether some could. :class:`SavedFiles` is what a save returns: the files written,
+is cast back and compared, a million values at a time, stopping at the first changed one (in
+random weights, the first chunk), so ``lossy`` says whether *these* values changed, not whether
+some could. :class:`SavedFiles` is what a save returns: the files written,
 and its casts.
 """
 
@@ -81,13 +82,24 @@ def cast_checked(key: str, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.T
     if t.dtype == dtype:
         return t, None
     out = t.to(dtype)
-    lossy = False
-    if lossy_cast(t.dtype, dtype):  # the dtypes allow a change: did one happen here?
-        back = out.to(t.dtype)
-        lossy = not torch.equal(back, t)
-        if lossy and t.dtype.is_floating_point:  # NaN != NaN; a NaN that stays NaN is no change
-            lossy = bool(((back != t) & ~(back.isnan() & t.isnan())).any())
+    lossy = lossy_cast(t.dtype, dtype) and _changed(t, out)  # the dtypes allow a change: did one happen?
     return out, Cast(key, t.dtype, dtype, lossy)
+
+
+_CHUNK = 1 << 20
+"""Elements compared at a time: a changed value (in random weights, the first) ends the check early."""
+
+
+def _changed(t: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``out`` (``t`` cast) cast back differs from ``t`` anywhere (a NaN kept as NaN is no change)."""
+    source, cast = t.reshape(-1), out.reshape(-1)
+    for start in range(0, source.numel(), _CHUNK):
+        a, back = source[start : start + _CHUNK], cast[start : start + _CHUNK].to(t.dtype)
+        if torch.equal(back, a):
+            continue
+        if not t.dtype.is_floating_point or bool(((back != a) & ~(back.isnan() & a.isnan())).any()):
+            return True
+    return False
 
 
 class SavedFiles(list[Path]):

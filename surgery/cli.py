@@ -181,6 +181,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_preview(args: argparse.Namespace) -> int:
     from .fusion import preview_fusions
 
+    if args.full and not args.mermaid:
+        raise SurgeryError("preview --full draws every node of a --mermaid diagram: give --mermaid too.")
     model = build_model(args.model)
     plan = preview_fusions(model, _fusion_arg(args.fusion) or {"patch_embeddings": True})
     if args.json:

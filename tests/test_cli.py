@@ -409,3 +409,10 @@ def test_transformers_auto_without_transformers_installed_is_one_line(moe_checkp
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "needs transformers, which is not installed" in done.stderr
+
+
+def test_preview_full_is_for_the_mermaid_diagram(capsys) -> None:
+    assert main(["preview", "--full"]) == 2
+    assert "give --mermaid too" in _one_line_error(capsys)
+    assert main(["preview", "--mermaid", "--full"]) == 0
+    assert "not shown" not in capsys.readouterr().out

@@ -134,3 +134,15 @@ def test_a_dtype_that_is_not_a_float_to_cast_to_is_refused_before_writing(tmp_pa
     with pytest.raises(ConfigurationError, match=r"bfloat16.*docs/quantization\.md"):
         surgery.save_checkpoint(nn.Linear(2, 2), tmp_path / "out", dtype=dtype)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_change_anywhere_is_found_and_a_nan_kept_is_no_change() -> None:
+    from surgery.casting import cast_checked
+
+    exact = torch.zeros(3_000_000)
+    exact[-1] = float("nan")  # past the first chunks of the comparison
+    assert cast_checked("a", exact, torch.bfloat16)[1].lossy is False
+    changed = exact.clone()
+    changed[-2] = 1.0001
+    assert cast_checked("b", changed, torch.bfloat16)[1].lossy is True
+    assert cast_checked("c", torch.arange(5), torch.float16)[1].lossy is False  # ints below 2048: exact
