@@ -4,8 +4,8 @@ The command line needs a module tree to load a checkpoint into. For a transforme
 tree is described by its ``config.json``: :func:`transformers_model` reads it with
 ``AutoConfig``, takes the class its ``architectures`` entry names (the class that saved it, head
 included), or ``AutoModel`` where that is absent or unknown to the installed transformers, and
-builds it under :func:`~surgery.init_empty`: parameters on ``meta`` (no memory, no
-initialization), buffers computed, so the load fills in every weight.
+builds it in the config's ``dtype`` under :func:`~surgery.init_empty`: parameters on ``meta`` (no
+memory, no initialization), buffers computed, so the load fills in every weight.
 """
 
 from __future__ import annotations
@@ -58,7 +58,10 @@ def transformers_model(checkpoint: str | os.PathLike[str]) -> nn.Module:
         names = getattr(config, "architectures", None) or []
         cls = getattr(transformers, names[0], None) if names else None
         with init_empty():
-            model = cls(config) if cls is not None else transformers.AutoModel.from_config(config)
+            # _from_config: the constructor transformers' Auto classes call, in the config's dtype
+            model = (
+                cls._from_config(config) if cls is not None else transformers.AutoModel.from_config(config)
+            )
     except Exception as exc:  # whatever transformers raised about this config
         raise ConfigurationError(
             f"--model {TRANSFORMERS_AUTO}: transformers cannot build a model from {directory / 'config.json'} "

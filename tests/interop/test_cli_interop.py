@@ -39,6 +39,7 @@ def test_transformers_auto_builds_the_architecture_of_config_json_on_meta(llama_
     model = build_model("transformers:auto", checkpoint=llama_dir / "model.safetensors")
     assert type(model).__name__ == "LlamaForCausalLM"
     assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # config.json's dtype
     assert all(b.device.type == "cpu" for b in model.buffers())  # rotary inv_freq: computed, not meta
 
 
@@ -69,3 +70,10 @@ def test_convert_to_bfloat16_loads_in_transformers_as_bfloat16(
     original = load_file(llama_dir / "model.safetensors")
     for k, t in reloaded.state_dict().items():
         assert torch.equal(t, original[k].to(torch.bfloat16)), k
+
+
+def test_transformers_auto_builds_in_the_dtype_config_json_names(llama_dir: Path, tmp_path: Path) -> None:
+    config = json.loads((llama_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    model = build_model("transformers:auto", checkpoint=tmp_path)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
