@@ -14,8 +14,8 @@
 describes, built on ``meta`` (:mod:`surgery.auto_model`).
 
 Errors are one line on stderr and exit code 2 (:class:`_Parser` for arguments, :func:`main` for
-the rest: a longer message is cut to its first line, ``--verbose`` prints it whole with the
-traceback). Output into a pipe closed early (``surgery inspect X | head``) ends quietly, as a
+the rest, an unexpected exception included: a longer message is cut to its first line,
+``--verbose`` prints it whole with the traceback). Output into a pipe closed early (``surgery inspect X | head``) ends quietly, as a
 process killed by SIGPIPE does (exit code 141).
 """
 
@@ -479,6 +479,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to write at exit
         return 128 + signal.SIGPIPE  # the status of a process SIGPIPE ended, silently
+    except Exception as exc:  # not one of ours: a bug here, or torch/safetensors refusing something
+        if args.verbose:
+            traceback.print_exc()
+        where = "" if args.verbose else "; surgery --verbose ... prints the traceback"
+        print(
+            f"surgery: error: unexpected {type(exc).__name__}: {_one_line(str(exc), verbose=False)}{where}",
+            file=sys.stderr,
+        )
+        return 2
 
 
 def _one_line(message: str, *, verbose: bool) -> str:

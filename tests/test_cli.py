@@ -416,3 +416,28 @@ def test_preview_full_is_for_the_mermaid_diagram(capsys) -> None:
     assert "give --mermaid too" in _one_line_error(capsys)
     assert main(["preview", "--mermaid", "--full"]) == 0
     assert "not shown" not in capsys.readouterr().out
+
+
+def test_an_unexpected_exception_is_one_line_and_verbose_shows_its_traceback(tmp_path: Path) -> None:
+    (tmp_path / "broken.py").write_text(
+        "import torch\n"
+        "class Odd(torch.nn.Module):\n"
+        "    def named_modules(self, *args, **kwargs):\n"
+        "        raise RuntimeError('named_modules failed\\nsecond line')\n"
+        "def factory():\n"
+        "    return Odd()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{Path.cwd()}{os.pathsep}{tmp_path}"}  # this checkout's surgery
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "surgery", *args], capture_output=True, text=True, timeout=300, env=env
+        )
+
+    done = run("preview", "--model", "broken:factory")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(
+        "surgery: error: unexpected RuntimeError: named_modules failed [1 more line(s)"
+    )
+    verbose = run("--verbose", "preview", "--model", "broken:factory")
+    assert verbose.returncode == 2 and "Traceback (most recent call last)" in verbose.stderr
