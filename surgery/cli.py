@@ -38,6 +38,8 @@ from .errors import SurgeryError
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from .load import LoadReport
 # Everything that imports torch is imported by the command that needs it: ``surgery --help``
 # and argument errors answer at once.
 
@@ -254,10 +256,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    import torch
-
+    from .casting import check_save_dtype
     from .checkpoint import parse_size
     from .errors import LoadError
+    from .load import LoadReport
     from .load.loader import load_checkpoint
     from .save import save_checkpoint
 
@@ -278,11 +280,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             quantizer=_quantizer(args, args.src),
         )
     except LoadError as exc:
-        if exc.report is None:
+        if not isinstance(exc.report, LoadReport):
             raise
         where = _write_report(exc.report)
         raise SurgeryError(
-            f"convert: strict load failed, nothing written: {exc.report.summary()} (full report: {where}; "  # type: ignore[attr-defined]
+            f"convert: strict load failed, nothing written: {exc.report.summary()} (full report: {where}; "
             "--lenient saves anyway)"
         ) from exc
     print(report)
@@ -297,7 +299,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         args.dst,
         original_format=not args.runtime_layout,
         max_shard_size=args.max_shard_size,
-        dtype=getattr(torch, args.dtype) if args.dtype else None,
+        dtype=check_save_dtype(args.dtype),
     )
     if files.casts:
         print(files.summary())
@@ -305,7 +307,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_report(report: object) -> str:
+def _write_report(report: LoadReport) -> str:
     """Write a failed load's full report to a new file in the temp directory; its path."""
     fd, name = tempfile.mkstemp(prefix="surgery-convert-", suffix=".report.txt")
     with os.fdopen(fd, "w") as f:

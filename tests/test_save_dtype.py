@@ -146,3 +146,13 @@ def test_a_change_anywhere_is_found_and_a_nan_kept_is_no_change() -> None:
     changed[-2] = 1.0001
     assert cast_checked("b", changed, torch.bfloat16)[1].lossy is True
     assert cast_checked("c", torch.arange(5), torch.float16)[1].lossy is False  # ints below 2048: exact
+
+
+def test_config_dtype_fields_name_the_dtype_written_at_the_top_and_in_sub_configs() -> None:
+    from surgery.saved_config import SavedConfig, rewrite_config
+
+    source = {"torch_dtype": "float32", "text_config": {"dtype": "float32", "hidden_size": 8}}
+    written = rewrite_config(source, SavedConfig(dtype="bfloat16"))
+    assert written == {"torch_dtype": "bfloat16", "text_config": {"dtype": "bfloat16", "hidden_size": 8}}
+    assert rewrite_config({}, SavedConfig(dtype="bfloat16")) == {}  # not asked for: nothing added
+    assert rewrite_config({}, SavedConfig(dtype="bfloat16", dtype_requested=True)) == {"dtype": "bfloat16"}
