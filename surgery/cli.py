@@ -9,8 +9,14 @@
 * ``bench {route,load,fusion,graph,quantization}``: benchmarks that print ratios against a floor.
 
 ``--model`` takes a built-in example name (``example-decoder``, ``example-dense``, ``example-moe``,
-``example-vision``) or ``package.module:factory``, a zero-argument callable returning an
-``nn.Module``.
+``example-vision``), ``package.module:factory`` (a zero-argument callable returning an
+``nn.Module``), or ``transformers:auto``: the transformers model the checkpoint's ``config.json``
+describes, built on ``meta`` (:mod:`surgery.auto_model`).
+
+Errors are one line on stderr and exit code 2 (:class:`_Parser` for arguments, :func:`main` for
+the rest, an unexpected exception included: a longer message is cut to its first line,
+``--verbose`` prints it whole with the traceback). Output into a pipe closed early (``surgery inspect X | head``) ends quietly, as a
+process killed by SIGPIPE does (exit code 141).
 """
 
 from __future__ import annotations
@@ -20,20 +26,28 @@ import contextlib
 import importlib
 import json
 import os
+import signal
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .errors import SurgeryError
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from .load import LoadReport
 # Everything that imports torch is imported by the command that needs it: ``surgery --help``
 # and argument errors answer at once.
 
 __all__ = ["build_model", "main"]
+
+_TRANSFORMERS_AUTO = "transformers:auto"  # surgery.auto_model.TRANSFORMERS_AUTO, without importing torch
+_QUANTIZATIONS = ("fp8", "int8", "auto")  # surgery.quantization.QUANTIZATION_CHOICES
+_DTYPES = ("float16", "bfloat16", "float32", "float64")  # surgery.casting.SAVE_DTYPES
 
 _BENCHES = ("route", "load", "fusion", "graph", "io", "quantization")
 
@@ -70,10 +84,19 @@ _EXAMPLES: dict[str, Callable[[], nn.Module]] = {
 }
 
 
-def build_model(spec: str) -> nn.Module:
-    """Build a model from a built-in example name or ``package.module:factory``."""
+def build_model(spec: str, *, checkpoint: str | os.PathLike[str] | None = None) -> nn.Module:
+    """Build a model from a built-in example name, ``package.module:factory`` or ``transformers:auto``.
+
+    ``transformers:auto`` reads the ``config.json`` beside ``checkpoint``.
+    """
     from torch import nn
 
+    if spec == _TRANSFORMERS_AUTO:
+        from .auto_model import transformers_model
+
+        if checkpoint is None:
+            raise SurgeryError(f"--model {spec} builds the model of a checkpoint; this command reads none.")
+        return transformers_model(checkpoint)
     if spec in _EXAMPLES:
         return _EXAMPLES[spec]()
     if ":" not in spec:
@@ -111,6 +134,40 @@ def build_model(spec: str) -> nn.Module:
     return model
 
 
+def _quantizer(args: argparse.Namespace, checkpoint: str) -> object | None:
+    """The quantizer ``--quantization`` names (``None``: no option, or ``auto`` over a float checkpoint)."""
+    if args.quantization is None:
+        return None
+    from .quantization import quantizer_by_name
+
+    return quantizer_by_name(args.quantization, checkpoint)
+
+
+def _tp_plan(text: str | None) -> dict[str, Any] | str:
+    """``--tp-plan``: a JSON object (module pattern → style name); absent: the model's own (``auto``)."""
+    if text is None:
+        return "auto"
+    try:
+        plan = json.loads(text)
+    except ValueError as exc:
+        raise SurgeryError(
+            f'--tp-plan is not JSON ({exc}); give an object, e.g. \'{{"model.layers.*.mlp.up_proj": "colwise"}}\'.'
+        ) from None
+    if not isinstance(plan, dict):
+        raise SurgeryError(f"--tp-plan is a JSON {type(plan).__name__}; give an object of pattern to style.")
+    return plan
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} ranks: give 1 or more")
+    return value
+
+
 def _fusion_arg(values: Sequence[str] | None) -> dict[str, object] | None:
     if not values:
         return None
@@ -126,12 +183,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_preview(args: argparse.Namespace) -> int:
     from .fusion import preview_fusions
 
+    if args.full and not args.mermaid:
+        raise SurgeryError("preview --full draws every node of a --mermaid diagram: give --mermaid too.")
     model = build_model(args.model)
     plan = preview_fusions(model, _fusion_arg(args.fusion) or {"patch_embeddings": True})
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2, default=str))
     elif args.mermaid:
-        print(plan.to_mermaid())
+        print(plan.to_mermaid(full=args.full))
     else:
         print(plan.render())
     return 0
@@ -143,27 +202,32 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from .load.plan import fold_indices
 
     if args.model:
+        quantizer = _quantizer(args, args.path)
         if args.tp is None:
             plan = plan_load(
-                build_model(args.model),
+                build_model(args.model, checkpoint=args.path),
                 args.path,
                 fusion_config=_fusion_arg(args.fusion),
                 allow_pickle=args.allow_pickle,
+                quantizer=quantizer,
             )
             print(plan.to_json(indent=2) if args.json else plan.render())
             _unmatched_fusions(args, plan.fusions)
             return 0
-        tp_plan = json.loads(args.tp_plan) if args.tp_plan else "auto"
+        tp_plan = _tp_plan(args.tp_plan)
+        if args.tp_rank is not None and not 0 <= args.tp_rank < args.tp:
+            raise SurgeryError(f"--tp-rank {args.tp_rank}: the ranks of --tp {args.tp} are 0..{args.tp - 1}.")
         ranks = range(args.tp) if args.tp_rank is None else [args.tp_rank]
         plans = [
             plan_load(
-                build_model(args.model),
+                build_model(args.model, checkpoint=args.path),
                 args.path,
                 fusion_config=_fusion_arg(args.fusion),
                 tp_plan=tp_plan,
                 tp_size=args.tp,
                 tp_rank=r,
                 allow_pickle=args.allow_pickle,
+                quantizer=quantizer,
             )
             for r in ranks
         ]
@@ -172,6 +236,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         else:
             print("\n\n".join(p.render() for p in plans))
         return 0
+    if args.tp is not None or args.tp_plan is not None or args.quantization is not None:
+        raise SurgeryError("--tp, --tp-plan and --quantization plan a load: give --model too.")
     with open_checkpoint(args.path, allow_pickle=args.allow_pickle) as reader:
         keys = reader.keys()
         by_sig: dict[tuple[str, str], list[str]] = {}
@@ -190,7 +256,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    from .casting import check_save_dtype
     from .checkpoint import parse_size
+    from .errors import LoadError
+    from .load import LoadReport
     from .load.loader import load_checkpoint
     from .save import save_checkpoint
 
@@ -200,14 +269,24 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         raise SurgeryError(
             f"convert {args.src} {args.dst}: the output would replace the checkpoint being read; pick another DST."
         )
-    model = build_model(args.model)
-    report = load_checkpoint(
-        model,
-        args.src,
-        fusion_config=_fusion_arg(args.fusion),
-        strict=not args.lenient,
-        allow_pickle=args.allow_pickle,
-    )
+    model = build_model(args.model, checkpoint=args.src)
+    try:
+        report = load_checkpoint(
+            model,
+            args.src,
+            fusion_config=_fusion_arg(args.fusion),
+            strict=not args.lenient,
+            allow_pickle=args.allow_pickle,
+            quantizer=_quantizer(args, args.src),
+        )
+    except LoadError as exc:
+        if not isinstance(exc.report, LoadReport):
+            raise
+        where = _write_report(exc.report)
+        raise SurgeryError(
+            f"convert: strict load failed, nothing written: {exc.report.summary()} (full report: {where}; "
+            "--lenient saves anyway)"
+        ) from exc
     print(report)
     _unmatched_fusions(args, report.fusions)
     replaced = (
@@ -216,10 +295,24 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if replaced:
         print(f"replacing in {args.dst}: {', '.join(replaced[:6])}{' ...' if len(replaced) > 6 else ''}")
     files = save_checkpoint(
-        model, args.dst, original_format=not args.runtime_layout, max_shard_size=args.max_shard_size
+        model,
+        args.dst,
+        original_format=not args.runtime_layout,
+        max_shard_size=args.max_shard_size,
+        dtype=check_save_dtype(args.dtype),
     )
+    if files.casts:
+        print(files.summary())
     print(f"wrote {len(files)} file(s) to {args.dst}")
     return 0
+
+
+def _write_report(report: LoadReport) -> str:
+    """Write a failed load's full report to a new file in the temp directory; its path."""
+    fd, name = tempfile.mkstemp(prefix="surgery-convert-", suffix=".report.txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{report}\n")
+    return name
 
 
 def _unmatched_fusions(args: argparse.Namespace, applied: dict[str, object] | None) -> None:
@@ -264,13 +357,25 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 _MODEL_HELP = (
-    "the model: a built-in example (" + ", ".join(_EXAMPLES) + ") or package.module:factory, a "
-    "zero-argument callable returning an nn.Module (modules in the current directory are found)"
+    "the model: a built-in example (" + ", ".join(_EXAMPLES) + "), package.module:factory, a "
+    "zero-argument callable returning an nn.Module (modules in the current directory are found), or "
+    f"{_TRANSFORMERS_AUTO}, the transformers model of the checkpoint's config.json (built on meta)"
+)
+_QUANTIZATION_HELP = (
+    "decode or quantize with a built-in quantizer: fp8 (block-wise FP8, as config.json's quantization_config "
+    "says), int8 (int8 weight-only, on the fly), auto (whatever config.json's quantization_config says)"
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (``surgery convert: error: ...``), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="surgery",
         description="PyTorch-native model surgery: fusions, checkpoint conversion, tensor parallelism.",
         epilog="--model takes " + _MODEL_HELP.removeprefix("the model: ") + ".",
@@ -292,6 +397,11 @@ def _parser() -> argparse.ArgumentParser:
     out = pv.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
     out.add_argument("--mermaid", action="store_true", help="print the graphs as a mermaid diagram")
+    pv.add_argument(
+        "--full",
+        action="store_true",
+        help="with --mermaid: every node of each graph (default: the rewritten nodes and their neighbours)",
+    )
     pv.set_defaults(func=_cmd_preview)
 
     i = sub.add_parser("inspect", help="summarize a checkpoint, or plan a load with --model")
@@ -302,7 +412,10 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument(
         "--allow-pickle", action="store_true", help="accept .bin/.pt files (read with weights_only=True)"
     )
-    i.add_argument("--tp", type=int, default=None, help="plan a tensor-parallel load for this many ranks")
+    i.add_argument("--quantization", choices=_QUANTIZATIONS, default=None, help=_QUANTIZATION_HELP)
+    i.add_argument(
+        "--tp", type=_positive_int, default=None, help="plan a tensor-parallel load for this many ranks"
+    )
     i.add_argument("--tp-rank", type=int, default=None, help="only this rank (default: every rank)")
     i.add_argument("--tp-plan", default=None, help="a JSON tp_plan (default: the model's own, 'auto')")
     i.set_defaults(func=_cmd_inspect)
@@ -313,6 +426,14 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--model", required=True, help=_MODEL_HELP)
     c.add_argument("--fusion", action="append", help="fusion name to apply first (repeatable)")
     c.add_argument("--runtime-layout", action="store_true", help="save the runtime layout")
+    c.add_argument("--quantization", choices=_QUANTIZATIONS, default=None, help=_QUANTIZATION_HELP)
+    c.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default=None,
+        help="write every floating tensor in this dtype (default: the dtype each had in SRC); quantized "
+        "codes and their scales keep theirs",
+    )
     c.add_argument(
         "--max-shard-size",
         default="5GB",
@@ -348,17 +469,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``surgery`` command."""
     args = _parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
     except SurgeryError as exc:
         if args.verbose:
             traceback.print_exc()
-        print(f"surgery: error: {exc}", file=sys.stderr)
+        print(f"surgery: error: {_one_line(str(exc), verbose=args.verbose)}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # ``surgery inspect X | head``: the reader went away
+    except BrokenPipeError:  # ``surgery inspect X | head``: the reader went away, as it may
         with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        print("surgery: error: output closed early (broken pipe)", file=sys.stderr)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to write at exit
+        return 128 + signal.SIGPIPE  # the status of a process SIGPIPE ended, silently
+    except Exception as exc:  # not one of ours: a bug here, or torch/safetensors refusing something
+        if args.verbose:
+            traceback.print_exc()
+        where = "" if args.verbose else "; surgery --verbose ... prints the traceback"
+        print(
+            f"surgery: error: unexpected {type(exc).__name__}: {_one_line(str(exc), verbose=False)}{where}",
+            file=sys.stderr,
+        )
         return 2
+
+
+def _one_line(message: str, *, verbose: bool) -> str:
+    """The first line of ``message``, saying how many more ``--verbose`` prints."""
+    first, *rest = message.strip().splitlines() or [""]
+    if verbose or not rest:
+        return message if verbose else first
+    return f"{first} [{len(rest)} more line(s): surgery --verbose ...]"
 
 
 if __name__ == "__main__":

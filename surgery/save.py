@@ -32,13 +32,14 @@ import json
 import math
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from .casting import Cast, SavedFiles, cast_checked, check_save_dtype, is_castable
 from .checkpoint import check_write_arguments, write_checkpoint, write_file_atomically
 from .collective import Collective
 from .converter import WeightConverter, split_transforms
@@ -341,11 +342,14 @@ class RevertedState(Mapping[str, torch.Tensor]):
         original_format: bool = True,
         quantization: str = "as_loaded",
         collective: Collective | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if quantization not in QUANTIZATION_MODES:
             raise ConfigurationError(
                 f"quantization={quantization!r}; valid: {', '.join(QUANTIZATION_MODES)}."
             )
+        self._dtype_override = check_save_dtype(dtype)
+        self._casts: dict[str, Cast] = {}
         self._state: dict[str, Any] = _dedup_state(model)
         self._collective = collective or Collective.of_tensors(
             self._state.values(), what="computing the reverted state"
@@ -378,9 +382,11 @@ class RevertedState(Mapping[str, torch.Tensor]):
     # ------------------------------------------------------------------ construction
     def _identity(self, model: nn.Module) -> list[_Group]:
         groups = []
+        codes = _quantized_keys(model)  # a quantized module's codes and scales keep their dtypes
         for k, t in self._state.items():
-            self._specs[k] = TensorSpec(tuple(t.shape), t.dtype)
-            groups.append(_Group((k,), (k,), (k,), (t.dtype,)))
+            d = t.dtype if k in codes else self._cast(t.dtype)
+            self._specs[k] = TensorSpec(tuple(t.shape), d)
+            groups.append(_Group((k,), (k,), (k,), (d,)))
         record = load_record(model)
         position = {k: i for i, k in enumerate(record.source_shapes)} if record is not None else {}
         self._specs = self._write_order(groups, record, position, {k: i for i, k in enumerate(self._state)})
@@ -457,15 +463,23 @@ class RevertedState(Mapping[str, torch.Tensor]):
         dtypes: dict[str, torch.dtype],
         recorded: dict[str, Any],
     ) -> torch.dtype:
-        """The dtype to write ``name`` in: the checkpoint's, except where that was a quantized storage dtype."""
+        """The dtype to write ``name`` in: the checkpoint's, except where that was a quantized storage dtype.
+
+        ``save_checkpoint(dtype=...)`` replaces it for floats (never for codes re-encoded as loaded).
+        """
         want = dtypes.get(name, computed)
         if name in recorded:  # stored quantized: re-encoded in its stored dtype, or written as floats
-            return want if self._quantization == "as_loaded" else computed
+            return want if self._quantization == "as_loaded" else self._cast(computed)
         if not want.is_floating_point and any(
             isinstance(self._state[k], _Dequantized) for k in group.sources
         ):
-            return computed  # loaded from a quantized runtime layout: the export is float
-        return want
+            return self._cast(computed)  # loaded from a quantized runtime layout: the export is float
+        return self._cast(want)
+
+    def _cast(self, dtype: torch.dtype) -> torch.dtype:
+        """``dtype``, or the ``dtype=`` of the save where that is a float to cast."""
+        override = self._dtype_override
+        return override if override is not None and is_castable(dtype) else dtype
 
     def _plan_encoding(
         self, group: _Group, recorded: dict[str, dict[str, torch.Tensor]], metas: dict[str, torch.Tensor]
@@ -606,7 +620,9 @@ class RevertedState(Mapping[str, torch.Tensor]):
             if g.encoded and n in g.encoded:
                 out.update(self._encode(n, t, g.encoded[n]))
                 continue
-            out[n] = t if t.dtype == d else t.to(d)
+            out[n], cast = cast_checked(n, t, d)
+            if cast is not None:
+                self._casts[n] = cast
         return out
 
     def _encode(
@@ -672,6 +688,11 @@ class RevertedState(Mapping[str, torch.Tensor]):
         return tuple(n for g in self._groups if g.encoded for n in g.encoded)
 
     @property
+    def casts(self) -> tuple[Cast, ...]:
+        """The dtype casts of the values computed so far, in write order, each saying if it was lossy."""
+        return tuple(self._casts[k] for k in self._specs if k in self._casts)
+
+    @property
     def cached_keys(self) -> tuple[str, ...]:
         """The keys whose values the mapping holds right now (one group's at most)."""
         return tuple(self._cache)
@@ -733,7 +754,8 @@ def save_checkpoint(
     max_shard_size: int | str = "5GB",
     metadata: dict[str, str] | None = None,
     quantization: str = "as_loaded",
-) -> list[Path]:
+    dtype: torch.dtype | None = None,
+) -> SavedFiles:
     """Save ``model`` as safetensors, atomically.
 
     Args:
@@ -759,6 +781,15 @@ def save_checkpoint(
             on the fly writes its quantized layout with ``original_format=False`` (and the
             quantizer's metadata, so a later load rebuilds it) and dequantized floats with
             ``original_format=True`` (lossy).
+        dtype: write every floating tensor in this dtype (``torch.float16``, ``bfloat16``,
+            ``float32`` or ``float64``). Without it, the original layout writes each tensor in
+            the dtype the checkpoint had at load (so ``model.to(torch.bfloat16)`` then a save of a
+            float32 checkpoint writes float32: load → save reproduces the input), and a tensor
+            that was not loaded, or a runtime-layout save, in the dtype the model holds.
+            Quantized storage is never cast: integer and bool tensors, FP8 codes re-encoded as
+            loaded and their scales (which keep their stored dtype, float32 in DeepSeek-V3
+            checkpoints), int8 codes and scales of a runtime layout. ``config.json``'s ``dtype``
+            (and ``torch_dtype``) names the dtype most floating values were written in.
 
     The ``config.json`` and ``generation_config.json`` of the checkpoint the model was loaded from
     are copied into a directory that has none, and ``config.json`` is made to describe the tensors
@@ -768,13 +799,14 @@ def save_checkpoint(
     fusion) makes transformers refuse it with a message saying so, instead of loading it wrong.
 
     Returns:
-        The files written.
+        The files written (:class:`~surgery.casting.SavedFiles`, a list of paths), with the dtype
+        casts made (``casts``; ``lossy_keys``: the tensors whose values the cast changed).
 
     Raises:
         CheckpointError: ``path`` cannot be written (a file where the directory goes, under a
             file, not writable), a tensor is still on ``meta``, or writing failed (the previous
             checkpoint at ``path`` is then left as it was).
-        ConfigurationError: ``max_shard_size`` or ``quantization`` is not valid.
+        ConfigurationError: ``max_shard_size``, ``quantization`` or ``dtype`` is not valid.
         ConversionError: a reversed op chain failed.
 
         A collective save raises the same error on every rank: the failed rank's class, its
@@ -791,26 +823,31 @@ def save_checkpoint(
         if not original_format and fusion:
             meta[FUSION_METADATA_KEY] = json.dumps(fusion, sort_keys=True)
         state = RevertedState(
-            model, original_format=original_format, quantization=quantization, collective=collective
+            model,
+            original_format=original_format,
+            quantization=quantization,
+            collective=collective,
+            dtype=dtype,
         )
         written_quantized = _quantized_on_the_fly(model) if not original_format else None
         if written_quantized is not None:
             meta.update(written_quantized.metadata())
         described = _describe_written(model, state, written_quantized, original_format=original_format)
+        described = replace(described, dtype=_written_dtype(state), dtype_requested=dtype is not None)
     collective.agree()
     if collective.rank != 0:
         with collective.step():  # the groups rank 0's writes compute, in its order, for the gathers
             for key in state.specs:
                 state[key]
         collective.agree()  # rank 0 has written (or failed): the files are there when this returns
-        return []
+        return SavedFiles(casts=state.casts)
     with collective.step():
         files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
         _carry_configs(model, Path(path))
         target = Path(path)
         write_config_json(target if target.is_dir() else target.parent, described)
     collective.agree()
-    return files
+    return SavedFiles(files, casts=state.casts)
 
 
 _CARRIED_CONFIGS = ("config.json", "generation_config.json")
@@ -847,6 +884,24 @@ def _model_quantizer(model: nn.Module) -> Any:
     if record is not None and record.quantizer is not None:
         return record.quantizer
     return model.__dict__.get(QUANTIZER_ATTRIBUTE)
+
+
+def _written_dtype(state: RevertedState) -> str | None:
+    """The dtype most floating values are written in (what ``config.json`` calls the model's dtype)."""
+    numel: dict[torch.dtype, int] = {}
+    for spec in state.specs.values():
+        if is_castable(spec.dtype):
+            numel[spec.dtype] = numel.get(spec.dtype, 0) + math.prod(spec.shape)
+    return str(max(numel, key=numel.__getitem__)).removeprefix("torch.") if numel else None
+
+
+def _quantized_keys(model: nn.Module) -> set[str]:
+    """The runtime keys of quantized modules' stored tensors (codes and scales)."""
+    keys: set[str] = set()
+    for path, module in model.named_modules():
+        for name in getattr(module, "quantized_names", None) or ():
+            keys.add(f"{path}.{name}" if path else name)
+    return keys
 
 
 def _quantized_on_the_fly(model: nn.Module) -> QuantizerHooks | None:

@@ -64,6 +64,9 @@ class SavedConfig:
             (``modules_to_not_convert``); ``None`` when not needed.
         unreadable: why transformers cannot load the layout as written (empty: it can).
         fix: the ``save_checkpoint`` option that writes what transformers reads instead.
+        dtype: the dtype most floating values were written in (``"bfloat16"``), for the
+            config's ``dtype``/``torch_dtype``; ``None`` leaves them as they are.
+        dtype_requested: the save was asked for ``dtype``: a config with neither field gets ``dtype``.
     """
 
     fusion_config: dict[str, Any] | None = None
@@ -71,6 +74,8 @@ class SavedConfig:
     unquantized_modules: tuple[str, ...] | None = None
     unreadable: tuple[str, ...] = ()
     fix: str = "original_format=True"
+    dtype: str | None = None
+    dtype_requested: bool = False
 
     def refusal(self) -> str | None:
         """The ``transformers_weights`` sentence transformers quotes when it refuses the layout."""
@@ -142,7 +147,9 @@ def rewrite_config(data: Mapping[str, Any], saved: SavedConfig) -> dict[str, Any
     and its other fields (``modules_to_not_convert``) stay as the source had them. One in a
     sub-config (``text_config``, which transformers also reads) is treated the same way and
     written at the top. Any ``transformers_weights`` of the source is dropped (it named the
-    source's files).
+    source's files). ``dtype`` and ``torch_dtype`` (transformers 5 writes the first, 4 the second),
+    at the top and in sub-configs, name the dtype written; a config with neither gets ``dtype``
+    when the save was asked for one.
 
     Example:
         >>> rewrite_config({"model_type": "llama", "quantization_config": {"quant_method": "fp8"}}, SavedConfig())
@@ -165,10 +172,23 @@ def rewrite_config(data: Mapping[str, Any], saved: SavedConfig) -> dict[str, Any
         elif saved.unquantized_modules is not None:
             wanted["modules_to_not_convert"] = list(saved.unquantized_modules)
         out["quantization_config"] = wanted
+    if saved.dtype is not None:
+        _set_dtype(out, saved.dtype, add=saved.dtype_requested)
     refusal = saved.refusal()
     if refusal is not None:
         out["transformers_weights"] = refusal
     return out
+
+
+def _set_dtype(config: dict[str, Any], dtype: str, *, add: bool) -> None:
+    found = False
+    for key, value in list(config.items()):
+        if key in ("dtype", "torch_dtype"):
+            config[key], found = dtype, True
+        elif isinstance(value, Mapping) and ("dtype" in value or "torch_dtype" in value):
+            config[key] = {k: dtype if k in ("dtype", "torch_dtype") else v for k, v in value.items()}
+    if add and not found:
+        config["dtype"] = dtype
 
 
 def write_config_json(directory: Path, saved: SavedConfig) -> bool:

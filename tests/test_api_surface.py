@@ -90,7 +90,7 @@ SIGNATURES = {
     "register_fusion": "(name: 'str', spec: 'FusionSpec', *, overwrite: 'bool' = False) -> 'None'",
     "registry_snapshot": "(*, clear: 'bool' = False, reload_catalogs: 'bool' = False) -> 'Iterator[None]'",
     "revert_state_dict": "(model: 'nn.Module', *, original_format: 'bool' = True, quantization: 'str' = 'as_loaded') -> 'dict[str, torch.Tensor]'",
-    "save_checkpoint": "(model: 'nn.Module', path: 'str | os.PathLike[str]', *, original_format: 'bool' = True, max_shard_size: 'int | str' = '5GB', metadata: 'dict[str, str] | None' = None, quantization: 'str' = 'as_loaded') -> 'list[Path]'",
+    "save_checkpoint": "(model: 'nn.Module', path: 'str | os.PathLike[str]', *, original_format: 'bool' = True, max_shard_size: 'int | str' = '5GB', metadata: 'dict[str, str] | None' = None, quantization: 'str' = 'as_loaded', dtype: 'torch.dtype | None' = None) -> 'SavedFiles'",
     "write_checkpoint": "(state_dict: 'Mapping[str, torch.Tensor]', path: 'str | os.PathLike[str]', *, max_shard_size: 'int | str' = '5GB', metadata: 'Mapping[str, str] | None' = None, specs: 'Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None' = None) -> 'list[Path]'",
     "WeightRenaming": "(source_patterns: 'str | Sequence[str]', target_patterns: 'str | Sequence[str]', *, scope_prefix: 'str | None' = None) -> 'None'",
     "PrefixChange": "(prefix_to_add: 'str | None' = None, prefix_to_remove: 'str | None' = None, model_prefix: 'str | None' = None, *, scope_prefix: 'str | None' = None) -> 'None'",

@@ -212,12 +212,12 @@ def test_json_and_mermaid_together_are_refused() -> None:
     assert done.returncode == 2 and "not allowed with argument --json" in done.stderr
 
 
-def test_a_closed_pipe_is_one_line_with_exit_code_2(tmp_path: Path) -> None:
+def test_output_into_a_pipe_closed_early_ends_quietly(tmp_path: Path) -> None:
     import torch
 
     write_checkpoint({f"k{i}.w": torch.zeros(1) for i in range(3000)}, tmp_path)  # a plan of ~1 MB of JSON
     done = subprocess.run(
-        f"{sys.executable} -m surgery inspect {tmp_path} --model example-moe --json | head -c 100 > /dev/null; "
+        f"{sys.executable} -m surgery inspect {tmp_path} --model example-moe --json | head -1; "
         "exit ${PIPESTATUS[0]}",
         shell=True,
         capture_output=True,
@@ -225,8 +225,8 @@ def test_a_closed_pipe_is_one_line_with_exit_code_2(tmp_path: Path) -> None:
         timeout=300,
         executable="/bin/bash",
     )
-    assert done.returncode == 2
-    assert done.stderr.strip() == "surgery: error: output closed early (broken pipe)"
+    assert done.stdout == "{\n" and done.stderr == ""
+    assert done.returncode == 141  # 128 + SIGPIPE: what a shell reports for `yes | head -1`
 
 
 def test_catalog_lists_families_and_aliases(capsys) -> None:
@@ -259,3 +259,185 @@ def test_a_pickle_checkpoint_needs_allow_pickle_on_the_command_line(tmp_path: Pa
     assert refused.returncode == 2 and "--allow-pickle" in refused.stderr
     allowed = _run("inspect", str(tmp_path / "model.bin"), "--allow-pickle")
     assert allowed.returncode == 0 and "1 tensors" in allowed.stdout
+
+
+# --------------------------------------------------------------------------- one-line errors, exit code 2
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("surgery") and err.count("\n") == 1, err
+    return err
+
+
+def test_a_failed_convert_is_one_line_naming_the_file_with_the_full_report(tmp_path: Path, capsys) -> None:
+    state = original_state_dict(build_moe_model())
+    state["model.layers.0.extra.weight"] = state.pop("lm_head.weight")  # one missing, one unexpected
+    write_checkpoint(state, tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--model", "example-moe"]) == 2
+    err = _one_line_error(capsys)
+    assert "strict load failed, nothing written" in err and "PROBLEMS: 1 missing, 1 unexpected" in err
+    report = Path(err.split("full report: ")[1].split(";")[0])
+    try:
+        text = report.read_text()
+        assert "lm_head.weight" in text and "model.layers.0.extra.weight" in text
+    finally:
+        report.unlink()
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("plan", "says"),
+    [("{not json", "--tp-plan is not JSON"), ('["colwise"]', "--tp-plan is a JSON list")],
+    ids=["not-json", "not-an-object"],
+)
+def test_a_bad_tp_plan_is_one_line(moe_checkpoint: Path, capsys, plan: str, says: str) -> None:
+    assert (
+        main(["inspect", str(moe_checkpoint), "--model", "example-moe", "--tp", "2", "--tp-plan", plan]) == 2
+    )
+    assert says in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("tp", ["0", "-1", "two"])
+def test_a_tp_size_below_one_is_refused_in_one_line(moe_checkpoint: Path, capsys, tp: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", str(moe_checkpoint), "--model", "example-moe", "--tp", tp])
+    assert exit_.value.code == 2
+    assert "argument --tp" in _one_line_error(capsys)
+
+
+def test_a_tp_rank_outside_the_ranks_is_refused(moe_checkpoint: Path, capsys) -> None:
+    assert (
+        main(["inspect", str(moe_checkpoint), "--model", "example-moe", "--tp", "2", "--tp-rank", "2"]) == 2
+    )
+    assert "the ranks of --tp 2 are 0..1" in _one_line_error(capsys)
+
+
+def test_a_many_line_error_is_cut_to_its_first_line_unless_verbose(tmp_path: Path, capsys) -> None:
+    from surgery.cli import _one_line
+
+    assert _one_line("first\nsecond\nthird", verbose=False) == "first [2 more line(s): surgery --verbose ...]"
+    assert _one_line("first\nsecond", verbose=True) == "first\nsecond"
+
+
+# --------------------------------------------------------------------------- --dtype and --quantization
+
+
+def _decoder_checkpoint(tmp_path: Path, *, fp8: bool = False) -> Path:
+    from fp8_reference import quantize_state
+
+    from surgery.examples.decoder import build_decoder_model
+
+    state = build_decoder_model(seed=0).state_dict()
+    write_checkpoint(quantize_state(state, (16, 16)) if fp8 else state, tmp_path / "src")
+    config = {"model_type": "example_decoder", "dtype": "float32"}
+    if fp8:
+        config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    return tmp_path / "src"
+
+
+def test_convert_dtype_writes_bfloat16_and_says_the_cast_was_lossy(tmp_path: Path, capsys) -> None:
+    from surgery.checkpoint import open_checkpoint
+
+    src = _decoder_checkpoint(tmp_path)
+    out = tmp_path / "out"
+    assert main(["convert", str(src), str(out), "--model", "example-decoder", "--dtype", "bfloat16"]) == 0
+    printed = capsys.readouterr().out
+    assert "float32 → bfloat16 (lossy:" in printed
+    with open_checkpoint(out) as reader:
+        assert {reader.info(k).dtype for k in reader} == {__import__("torch").bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("choice", ["auto", "fp8"])
+def test_quantization_reads_an_fp8_checkpoint_and_convert_writes_it_back_bit_for_bit(
+    tmp_path: Path, capsys, choice: str
+) -> None:
+    src = _decoder_checkpoint(tmp_path, fp8=True)
+    assert main(["inspect", str(src), "--model", "example-decoder", "--quantization", choice]) == 0
+    assert "PROBLEMS" not in capsys.readouterr().out
+    out = tmp_path / "out"
+    assert main(["convert", str(src), str(out), "--model", "example-decoder", "--quantization", choice]) == 0
+    assert filecmp.cmp(src / "model.safetensors", out / "model.safetensors", shallow=False)
+
+
+def test_an_fp8_checkpoint_without_a_quantizer_fails_to_convert(tmp_path: Path, capsys) -> None:
+    src = _decoder_checkpoint(tmp_path, fp8=True)
+    assert main(["convert", str(src), str(tmp_path / "out"), "--model", "example-decoder"]) == 2
+    assert "PROBLEMS" in _one_line_error(capsys)
+
+
+def test_quantization_int8_quantizes_on_the_fly(tmp_path: Path, capsys) -> None:
+    from surgery.checkpoint import open_checkpoint
+
+    src = _decoder_checkpoint(tmp_path)
+    out = tmp_path / "out"
+    args = ["convert", str(src), str(out), "--model", "example-decoder", "--quantization", "int8"]
+    assert main([*args, "--runtime-layout"]) == 0
+    with open_checkpoint(out) as reader:
+        assert str(reader.info("model.layers.0.mlp.up_proj.weight").dtype) == "torch.int8"
+
+
+def test_quantization_needs_a_model_to_plan_with(tmp_path: Path, capsys) -> None:
+    src = _decoder_checkpoint(tmp_path)
+    assert main(["inspect", str(src), "--quantization", "auto"]) == 2
+    assert "give --model too" in _one_line_error(capsys)
+
+
+def test_quantization_auto_over_an_unknown_method_names_it(tmp_path: Path, capsys) -> None:
+    src = _decoder_checkpoint(tmp_path)
+    (src / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
+    assert main(["inspect", str(src), "--model", "example-decoder", "--quantization", "auto"]) == 2
+    assert "quant_method='awq', which no built-in quantizer reads" in _one_line_error(capsys)
+
+
+# --------------------------------------------------------------------------- --model transformers:auto
+
+
+def test_transformers_auto_without_a_config_json_is_one_line(moe_checkpoint: Path, capsys) -> None:
+    pytest.importorskip("transformers")
+    assert main(["inspect", str(moe_checkpoint), "--model", "transformers:auto"]) == 2
+    assert f"no config.json in {moe_checkpoint}" in _one_line_error(capsys)
+
+
+def test_transformers_auto_without_transformers_installed_is_one_line(moe_checkpoint: Path) -> None:
+    code = (  # a None entry in sys.modules makes `import transformers` raise ImportError, as when absent
+        "import sys; sys.modules['transformers'] = None; from surgery.cli import main; "
+        f"sys.exit(main(['inspect', {str(moe_checkpoint)!r}, '--model', 'transformers:auto']))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "needs transformers, which is not installed" in done.stderr
+
+
+def test_preview_full_is_for_the_mermaid_diagram(capsys) -> None:
+    assert main(["preview", "--full"]) == 2
+    assert "give --mermaid too" in _one_line_error(capsys)
+    assert main(["preview", "--mermaid", "--full"]) == 0
+    assert "not shown" not in capsys.readouterr().out
+
+
+def test_an_unexpected_exception_is_one_line_and_verbose_shows_its_traceback(tmp_path: Path) -> None:
+    (tmp_path / "broken.py").write_text(
+        "import torch\n"
+        "class Odd(torch.nn.Module):\n"
+        "    def named_modules(self, *args, **kwargs):\n"
+        "        raise RuntimeError('named_modules failed\\nsecond line')\n"
+        "def factory():\n"
+        "    return Odd()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{Path.cwd()}{os.pathsep}{tmp_path}"}  # this checkout's surgery
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "surgery", *args], capture_output=True, text=True, timeout=300, env=env
+        )
+
+    done = run("preview", "--model", "broken:factory")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(
+        "surgery: error: unexpected RuntimeError: named_modules failed [1 more line(s)"
+    )
+    verbose = run("--verbose", "preview", "--model", "broken:factory")
+    assert verbose.returncode == 2 and "Traceback (most recent call last)" in verbose.stderr

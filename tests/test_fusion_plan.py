@@ -106,7 +106,7 @@ def test_plan_diagrams_show_before_and_after(plan):
     mermaid = plan.to_mermaid()
     assert mermaid.startswith("flowchart TB")
     assert 'subgraph c0_before["patch_embed (before)"]' in mermaid and "c0_after_linear_proj" in mermaid
-    assert "c0_before_view --> c0_before_to" in mermaid
+    assert "c0_before_view --> c0_before_to" in plan.to_mermaid(full=True)
     dot = plan.to_dot()
     assert (
         dot.startswith("digraph fusion_plan {") and "cluster_c0_after" in dot and dot.rstrip().endswith("}")
@@ -145,3 +145,58 @@ def test_nothing_compatible_found_says_what_was_looked_for():
 def test_empty_config_renders_no_fusion():
     plan = preview_fusions(build_vision_tower(depth=0), {})
     assert "no fusion enabled" in plan.render() and plan.candidates == []
+
+
+# ------------------------------------------------------------------------------------------ diagram size
+
+
+@pytest.fixture(scope="module")
+def decoder_plan():
+    """qkv and gate_up on the 2-layer example decoder: four rewritten graphs."""
+    from surgery.examples.decoder import build_decoder_model
+
+    return preview_fusions(build_decoder_model(), {"qkv": True, "gate_up": True})
+
+
+def _drawn(mermaid: str, subgraph: str) -> set[str]:
+    """The node names drawn in one subgraph of a Mermaid diagram (the count of the rest excluded)."""
+    prefix = f"    {subgraph}_"
+    return {
+        line[len(prefix) :].split("[", 1)[0]
+        for line in mermaid.splitlines()
+        if line.startswith(prefix) and "[" in line and "__hidden" not in line
+    }
+
+
+def test_the_default_diagram_is_the_rewritten_region_and_its_neighbours(decoder_plan):
+    small, full = decoder_plan.to_mermaid(), decoder_plan.to_mermaid(full=True)
+    assert len(small.splitlines()) * 2 < len(full.splitlines())  # 219 lines against 493
+    rewritten = [(i, c) for i, c in enumerate(decoder_plan.candidates) if c.after is not None]
+    assert len(rewritten) == 4
+    for i, c in enumerate(decoder_plan.candidates):
+        if c.before is not None and c.after is None:  # not rewritten: only the count of its nodes
+            assert _drawn(small, f"c{i}_before") == set()
+    for i, c in rewritten:
+        before, after = c.before, c.after
+        for tag, snap, other in (("before", before, after), ("after", after, before)):
+            changed = {n.name for n in snap.nodes if n not in set(other.nodes)}
+            neighbours = {src for n in snap.nodes if n.name in changed for src in n.inputs}
+            neighbours |= {n.name for n in snap.nodes if changed.intersection(n.inputs)}
+            assert changed, (c.path, tag)
+            assert _drawn(small, f"c{i}_{tag}") == changed | neighbours, (c.path, tag)
+    assert "unchanged nodes not shown (full=True shows them)" in small
+    assert "c0_after_qkv_proj" in small and "c0_before_q_proj" in small
+
+
+def test_the_full_diagram_draws_every_node_and_edge(decoder_plan):
+    full = decoder_plan.to_mermaid(full=True)
+    for i, c in enumerate(decoder_plan.candidates):
+        for tag, snap in (("before", c.before), ("after", c.after)):
+            if snap is None:
+                continue
+            assert _drawn(full, f"c{i}_{tag}") == {n.name for n in snap.nodes}
+            for n in snap.nodes:
+                for src in n.inputs:
+                    assert f"c{i}_{tag}_{src} --> c{i}_{tag}_{n.name}" in full
+    assert "not shown" not in full
+    assert "not shown" not in decoder_plan.to_dot(full=True) and "style=dashed" in decoder_plan.to_dot()

@@ -249,39 +249,86 @@ class FusionPlan:
     def _diagrammed(self) -> list[tuple[int, FusionCandidate]]:
         return [(i, c) for i, c in enumerate(self.candidates) if c.before is not None]
 
-    def to_mermaid(self) -> str:
-        """A Mermaid ``flowchart`` with the before/after graph of every traced candidate."""
+    def to_mermaid(self, *, full: bool = False) -> str:
+        """A Mermaid ``flowchart`` of every traced candidate's graph before and after the rewrite.
+
+        Args:
+            full: every node of each graph. By default a graph shows the rewritten region (the
+                nodes the rewrite removed or added) and its direct neighbours (their inputs and
+                users), with one node counting the rest; a candidate that was not rewritten
+                shows only that count.
+        """
         lines = ["flowchart TB"]
         for i, c in self._diagrammed():
-            for tag, snap in (("before", c.before), ("after", c.after)):
-                if snap is None:
-                    continue
+            for tag, snap, shown in _shown(c, full=full):
                 sid = f"c{i}_{tag}"
                 lines.append(f'  subgraph {sid}["{_mermaid_text(f"{c.display_path} ({tag})")}"]')
                 for n in snap.nodes:
-                    lines.append(f'    {sid}_{n.name}["{_mermaid_text(f"{n.name}: {n.op} {n.target}")}"]')
+                    if n.name in shown:
+                        lines.append(f'    {sid}_{n.name}["{_mermaid_text(f"{n.name}: {n.op} {n.target}")}"]')
+                if len(shown) < len(snap.nodes):
+                    hidden = (
+                        f"{len(snap.nodes) - len(shown)} unchanged nodes not shown (full=True shows them)"
+                    )
+                    lines.append(f'    {sid}__hidden["{hidden}"]')
                 for n in snap.nodes:
-                    lines.extend(f"    {sid}_{src} --> {sid}_{n.name}" for src in n.inputs)
+                    lines.extend(
+                        f"    {sid}_{src} --> {sid}_{n.name}" for src in n.inputs if {src, n.name} <= shown
+                    )
                 lines.append("  end")
         return "\n".join(lines)
 
-    def to_dot(self) -> str:
-        """A Graphviz ``digraph`` with one cluster per traced candidate graph (before/after)."""
+    def to_dot(self, *, full: bool = False) -> str:
+        """A Graphviz ``digraph`` with one cluster per traced candidate graph (``full``: as :meth:`to_mermaid`)."""
         lines = ["digraph fusion_plan {", "  rankdir=TB;", "  node [shape=box, fontname=monospace];"]
         for i, c in self._diagrammed():
-            for tag, snap in (("before", c.before), ("after", c.after)):
-                if snap is None:
-                    continue
+            for tag, snap, shown in _shown(c, full=full):
                 sid = f"c{i}_{tag}"
                 lines.append(f"  subgraph cluster_{sid} {{")
                 lines.append(f"    label={json.dumps(f'{c.display_path} ({tag})')};")
                 for n in snap.nodes:
-                    lines.append(f"    {sid}_{n.name} [label={json.dumps(f'{n.name}: {n.op} {n.target}')}];")
+                    if n.name in shown:
+                        lines.append(
+                            f"    {sid}_{n.name} [label={json.dumps(f'{n.name}: {n.op} {n.target}')}];"
+                        )
+                if len(shown) < len(snap.nodes):
+                    hidden = (
+                        f"{len(snap.nodes) - len(shown)} unchanged nodes not shown (full=True shows them)"
+                    )
+                    lines.append(f"    {sid}__hidden [label={json.dumps(hidden)}, style=dashed];")
                 for n in snap.nodes:
-                    lines.extend(f"    {sid}_{src} -> {sid}_{n.name};" for src in n.inputs)
+                    lines.extend(
+                        f"    {sid}_{src} -> {sid}_{n.name};" for src in n.inputs if {src, n.name} <= shown
+                    )
                 lines.append("  }")
         lines.append("}")
         return "\n".join(lines)
+
+
+def _shown(c: FusionCandidate, *, full: bool) -> list[tuple[str, GraphSnapshot, set[str]]]:
+    """``(tag, graph, names of the nodes to draw)`` for the candidate's graphs before and after.
+
+    Not ``full``: the nodes only one of the two graphs has (same name, op, target and inputs
+    count as the same node), plus their inputs and users in that graph.
+    """
+    pairs = [(tag, snap) for tag, snap in (("before", c.before), ("after", c.after)) if snap is not None]
+    if full:
+        return [(tag, snap, {n.name for n in snap.nodes}) for tag, snap in pairs]
+    if c.before is None or c.after is None:
+        return [(tag, snap, set()) for tag, snap in pairs]  # nothing rewritten
+    out = []
+    for tag, snap in pairs:
+        other = c.after if snap is c.before else c.before
+        same = set(other.nodes)
+        changed = {n.name for n in snap.nodes if n not in same}
+        shown = set(changed)
+        for n in snap.nodes:
+            if n.name in changed:
+                shown.update(n.inputs)  # its inputs
+            elif changed.intersection(n.inputs):
+                shown.add(n.name)  # a user of a changed node
+        out.append((tag, snap, shown))
+    return out
 
 
 def _mermaid_text(text: str) -> str:

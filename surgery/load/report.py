@@ -150,6 +150,24 @@ class LoadReport:
             or self.left_on_meta
         )
 
+    def summary(self) -> str:
+        """One line: OK, or how many keys of each kind of problem (``str()`` lists them).
+
+        Example:
+            >>> LoadReport(checkpoint="ckpt", missing_keys=["a", "b"], unexpected_keys=["c"]).summary()
+            'ckpt: 0 loaded; PROBLEMS: 2 missing, 1 unexpected'
+        """
+        counts = {
+            "missing": len(self.missing_keys),
+            "unexpected": len(self.unexpected_keys),
+            "mismatched": sum(1 for m in self.mismatched if not m.loaded or m.lossy),
+            "conflicting": len(self.conflicts),
+            "conversion errors": len(self.conversion_errors),
+            "left on meta": len(self.left_on_meta),
+        }
+        problems = ", ".join(f"{n} {what}" for what, n in counts.items() if n)
+        return f"{self.checkpoint}: {len(self.loaded_keys)} loaded; {f'PROBLEMS: {problems}' if problems else 'OK'}"
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (machine-readable report); :meth:`from_dict` reads it back."""
         d: dict[str, Any] = {}

@@ -6,6 +6,8 @@
   (DeepSeek-V3 layout) decoded on read and re-encoded bit for bit on save.
 * :mod:`~surgery.quantization.int8`: :class:`Int8WeightOnlyQuantizer`, int8 weight-only
   quantization on the fly into :class:`Int8WeightOnlyLinear`.
+* :mod:`~surgery.quantization.choice`: a quantizer by name (``fp8``, ``int8``, ``auto`` from a
+  checkpoint's ``config.json``), as the command line takes it.
 
 A runtime-layout save of a model quantized on the fly records its quantizer in the metadata
 (:data:`QUANTIZATION_METADATA_KEY`); loading that checkpoint without a quantizer rebuilds it
@@ -19,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigurationError, LoadError
+from .choice import QUANTIZATION_CHOICES, checkpoint_config, quantizer_by_name
 from .fp8 import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize, expand_block_scales
 from .int8 import Int8WeightOnlyLinear, Int8WeightOnlyQuantizer, int8_kernel_usable, quantize_per_channel
 from .protocol import (
@@ -33,6 +36,7 @@ from .protocol import (
 
 __all__ = [
     "BUILTIN_QUANTIZERS",
+    "QUANTIZATION_CHOICES",
     "QUANTIZATION_METADATA_KEY",
     "QUANTIZER_ATTRIBUTE",
     "FP8BlockQuantizer",
@@ -43,10 +47,12 @@ __all__ = [
     "QuantizerHooks",
     "blockwise_dequantize",
     "blockwise_quantize",
+    "checkpoint_config",
     "config_metadata",
     "expand_block_scales",
     "int8_kernel_usable",
     "quantize_per_channel",
+    "quantizer_by_name",
     "quantizer_from_metadata",
 ]
 
