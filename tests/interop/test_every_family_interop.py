@@ -261,6 +261,17 @@ HUB_EVIDENCE: dict[tuple[str, ...], str] = {
         "fused experts as `[E, H, 2I]` / `[E, I, H]`; transformers 5.23 writes the runtime `[E, 2I, H]` "
         "(its shape-checked transpose never fires on save)"
     ),
+    ("dory",): (
+        "two blocks per layer: `backbone.layers.2i.mixer.*` with `attn_alpha`, `backbone.layers.2i+1.mixer.*` "
+        "with `mlp_alpha`; transformers 5.25 writes the one-layer runtime names (its `LayerPairCollapse` has "
+        "no reverse). Evidence: the mapping reads exactly those (`LayerPairCollapse` folds block `2i+1` into "
+        "layer `i`, `^backbone.` renamed to `model.`)"
+    ),
+    ("LlavaOnevision15ForConditionalGeneration", "LlavaOnevision15Model"): (
+        "`visual.blocks.*` and `model.layers.*` once; transformers 5.25 writes `visual.visual.*` and "
+        "`model.model.*`. Evidence: the vision mapping strips one `visual.` and the model mapping moves "
+        "`model.` under `language_model.`, i.e. they read a file with each name once"
+    ),
     ("hyperclovax_vision_v2",): (
         "the same as transformers: `model.language_model.model.*`, `model.language_model.lm_head.*`, "
         "`model.vision_projector.*`. Evidence: the mapping reads exactly these (`^model.language_model.lm_head`, "
