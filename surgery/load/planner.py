@@ -205,6 +205,7 @@ class Prepared:
     quantizer: QuantizerHooks | None = None
     companion_values: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
     checked: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # companions read by planning
+    residues: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # what ops dropped, by runtime key
 
 
 def _normalize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
