@@ -615,7 +615,8 @@ class RevertedState(Mapping[str, torch.Tensor]):
             for k in g.sources:
                 pat, idx = self._routes[k]
                 conv.add_tensor(g.key, k, pat, _value(sources[k]), index=idx)
-            raw = conv.convert(g.key, replace(g.ctx, residue=self._residues.get(min(g.sources))))
+            residue = self._residues.get(min(g.sources))
+            raw = conv.convert(g.key, g.ctx if g.ctx is None else replace(g.ctx, residue=residue))
         out: dict[str, torch.Tensor] = {}
         for o, n, d in zip(g.outputs, g.names, g.dtypes):
             if g.companion_of and n in g.companion_of:

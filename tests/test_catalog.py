@@ -750,7 +750,9 @@ def _to_runtime(
                 conv.add_tensor(group.key, src, pattern, tensors[src], index=index)
         targets = conv.expand_target_keys(group.key)
         keep = None if residues is None else functools.partial(residues.__setitem__, min(targets))
-        ctx = OpContext(target_shapes=tuple(shapes.get(k) for k in targets), config=_CONFIG, keep_residue=keep)
+        ctx = OpContext(
+            target_shapes=tuple(shapes.get(k) for k in targets), config=_CONFIG, keep_residue=keep
+        )
         out.update(conv.convert(group.key, ctx))
     return out, [transforms[i] for i in routing.fired()]
 
@@ -923,7 +925,9 @@ def test_conversion_produces_the_runtime_shapes(case: Case) -> None:
     assert {k: tuple(t.shape) for k, t in runtime.items()} == case.runtime
 
 
-PADDED_VOCAB = tuple(f"{key}@{NEWEST}" for key in ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"))
+PADDED_VOCAB = tuple(
+    f"{key}@{NEWEST}" for key in ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text")
+)
 """Families whose unembedding is loaded without its padding rows (past ``unpadded_vocab_size``)."""
 
 

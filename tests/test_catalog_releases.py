@@ -131,10 +131,14 @@ def test_unpad_vocab_then_pad_with_its_residue_is_bit_exact_for_any_padding(
     # Random bit patterns: NaN payloads, infinities, -0.0 and subnormals among the padding rows.
     g = torch.Generator().manual_seed(seed)
     bits = torch.randint(-(2**15), 2**15, (kept + padding, cols), generator=g, dtype=torch.int16)
-    padded = bits.view(torch.bfloat16) if dtype == torch.bfloat16 else bits.to(torch.int32).mul(65599).view(dtype)
+    padded = (
+        bits.view(torch.bfloat16) if dtype == torch.bfloat16 else bits.to(torch.int32).mul(65599).view(dtype)
+    )
     unpad = Inkling2UnpadVocab()
     kept_residues: list[torch.Tensor] = []
-    (runtime,) = unpad.convert([padded], OpContext(target_shapes=((kept, cols),), keep_residue=kept_residues.append))
+    (runtime,) = unpad.convert(
+        [padded], OpContext(target_shapes=((kept, cols),), keep_residue=kept_residues.append)
+    )
     (residue,) = kept_residues
     assert residue.shape == (padding, cols) and runtime.shape == (kept, cols)
     ctx = OpContext(target_shapes=((kept + padding, cols),), residue=residue)
@@ -145,7 +149,9 @@ def test_unpad_vocab_then_pad_with_its_residue_is_bit_exact_for_any_padding(
 
 @settings(max_examples=30, deadline=None)
 @given(kept=st.integers(1, 6), padding=st.integers(0, 4), cols=st.integers(1, 3), seed=st.integers(0, 99))
-def test_unpad_vocab_pads_with_zero_rows_without_a_residue(kept: int, padding: int, cols: int, seed: int) -> None:
+def test_unpad_vocab_pads_with_zero_rows_without_a_residue(
+    kept: int, padding: int, cols: int, seed: int
+) -> None:
     runtime = torch.randn(kept, cols, generator=torch.Generator().manual_seed(seed))
     pad = Inkling2UnpadVocab(inverse=True)
     (padded,) = pad.convert([runtime], OpContext(target_shapes=((kept + padding, cols),)))

@@ -138,6 +138,7 @@ _GTE = (
     )
 )
 
+
 def _two_blocks_per_layer(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Dory hub files hold layer ``i`` as blocks ``2i`` (attention: ``mixer``, ``attn_alpha``) and
     ``2i+1`` (mlp: ``mixer``, ``mlp_alpha``); transformers 5.25 cannot write that (its
