@@ -79,8 +79,8 @@ class Inkling2UnpadVocab(ops.ConversionOp):
     tensor on save), else the config's ``unpadded_vocab_size`` (load) or ``vocab_size`` (save).
     The rows dropped on load are handed to :attr:`~surgery.ops.OpContext.keep_residue`, and the
     padding put back is :attr:`~surgery.ops.OpContext.residue` when the load recorded it: a load
-    then save gives back any padding bit for bit. Without one (a model never loaded) the padding
-    is zero rows, which is what transformers writes.
+    then save gives back any padding bit for bit. Without one (a model never loaded, a checkpoint
+    without padding rows) the padding is zero rows, which is what transformers writes.
 
     Example:
         >>> import torch
@@ -110,7 +110,7 @@ class Inkling2UnpadVocab(ops.ConversionOp):
             return [torch.cat([t, self._padding(t, rows, ctx)])]
         if rows > t.shape[0]:
             raise _error(self, ctx, f"the checkpoint holds {t.shape[0]} rows, fewer than the {rows} kept.")
-        if ctx.keep_residue is not None:
+        if ctx.keep_residue is not None and rows < t.shape[0]:
             ctx.keep_residue(t[rows:].clone())  # only the padding rows, not a view of all of t
         return [t[:rows].contiguous()]
 

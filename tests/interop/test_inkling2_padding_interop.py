@@ -79,3 +79,20 @@ def test_a_hub_file_with_nonzero_padding_rows_is_saved_back_bit_for_bit(key: str
     assert list(saved) == list(hub)
     for k, t in hub.items():
         assert saved[k].dtype == t.dtype and torch.equal(saved[k], t), k
+
+
+@pytest.mark.skipif(not UNPADS, reason="before transformers 5.24 the runtime unembedding is the padded one")
+def test_a_runtime_layout_file_has_no_padding_rows_to_keep(tmp_path: Path) -> None:
+    (candidate,) = candidates("inkling2_text")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, fresh = build(candidate, seed=0), build(candidate, seed=1)
+    save_checkpoint(model, tmp_path / "runtime", original_format=False)
+    assert load_checkpoint(fresh, tmp_path / "runtime").ok
+    record = load_record(fresh)
+    assert record is not None and record.residues == {}
+    save_checkpoint(fresh, tmp_path / "saved")
+    unembed = read(tmp_path / "saved")[UNEMBED]
+    # The rows the file had (the recorded shape), padded with zero rows where more are written.
+    kept = model.config.get_text_config().unpadded_vocab_size
+    assert torch.equal(unembed[:kept], model.lm_head.weight.detach()) and not unembed[kept:].any()
