@@ -107,7 +107,10 @@ class Inkling2UnpadVocab(ops.ConversionOp):
         t = _one(self, slots, ctx)
         rows = self._rows(ctx)
         if self.inverse:
-            return [torch.cat([t, self._padding(t, rows, ctx)])]
+            padding = self._padding(t, rows, ctx)
+            # In the wider dtype: recorded float32 padding stays exact when the model runs in bfloat16.
+            wide = torch.promote_types(t.dtype, padding.dtype)
+            return [torch.cat([t.to(wide), padding.to(wide)])]
         if rows > t.shape[0]:
             raise _error(self, ctx, f"the checkpoint holds {t.shape[0]} rows, fewer than the {rows} kept.")
         if ctx.keep_residue is not None and rows < t.shape[0]:
@@ -128,7 +131,7 @@ class Inkling2UnpadVocab(ops.ConversionOp):
                 "needed: the unembedding changed shape since the load. Save it padded with zeros after "
                 "surgery.load.record.clear_record(model), or reload the checkpoint.",
             )
-        return ctx.residue.to(dtype=t.dtype, device=t.device)
+        return ctx.residue.to(device=t.device)
 
     @property
     def reverse_op(self) -> ops.ConversionOp:

@@ -111,6 +111,17 @@ def test_edited_weights_are_saved_with_the_recorded_padding_rows(tmp_path: Path)
     assert torch.equal(_bits(saved[KEPT:]), _bits(hub["unembed.weight"][KEPT:]))
 
 
+def test_padding_rows_stay_exact_when_the_model_runs_in_a_narrower_dtype(tmp_path: Path) -> None:
+    hub = _hub_file(tmp_path / "hub")
+    model = PaddedHead()
+    assert surgery.load_checkpoint(model, tmp_path / "hub", dtype=torch.bfloat16).ok
+    surgery.save_checkpoint(model, tmp_path / "saved")
+    saved = _tensors(tmp_path / "saved")["unembed.weight"]
+    assert saved.dtype == torch.float32
+    assert torch.equal(_bits(saved[KEPT:]), _bits(hub["unembed.weight"][KEPT:]))
+    assert torch.equal(saved[:KEPT], hub["unembed.weight"][:KEPT].bfloat16().float())
+
+
 def test_a_model_never_loaded_saves_zero_padding_rows_as_transformers_does(tmp_path: Path) -> None:
     model = PaddedHead()
     surgery.save_checkpoint(model, tmp_path / "saved")
