@@ -343,8 +343,6 @@ def _offline_exceptions() -> str:
     for key, why in reasons.items():
         kind = "runtime-layout file is routed" if key in tests.RUNTIME_LAYOUT_ROUTED else "no recorded layout"
         rows.append(f"| {_code(key)} | {kind}: {why.replace('|', '/')} |")
-    for key, why in tests.PADDING_ZEROED.items():
-        rows.append(f"| {_code(key)} | exact for zero padding rows only: {why.replace('|', '/')} |")
     return "\n".join(rows) + "\n"
 
 

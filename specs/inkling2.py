@@ -22,10 +22,10 @@ Original layout (hub checkpoints)::
   (:class:`Inkling2LoopDequantizeExperts`; their scales, ``QUANTIZED_COMPANIONS``, are reported
   unexpected) until the quantized-formats work (issue 29) loads them and writes their bytes back.
 
-Where transformers cannot reverse, we say so: its ``Inkling2UnpadVocab`` pads back with zeros,
-and so does ours (exact for the zero padding transformers writes; a file whose padding rows hold
-other values does not get them back, see docs/catalog.md); its dequantizing op saves
-dequantized experts, ours never dequantizes.
+Where transformers cannot reverse, we do: its ``Inkling2UnpadVocab`` pads back with zeros, ours
+puts back the padding rows the load dropped (kept in the model's load record; zeros for a model
+never loaded, as transformers writes); its dequantizing op saves dequantized experts, ours never
+dequantizes.
 
 **Adapted** (``ADAPTED_PATTERNS``): renames whose targets contain their sources
 (``embed_norm``, ``weight_proj``, ``position_embedding``) skip names already renamed.
@@ -73,19 +73,22 @@ def _text_config(config: Any) -> Any:
 
 @dataclass(frozen=True)
 class Inkling2UnpadVocab(ops.ConversionOp):
-    """Keep the first rows of a padded unembedding; ``inverse=True`` pads it back with zero rows.
+    """Keep the first rows of a padded unembedding; ``inverse=True`` pads it back.
 
     The row count is the target's shape (the model's parameter on load, the recorded checkpoint
     tensor on save), else the config's ``unpadded_vocab_size`` (load) or ``vocab_size`` (save).
-    Exact for zero padding rows, which is what transformers writes.
+    The rows dropped on load are handed to :attr:`~surgery.ops.OpContext.keep_residue`, and the
+    padding put back is :attr:`~surgery.ops.OpContext.residue` when the load recorded it: a load
+    then save gives back any padding bit for bit. Without one (a model never loaded, a checkpoint
+    without padding rows) the padding is zero rows, which is what transformers writes.
 
     Example:
         >>> import torch
-        >>> w = torch.cat([torch.ones(3, 2), torch.zeros(2, 2)])
-        >>> (kept,) = Inkling2UnpadVocab().convert([w], ops.OpContext(target_shapes=((3, 2),)))
-        >>> (back,) = Inkling2UnpadVocab(inverse=True).convert([kept], ops.OpContext(target_shapes=((5, 2),)))
-        >>> tuple(kept.shape), torch.equal(back, w)
-        ((3, 2), True)
+        >>> w, kept_rows = torch.randn(5, 2), []
+        >>> (kept,) = Inkling2UnpadVocab().convert([w], ops.OpContext(target_shapes=((3, 2),), keep_residue=kept_rows.append))
+        >>> (back,) = Inkling2UnpadVocab(inverse=True).convert([kept], ops.OpContext(target_shapes=((5, 2),), residue=kept_rows[0]))
+        >>> tuple(kept.shape), tuple(kept_rows[0].shape), torch.equal(back, w)
+        ((3, 2), (2, 2), True)
     """
 
     inverse: bool = False
@@ -104,12 +107,31 @@ class Inkling2UnpadVocab(ops.ConversionOp):
         t = _one(self, slots, ctx)
         rows = self._rows(ctx)
         if self.inverse:
-            if rows < t.shape[0]:
-                raise _error(self, ctx, f"cannot pad {t.shape[0]} rows down to {rows}.")
-            return [torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])]
+            padding = self._padding(t, rows, ctx)
+            # In the wider dtype: recorded float32 padding stays exact when the model runs in bfloat16.
+            wide = torch.promote_types(t.dtype, padding.dtype)
+            return [torch.cat([t.to(wide), padding.to(wide)])]
         if rows > t.shape[0]:
             raise _error(self, ctx, f"the checkpoint holds {t.shape[0]} rows, fewer than the {rows} kept.")
+        if ctx.keep_residue is not None and rows < t.shape[0]:
+            ctx.keep_residue(t[rows:].clone())  # only the padding rows, not a view of all of t
         return [t[:rows].contiguous()]
+
+    def _padding(self, t: torch.Tensor, rows: int, ctx: ops.OpContext) -> torch.Tensor:
+        if rows < t.shape[0]:
+            raise _error(self, ctx, f"cannot pad {t.shape[0]} rows down to {rows}.")
+        shape = (rows - t.shape[0], *t.shape[1:])
+        if ctx.residue is None:
+            return t.new_zeros(shape)
+        if tuple(ctx.residue.shape) != shape:
+            raise _error(
+                self,
+                ctx,
+                f"the padding rows recorded at load have shape {tuple(ctx.residue.shape)}, but {shape} are "
+                "needed: the unembedding changed shape since the load. Save it padded with zeros after "
+                "surgery.load.record.clear_record(model), or reload the checkpoint.",
+            )
+        return ctx.residue.to(device=t.device)
 
     @property
     def reverse_op(self) -> ops.ConversionOp:

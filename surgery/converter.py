@@ -222,6 +222,8 @@ class WeightConverter(WeightTransform):
             source_keys=source_keys,
             target_keys=targets,
             transform=repr(self),
+            keep_residue=base.keep_residue,
+            residue=base.residue,
         )
         out = run_chain(self.operations, slots, ctx)
         return expand_outputs(targets, out, self)

@@ -10,6 +10,11 @@ Every op is a frozen dataclass with a ``reverse_op`` such that
 reversed chain. Custom ops subclass :class:`ConversionOp`, implement :meth:`~ConversionOp.convert`
 and ``reverse_op``, and are used exactly like the built-ins.
 
+An op that drops data (keeps the first rows of a padded tensor) stays exact by keeping what it
+drops: it hands that *residue* to :attr:`OpContext.keep_residue` on load, the load records it,
+and its ``reverse_op`` gets it back as :attr:`OpContext.residue` on save (``None`` for a model
+never loaded: the op then fills in what it must, e.g. zero rows).
+
 Example:
     >>> import torch
     >>> from surgery import ops
@@ -23,7 +28,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, TypeAlias
 
@@ -70,6 +75,12 @@ class OpContext:
         config: the sub-model's ``config`` object, if any (``PermuteForRope(config_attribute=...)``).
         source_keys / target_keys: for error messages.
         transform: a short description of the transform, for error messages.
+        keep_residue: on load, where an op that drops data hands what it drops (one tensor per
+            converter group, only what is dropped: ``t[rows:].clone()``, never a view of all of
+            ``t``); the loader records it. ``None`` where nothing records (planning, a dry run).
+        residue: on save, what the forward op handed to ``keep_residue`` at load, for its
+            ``reverse_op`` to put back; ``None`` when the model was never loaded (or nothing was
+            dropped).
     """
 
     n_targets: int = 1
@@ -78,6 +89,8 @@ class OpContext:
     source_keys: tuple[str, ...] = ()
     target_keys: tuple[str, ...] = ()
     transform: str = ""
+    keep_residue: Callable[[torch.Tensor], None] | None = None
+    residue: torch.Tensor | None = None
 
     def where(self) -> str:
         parts = []

@@ -364,6 +364,8 @@ class RevertedState(Mapping[str, torch.Tensor]):
             if record is not None and record.quantizer is not None and record.companions
             else None
         )
+        # What ops dropped at load (padding rows), by runtime key: the reversed ops put it back.
+        self._residues: dict[str, torch.Tensor] = record.residues if record is not None else {}
         self._converters: list[WeightConverter] = []
         self._forward: list[WeightConverter] = []
         self._routes: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -543,10 +545,12 @@ class RevertedState(Mapping[str, torch.Tensor]):
     ) -> tuple[_Group, dict[str, torch.Tensor]]:
         conv = self._converters[index]
         targets = conv.expand_target_keys(key)
+        residue = self._residues.get(min(sources))
         ctx = OpContext(
             n_targets=len(targets),
             target_shapes=tuple(shapes.get(t.replace("*", "0")) for t in targets),
             config=self._config_for(sources[0]),
+            residue=None if residue is None else _meta_like(residue),
         )
         for k in sources:
             pat, idx = self._routes[k]
@@ -611,7 +615,8 @@ class RevertedState(Mapping[str, torch.Tensor]):
             for k in g.sources:
                 pat, idx = self._routes[k]
                 conv.add_tensor(g.key, k, pat, _value(sources[k]), index=idx)
-            raw = conv.convert(g.key, g.ctx)
+            residue = self._residues.get(min(g.sources))
+            raw = conv.convert(g.key, g.ctx if g.ctx is None else replace(g.ctx, residue=residue))
         out: dict[str, torch.Tensor] = {}
         for o, n, d in zip(g.outputs, g.names, g.dtypes):
             if g.companion_of and n in g.companion_of:

@@ -7,6 +7,7 @@ scoped the way resolution scopes them for the model class named in the case.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import re
@@ -725,11 +726,13 @@ def _to_runtime(
     tensors: dict[str, torch.Tensor],
     transforms: list[WeightTransform],
     shapes: dict[str, tuple[int, ...]] | None = None,
+    residues: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[WeightTransform]]:
     """Route and convert an original-layout checkpoint; also return the transforms that fired.
 
     ``shapes`` (the runtime shapes) stand in for the model's parameters, as the target shapes
-    the loader gives the ops (``Split(sizes=None)`` reads them).
+    the loader gives the ops (``Split(sizes=None)`` reads them). What an op drops goes into
+    ``residues`` under the group's smallest runtime key, as a load records it.
     """
     shapes = shapes or {}
     routing = route_keys(list(tensors), transforms)
@@ -746,7 +749,10 @@ def _to_runtime(
             for index, src in by_index.items():
                 conv.add_tensor(group.key, src, pattern, tensors[src], index=index)
         targets = conv.expand_target_keys(group.key)
-        ctx = OpContext(target_shapes=tuple(shapes.get(k) for k in targets), config=_CONFIG)
+        keep = None if residues is None else functools.partial(residues.__setitem__, min(targets))
+        ctx = OpContext(
+            target_shapes=tuple(shapes.get(k) for k in targets), config=_CONFIG, keep_residue=keep
+        )
         out.update(conv.convert(group.key, ctx))
     return out, [transforms[i] for i in routing.fired()]
 
@@ -755,11 +761,13 @@ def _to_original(
     tensors: dict[str, torch.Tensor],
     fired: list[WeightTransform],
     shapes: dict[str, tuple[int, ...]] | None = None,
+    residues: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Invert like a save: reversed converters on runtime keys, then reversed renamings in reverse order.
 
     ``shapes`` (the checkpoint's shapes) stand in for the shapes a save recorded at load, as the
-    target shapes the reversed ops get (``Inkling2UnpadVocab`` pads back to them).
+    target shapes the reversed ops get (``Inkling2UnpadVocab`` pads back to them); ``residues``
+    for what the load recorded as dropped (its padding rows).
     """
     converters = [t.reverse_transform() for t in fired if isinstance(t, WeightConverter)]
     renamings = [t.reverse_transform() for t in reversed(fired) if not isinstance(t, WeightConverter)]
@@ -778,7 +786,9 @@ def _to_original(
                 conv.add_tensor(group.key, src, pattern, tensors[src], index=index)
         names = [_renamed(k, renamings) for k in conv.expand_target_keys(group.key)]
         target_shapes = tuple((shapes or {}).get(k) for k in names)
-        produced.update(conv.convert(group.key, OpContext(config=_CONFIG, target_shapes=target_shapes)))
+        residue = (residues or {}).get(min(group.source_keys))
+        ctx = OpContext(config=_CONFIG, target_shapes=target_shapes, residue=residue)
+        produced.update(conv.convert(group.key, ctx))
     out: dict[str, torch.Tensor] = {}
     for key, t in produced.items():
         key = _renamed(key, renamings)
@@ -915,19 +925,10 @@ def test_conversion_produces_the_runtime_shapes(case: Case) -> None:
     assert {k: tuple(t.shape) for k, t in runtime.items()} == case.runtime
 
 
-PADDING_ZEROED: dict[str, str] = {
-    f"{key}@{NEWEST}": (
-        "the unembedding's padding rows (past unpadded_vocab_size) come back as zeros, as transformers "
-        "writes them; keeping other values needs a per-load record of the dropped rows (not done)"
-    )
-    for key in ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text")
-}
-"""Families whose round trip is exact only for zero padding rows, and why (docs/catalog.md lists them)."""
-
-
-def _zero_padding(original: dict[str, torch.Tensor], runtime_shapes: dict[str, tuple[int, ...]]) -> None:
-    rows = runtime_shapes["lm_head.weight"][0]
-    original["model.llm.unembed.weight"][rows:] = 0
+PADDED_VOCAB = tuple(
+    f"{key}@{NEWEST}" for key in ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text")
+)
+"""Families whose unembedding is loaded without its padding rows (past ``unpadded_vocab_size``)."""
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=_ids(ALL_CASES))
@@ -936,15 +937,15 @@ def test_convert_then_revert_reproduces_the_checkpoint_bit_for_bit(case: Case) -
     family = case.id.removeprefix("recorded-").split("/")[0] + (
         "" if case.release == PINNED else f"@{case.release}"
     )
-    if family in PADDING_ZEROED:
-        runtime, fired = _to_runtime(original, case.transforms(), case.runtime)
-        back = _to_original(runtime, fired, case.original)
-        assert not torch.equal(back["model.llm.unembed.weight"], original["model.llm.unembed.weight"]), (
-            f"{family!r} keeps the padding rows now: remove it from PADDING_ZEROED"
-        )
-        _zero_padding(original, case.runtime)
-    runtime, fired = _to_runtime(original, case.transforms(), case.runtime)
-    back = _to_original(runtime, fired, case.original)
+    residues: dict[str, torch.Tensor] = {}
+    runtime, fired = _to_runtime(original, case.transforms(), case.runtime, residues)
+    if family in PADDED_VOCAB:  # random, so non-zero, padding rows: only the residue brings them back
+        rows = case.runtime["lm_head.weight"][0]
+        assert set(residues) == {"lm_head.weight"}
+        assert torch.equal(residues["lm_head.weight"], original["model.llm.unembed.weight"][rows:])
+    else:
+        assert residues == {}, f"{family!r}: an op dropped data for {sorted(residues)}"
+    back = _to_original(runtime, fired, case.original, residues)
     assert set(back) == set(original)
     for k, t in original.items():
         assert torch.equal(back[k], t), k

@@ -130,6 +130,14 @@ def test_an_op_without_a_slice_rule_reads_whole_and_is_reported(ranks):
         assert facts["bytes_read"] == 6 * 8 * 4  # the whole source, counted
 
 
+def test_a_sharded_unembedding_keeps_the_whole_padding_rows_on_every_rank_and_saves_them_back(ranks):
+    for rank in ranks:
+        facts = rank["padded_head"]
+        assert facts["ok"] and facts["local_rows"] == [3, 8]
+        assert facts["residue_rows"] == ["lm_head.weight"] and facts["residue_equal"]
+        assert facts["saved_identical"]
+
+
 def test_an_already_parallelized_model_loads_by_its_placements(ranks):
     for rank in ranks:
         facts = rank["already_parallel"]

@@ -21,8 +21,9 @@ from torch import nn
 
 import surgery
 from surgery import WeightConverter, ops
-from surgery.checkpoint import write_checkpoint
+from surgery.checkpoint import open_checkpoint, write_checkpoint
 from surgery.examples import dense, moe
+from surgery.load.record import load_record
 from surgery.quantization import FP8BlockQuantizer
 
 DENSE = dense.ExampleDenseConfig()
@@ -66,12 +67,33 @@ def register_fallback_mapping() -> None:
     )
 
 
+class PaddedHeadModel(nn.Module):
+    """A colwise-sharded unembedding loaded without the checkpoint's two padding rows."""
+
+    tp_plan = {"lm_head": "colwise"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(8, 6, bias=False)
+
+
+def register_padded_head_mapping() -> None:
+    from specs.inkling2 import Inkling2UnpadVocab
+
+    surgery.register_checkpoint_conversion_mapping(
+        "PaddedHeadModel",
+        [WeightConverter(r"^unembed\.weight$", "lm_head.weight", [Inkling2UnpadVocab()])],
+        overwrite=True,
+    )
+
+
 def write_checkpoints(work: Path) -> None:
     """The checkpoints every scenario reads (original layouts, written by hand)."""
     write_checkpoint(dense.original_state_dict(dense.build_dense_model(DENSE, seed=1)), work / "dense")
     write_checkpoint(moe.original_state_dict(moe.build_moe_model(MOE, seed=2)), work / "moe")
     torch.manual_seed(3)
     write_checkpoint({"proj.weight": torch.randn(6, 8) / 2}, work / "fallback")
+    write_checkpoint({"unembed.weight": torch.randn(8, 8)}, work / "padded")  # rows 6, 7: padding
     fp8 = quantize_state(dense.original_state_dict(dense.build_dense_model(DENSE, seed=4)), FP8_BLOCK)
     write_checkpoint(fp8, work / "dense-fp8")
 
@@ -223,6 +245,30 @@ def _fallback(work: Path, mesh: Any) -> dict[str, Any]:
     }
 
 
+def _padded_head(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
+    """Every rank records the whole padding rows (the op runs on whole tensors); the save puts them back."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    register_padded_head_mapping()
+    model = PaddedHeadModel().to("meta")
+    report = surgery.load_checkpoint(model, work / "padded", tp_plan="auto", device_mesh=mesh)
+    record = load_record(model)
+    with open_checkpoint(work / "padded") as reader:
+        hub = reader.get_tensor("unembed.weight")
+    w = model.lm_head.weight
+    files = surgery.save_checkpoint(model, work / "padded-saved")
+    dist.barrier()
+    return {
+        "ok": report.ok,
+        "local_rows": list(w.to_local().shape) if isinstance(w, DTensor) else None,
+        "residue_rows": list(record.residues) if record is not None else None,
+        "residue_equal": record is not None and torch.equal(record.residues["lm_head.weight"], hub[6:]),
+        "saved_files": [Path(f).name for f in files],
+        "saved_identical": rank != 0 or _files(work / "padded-saved") == _files(work / "padded"),
+    }
+
+
 def _cpu_model(work: Path, mesh: Any) -> dict[str, Any]:
     """A model built on CPU (random weights) is parallelized without communication, then loaded."""
     ref = _single(dense_build, work / "dense")
@@ -325,6 +371,7 @@ def run(rank: int, world: int, workdir: str, torchrun: bool = False) -> None:
             facts["oracle"] = _oracle(work, mesh)
             facts["fp8"] = _fp8(work, rank, mesh)
             facts["fallback"] = _fallback(work, mesh)
+            facts["padded_head"] = _padded_head(work, rank, mesh)
             facts["already_parallel"] = _already_parallel(work, mesh)
             facts["cpu_model"] = _cpu_model(work, mesh)
             facts["errors"] = _errors(work, mesh)

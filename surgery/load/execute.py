@@ -10,6 +10,7 @@ rank's regions. It runs on the loader's worker threads and never touches the mod
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from ..checkpoint import CheckpointReader
 from ..checkpoint.format import SafetensorsFile
 from ..converter import expand_outputs
 from ..errors import ConversionError, SurgeryError
-from ..ops import run_chain
+from ..ops import OpContext, run_chain
 from ..parallel import dtensor_type
 from ..slicing import NOT_NEEDED, Region, local_shape
 from .inference import op_context
@@ -76,7 +77,7 @@ def execute(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, bool]]:
             return [(key, dest, fresh)]
         return _targets(prep, w, key, _source(prep, w, src))
     conv = w.converter
-    ctx = op_context(conv, w.group_key, prep.runtime, w.config)
+    ctx = _keeping(prep, w, op_context(conv, w.group_key, prep.runtime, w.config))
     if entry.mode == "direct":
         key = w.dest_keys[0]
         dest, fresh = _alloc(prep.runtime[key], prep.target_dtype[key], w.device)
@@ -96,6 +97,26 @@ def execute(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, bool]]:
     for key in w.dest_keys:
         result.extend(_targets(prep, w, key, outputs.pop(key)))
     return result
+
+
+def _keeping(prep: Prepared, w: Work, ctx: OpContext) -> OpContext:
+    """``ctx`` with a ``keep_residue`` that files what an op drops under the group's first runtime key.
+
+    The key is the smallest runtime key of the group, the one a save finds it under. Under tensor
+    parallelism an op without a slice rule (``Inkling2UnpadVocab``) runs on whole tensors, so every
+    rank keeps the whole residue: an op that keeps a residue must not define a slice rule.
+    """
+    key = min(w.dest_keys)
+
+    def keep(residue: torch.Tensor) -> None:
+        if key in prep.residues:
+            raise ConversionError(
+                f"{w.converter!r}: two ops of its chain dropped data for {key!r}; one op per chain may "
+                "keep a residue. Split the chain into two converters."
+            )
+        prep.residues[key] = residue
+
+    return replace(ctx, keep_residue=keep)
 
 
 def _source(prep: Prepared, w: Work, key: str, region: Any = None) -> torch.Tensor:
@@ -149,7 +170,7 @@ def _execute_shard(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, boo
             return [(key, _read(reader, src, sh.sources[src], dest), True)]
         return [(key, _source(prep, w, src, sh.sources[src]).to(dtype).to(w.device), True)]
     conv = w.converter
-    ctx = op_context(conv, w.group_key, prep.runtime, w.config)
+    ctx = _keeping(prep, w, op_context(conv, w.group_key, prep.runtime, w.config))
     targets = conv.expand_target_keys(w.group_key)
     if sh.fallback is not None:  # read whole, run the global chain, keep this rank's part
         for src in entry.source_keys:

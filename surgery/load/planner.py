@@ -205,6 +205,8 @@ class Prepared:
     quantizer: QuantizerHooks | None = None
     companion_values: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
     checked: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # companions read by planning
+    # what ops dropped (padding rows), by the group's smallest runtime key: the load record keeps it
+    residues: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def _normalize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:

@@ -40,6 +40,9 @@ class LoadRecord:
         companions: per checkpoint key decoded by a quantizer, the companion tensors read with
             it (FP8 block scales), kept so that a save re-encodes with exactly these.
         quantizer: the quantizer of the load (``None`` without one).
+        residues: per converter group (its smallest runtime key), what an op of its chain dropped
+            at load (:attr:`surgery.ops.OpContext.keep_residue`: the padding rows of an unpadded
+            vocabulary), for the reversed op to put back on save. Only the dropped data.
     """
 
     transforms: list[WeightTransform] = field(default_factory=list)
@@ -50,6 +53,7 @@ class LoadRecord:
     checkpoint: str = ""
     companions: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     quantizer: Any = None
+    residues: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def load_record(model: nn.Module) -> LoadRecord | None:
@@ -100,15 +104,17 @@ def record_load(
     in_order = [k for k in reader if k in sources]  # checkpoint order, not completion order
     infos = [reader.info(k) for k in in_order]
     file_index = {f: i for i, f in enumerate(reader.files)}
+    loaded = {k for w in done for k in (*w.dest_keys, *w.entry.quantized)}
     record = LoadRecord(
         transforms=transforms,
         source_dtypes={k: i.dtype for k, i in zip(in_order, infos)},
         source_shapes={k: tuple(i.shape) for k, i in zip(in_order, infos)},
         source_shards={k: file_index.get(i.file, 0) for k, i in zip(in_order, infos)},
-        loaded_keys={k for w in done for k in (*w.dest_keys, *w.entry.quantized)},
+        loaded_keys=loaded,
         checkpoint=str(path),
         companions={k: v for k, v in prep.companion_values.items() if k in sources},
         quantizer=None if prep.quantizer is None else prep.quantizer.quantizer,
+        residues={k: v for k, v in prep.residues.items() if k in loaded},
     )
     model.__dict__[_RECORD_ATTR] = record
     return [repr(t) for t in transforms]
