@@ -1,10 +1,12 @@
-"""Command line: ``surgery demo | preview | inspect | convert | catalog | bench`` (also ``python -m surgery``).
+"""Command line: ``surgery demo | preview | inspect | convert | verify | catalog | bench`` (also ``python -m surgery``).
 
 * ``demo``: the main job end to end on the built-in example models.
 * ``preview``: show what a fusion would change on a built-in example (or your own model).
 * ``inspect PATH``: summarize a checkpoint; with ``--model``, show the load plan (``--tp N``:
   what each of N tensor-parallel ranks reads, planned without a process group).
 * ``convert SRC DST --model M``: load a checkpoint into a model and save it in another layout.
+* ``verify CKPT --model M``: audit a load → save round trip tensor by tensor (exit 0 identical,
+  1 different, 2 error); ``--json FILE`` writes the card (``docs/verify.md``).
 * ``catalog``: the registered conversion mappings (families and aliases).
 * ``bench {route,load,fusion,graph,quantization}``: benchmarks that print ratios against a floor.
 
@@ -222,6 +224,47 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_quantizer(args: argparse.Namespace) -> object | None:
+    from .quantization import FP8BlockQuantizer, Int8WeightOnlyQuantizer
+
+    if args.quantization == "fp8":
+        config = Path(args.checkpoint)
+        config = (config if config.is_dir() else config.parent) / "config.json"
+        if config.is_file() and "quantization_config" in json.loads(config.read_text() or "{}"):
+            return FP8BlockQuantizer.from_config(config)
+        return FP8BlockQuantizer()
+    if args.quantization == "int8":
+        return Int8WeightOnlyQuantizer()
+    return None  # "auto": what the checkpoint persisted, as load_checkpoint does by default
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    """``surgery verify``: 0 when every tensor is identical (or an allowed difference), else 1."""
+    from .verification import verify
+
+    if args.tp_plan is not None:
+        raise SurgeryError(
+            "verify --tp-plan: a tensor-parallel audit runs in every rank of a launch; call "
+            "surgery.verify(..., tp_plan=..., device_mesh=..., workdir=...) from the launched script "
+            "(docs/verify.md)."
+        )
+    card = verify(
+        lambda: build_model(args.model),
+        args.checkpoint,
+        fusion_config=_fusion_arg(args.fusion),
+        quantizer=_verify_quantizer(args),
+        dtype=args.dtype,
+        allow=args.allow or (),
+        output=args.output,
+        workdir=args.workdir,
+        max_shard_size=args.max_shard_size,
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(card.to_dict(), indent=2) + "\n")
+    print(card.render(limit=args.limit))
+    return 0 if card.ok else 1
+
+
 def _unmatched_fusions(args: argparse.Namespace, applied: dict[str, object] | None) -> None:
     """Say which requested ``--fusion`` fused nothing in the model (as ``preview`` does)."""
     for name in args.fusion or ():
@@ -323,6 +366,39 @@ def _parser() -> argparse.ArgumentParser:
         "--allow-pickle", action="store_true", help="accept .bin/.pt files (read with weights_only=True)"
     )
     c.set_defaults(func=_cmd_convert)
+
+    v = sub.add_parser(
+        "verify",
+        help="audit a load -> save round trip tensor by tensor (exit 0 identical, 1 different, 2 error)",
+    )
+    v.add_argument("checkpoint", help="the checkpoint to audit (file, directory or index .json)")
+    v.add_argument("--model", required=True, help=_MODEL_HELP)
+    v.add_argument("--fusion", action="append", help="fusion name to apply first (repeatable)")
+    v.add_argument(
+        "--quantization",
+        choices=("auto", "fp8", "int8"),
+        default="auto",
+        help="auto: what the checkpoint persisted (default); fp8: decode FP8 block-quantized weights "
+        "(block size from CKPT's config.json when it has one); int8: quantize Linear weights on the fly",
+    )
+    v.add_argument(
+        "--tp-plan",
+        default=None,
+        help="tensor parallelism: not from this command; call surgery.verify in each rank (docs/verify.md)",
+    )
+    v.add_argument("--dtype", default=None, help="load dtype (e.g. bfloat16, or 'checkpoint'); default: the model's")
+    v.add_argument(
+        "--allow",
+        action="append",
+        choices=("cast", "requantize"),
+        help="accept this difference (repeatable): cast (other dtype), requantize (quantized codes changed)",
+    )
+    v.add_argument("--output", default=None, help="audit this converted checkpoint against CKPT instead of a fresh save")
+    v.add_argument("--json", default=None, metavar="FILE", help="write the verification card as JSON to FILE")
+    v.add_argument("--workdir", default=None, help="where the two saves go (default: a temp dir, deleted)")
+    v.add_argument("--max-shard-size", default="5GB", help="bytes per shard of the two saves (default 5GB)")
+    v.add_argument("--limit", type=int, default=20, help="non-identical tensors listed on stdout (default 20)")
+    v.set_defaults(func=_cmd_verify)
 
     cat = sub.add_parser("catalog", help="list the registered conversion mappings (families and aliases)")
     cat.add_argument("--json", action="store_true", help="print them as JSON, with their transforms")
