@@ -370,6 +370,10 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser(
         "verify",
         help="audit a load -> save round trip tensor by tensor (exit 0 identical, 1 different, 2 error)",
+        description="Load CKPT into the model, save it in the original layout, load that back and save "
+        "again; compare names, dtypes, shapes and SHA-256 of every tensor with CKPT. Exit status: 0 when "
+        "every tensor is identical (or a difference --allow accepts), 1 when anything differs, 2 on an "
+        "error. docs/verify.md shows its use in a conversion pipeline.",
     )
     v.add_argument("checkpoint", help="the checkpoint to audit (file, directory or index .json)")
     v.add_argument("--model", required=True, help=_MODEL_HELP)
@@ -386,18 +390,24 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="tensor parallelism: not from this command; call surgery.verify in each rank (docs/verify.md)",
     )
-    v.add_argument("--dtype", default=None, help="load dtype (e.g. bfloat16, or 'checkpoint'); default: the model's")
+    v.add_argument(
+        "--dtype", default=None, help="load dtype (e.g. bfloat16, or 'checkpoint'); default: the model's"
+    )
     v.add_argument(
         "--allow",
         action="append",
         choices=("cast", "requantize"),
         help="accept this difference (repeatable): cast (other dtype), requantize (quantized codes changed)",
     )
-    v.add_argument("--output", default=None, help="audit this converted checkpoint against CKPT instead of a fresh save")
+    v.add_argument(
+        "--output", default=None, help="audit this converted checkpoint against CKPT instead of a fresh save"
+    )
     v.add_argument("--json", default=None, metavar="FILE", help="write the verification card as JSON to FILE")
     v.add_argument("--workdir", default=None, help="where the two saves go (default: a temp dir, deleted)")
     v.add_argument("--max-shard-size", default="5GB", help="bytes per shard of the two saves (default 5GB)")
-    v.add_argument("--limit", type=int, default=20, help="non-identical tensors listed on stdout (default 20)")
+    v.add_argument(
+        "--limit", type=int, default=20, help="non-identical tensors listed on stdout (default 20)"
+    )
     v.set_defaults(func=_cmd_verify)
 
     cat = sub.add_parser("catalog", help="list the registered conversion mappings (families and aliases)")

@@ -13,11 +13,12 @@ published in ``docs/verify-card.schema.json``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,11 @@ ALLOWANCES = ("cast", "requantize")
 _QUANTIZED_DTYPES = {
     torch.int8,
     torch.uint8,
-    *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)),
+    *(
+        getattr(torch, n)
+        for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+        if hasattr(torch, n)
+    ),
 }
 
 
@@ -163,10 +168,7 @@ class VerifyCard:
     def ok(self) -> bool:
         """Every tensor identical (or an allowed difference), saves idempotent, the two loads equal."""
         return (
-            not self.differences()
-            and self.idempotent
-            and self.runtime_identical
-            and not self.load_problems
+            not self.differences() and self.idempotent and self.runtime_identical and not self.load_problems
         )
 
     def counts(self) -> dict[str, int]:
@@ -337,7 +339,9 @@ def verify(
 
     bad = [a for a in allow if a not in ALLOWANCES]
     if bad:
-        raise ConfigurationError(f"verify(allow={list(allow)!r}): {bad[0]!r} is not one of {', '.join(ALLOWANCES)}.")
+        raise ConfigurationError(
+            f"verify(allow={list(allow)!r}): {bad[0]!r} is not one of {', '.join(ALLOWANCES)}."
+        )
     distributed = tp_plan is not None or device_mesh is not None
     if distributed and workdir is None:
         raise ConfigurationError(
@@ -351,66 +355,68 @@ def verify(
     def build() -> nn.Module:
         return model() if not isinstance(model, nn.Module) and callable(model) else model
 
-    options: dict[str, Any] = {"quantizer": quantizer, "tp_plan": tp_plan, "device_mesh": device_mesh, "dtype": dtype}
+    options: dict[str, Any] = {
+        "quantizer": quantizer,
+        "tp_plan": tp_plan,
+        "device_mesh": device_mesh,
+        "dtype": dtype,
+    }
 
-    def timed(step: str, fn: Callable[[], Any]) -> Any:
+    @contextlib.contextmanager
+    def step(name: str) -> Iterator[None]:
         t0 = time.perf_counter()
-        result = fn()
-        card.seconds[step] = round(time.perf_counter() - t0, 6)
-        return result
+        yield
+        card.seconds[name] = round(time.perf_counter() - t0, 6)
 
     def mine(files: list[Path]) -> list[Path]:  # each rank audits every world-th file
         return sorted(files)[rank::world]
 
-    with tempfile.TemporaryDirectory(prefix="surgery-verify-") if workdir is None else _nullcontext(workdir) as work:
-        first, second = Path(work) / "first", Path(work) / "second"
-        m = build()
-        report = timed("load", lambda: load_checkpoint(m, checkpoint, fusion_config=fusion_config, **options))
+    scratch = tempfile.TemporaryDirectory(prefix="surgery-verify-") if workdir is None else None
+    try:
+        work = Path(scratch.name if scratch is not None else workdir)  # type: ignore[arg-type]
+        work.mkdir(parents=True, exist_ok=True)
+        first, second = work / "first", work / "second"
+        loaded = build()
+        with step("load"):
+            report = load_checkpoint(loaded, checkpoint, fusion_config=fusion_config, **options)
         card.load_modes = _load_modes(report)
         card.load_problems = _problems(report)
-        before = _runtime_hashes(m)
-        timed("save", lambda: save_checkpoint(m, first, max_shard_size=max_shard_size))
+        del report
+        before = _runtime_hashes(loaded)
+        with step("save"):
+            save_checkpoint(loaded, first, max_shard_size=max_shard_size)
+        reload_fusions = None  # an instance is already fused
         if not isinstance(model, nn.Module):
-            del m, report
-            m = build()
-            refuse = fusion_config
-        else:
-            refuse = None  # the instance is already fused
-        timed("reload", lambda: load_checkpoint(m, first, fusion_config=refuse, **options))
-        after = _runtime_hashes(m)
-        card.runtime_differences = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+            loaded = build()  # the first model is released as this one replaces it
+            reload_fusions = fusion_config
+        with step("reload"):
+            load_checkpoint(loaded, first, fusion_config=reload_fusions, **options)
+        after = _runtime_hashes(loaded)
+        card.runtime_differences = sorted(
+            k for k in before.keys() | after.keys() if before.get(k) != after.get(k)
+        )
         card.runtime_identical = not card.runtime_differences
-        timed("resave", lambda: save_checkpoint(m, second, max_shard_size=max_shard_size))
-        del m
+        with step("resave"):
+            save_checkpoint(loaded, second, max_shard_size=max_shard_size)
+        del loaded
         if distributed:
-            _barrier()
-
-        def compare() -> None:
+            _barrier()  # rank 0's files are complete before any rank reads them
+        with step("compare"):
             source = _scan(Path(checkpoint), files=mine if distributed else None)
             out = _scan(Path(output) if output is not None else first)
-            if distributed:  # this rank's source files; extras are rank 0's to report
-                out = {k: v for k, v in out.items() if k in source or (rank == 0 and k not in _all_keys(checkpoint))}
+            if distributed:  # this rank's share of the source; extras are rank 0's to report
+                every = _all_keys(checkpoint)
+                out = {k: v for k, v in out.items() if k in source or (rank == 0 and k not in every)}
             card.tensors = _compare(source, out)
             a, b = _scan(first), _scan(second)
             card.idempotence_differences = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
             card.idempotent = not card.idempotence_differences
-
-        timed("compare", compare)
         if distributed:
-            _barrier()
+            _barrier()  # no rank removes or rewrites the saves while another still reads them
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
     return card
-
-
-class _nullcontext:
-    def __init__(self, value: str | os.PathLike[str]) -> None:
-        self.value = value
-
-    def __enter__(self) -> str | os.PathLike[str]:
-        Path(self.value).mkdir(parents=True, exist_ok=True)
-        return self.value
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _all_keys(checkpoint: str | os.PathLike[str]) -> set[str]:
@@ -422,7 +428,9 @@ def _rank_world() -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        raise ConfigurationError("verify(tp_plan=...): initialize the process group (torch.distributed) first.")
+        raise ConfigurationError(
+            "verify(tp_plan=...): initialize the process group (torch.distributed) first."
+        )
     return dist.get_rank(), dist.get_world_size()
 
 
