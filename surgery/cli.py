@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["build_model", "main"]
 
-_BENCHES = ("route", "load", "fusion", "graph", "io", "quantization")
+_BENCHES = ("route", "load", "fusion", "graph", "io", "quantization", "verify")
 
 
 def _example_moe() -> nn.Module:

@@ -13,12 +13,14 @@ published in ``docs/verify-card.schema.json``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from .checkpoint import open_checkpoint
+from .empty import init_empty
 from .errors import ConfigurationError
 
 __all__ = ["ALLOWANCES", "TensorVerdict", "VerifyCard", "verify"]
@@ -68,23 +71,38 @@ class _Entry:
     sha256: str
 
 
+_WORKERS = 4
+"""Hashing threads (``hashlib`` releases the GIL on large buffers)."""
+
+
+def _digests(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """``(name, tensor, sha256)`` in input order, hashed by a few threads, at most 2 per thread in flight."""
+    with ThreadPoolExecutor(_WORKERS, thread_name_prefix="surgery-verify") as pool:
+        pending: collections.deque[tuple[str, torch.Tensor, Future[str]]] = collections.deque()
+        for name, t in tensors:
+            pending.append((name, t, pool.submit(_digest, t)))
+            if len(pending) >= 2 * _WORKERS:
+                done = pending.popleft()
+                yield done[0], done[1], done[2].result()
+        while pending:
+            done = pending.popleft()
+            yield done[0], done[1], done[2].result()
+
+
 def _scan(path: Path, *, files: Callable[[list[Path]], Iterable[Path]] | None = None) -> dict[str, _Entry]:
-    """Name → (dtype, shape, hash) of every tensor of a checkpoint, one tensor in memory at a time."""
-    out: dict[str, _Entry] = {}
+    """Name → (dtype, shape, hash) of every tensor of a checkpoint, memory-mapped, a few at a time."""
     with open_checkpoint(path) as reader:
         keys = reader.keys()
         if files is not None:
             mine = {Path(f) for f in files([Path(f) for f in reader.files])}
             keys = [k for k in keys if Path(reader.locate(k)[1].path) in mine]
-        for key in keys:
-            t = reader.get_tensor(key, copy=False)
-            out[key] = _Entry(_dtype_name(t.dtype), list(t.shape), _digest(t))
-            del t
-    return out
+        views = ((k, reader.get_tensor(k, copy=False)) for k in keys)
+        return {k: _Entry(_dtype_name(t.dtype), list(t.shape), h) for k, t, h in _digests(views)}
 
 
 def _runtime_hashes(model: nn.Module) -> dict[str, str]:
-    return {k: _digest(v) for k, v in model.state_dict().items() if v.device.type != "meta"}
+    state = ((k, v) for k, v in model.state_dict().items() if v.device.type != "meta")
+    return {k: h for k, _, h in _digests(state)}
 
 
 @dataclass(frozen=True)
@@ -387,7 +405,9 @@ def verify(
             save_checkpoint(loaded, first, max_shard_size=max_shard_size)
         reload_fusions = None  # an instance is already fused
         if not isinstance(model, nn.Module):
-            loaded = build()  # the first model is released as this one replaces it
+            del loaded  # the first model is released before the second is built
+            with init_empty():  # on meta: every parameter must come from the first save
+                loaded = build()
             reload_fusions = fusion_config
         with step("reload"):
             load_checkpoint(loaded, first, fusion_config=reload_fusions, **options)
@@ -403,12 +423,13 @@ def verify(
             _barrier()  # rank 0's files are complete before any rank reads them
         with step("compare"):
             source = _scan(Path(checkpoint), files=mine if distributed else None)
-            out = _scan(Path(output) if output is not None else first)
+            a = _scan(first)
+            out = _scan(Path(output)) if output is not None else a
             if distributed:  # this rank's share of the source; extras are rank 0's to report
                 every = _all_keys(checkpoint)
                 out = {k: v for k, v in out.items() if k in source or (rank == 0 and k not in every)}
             card.tensors = _compare(source, out)
-            a, b = _scan(first), _scan(second)
+            b = _scan(second)
             card.idempotence_differences = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
             card.idempotent = not card.idempotence_differences
         if distributed:
