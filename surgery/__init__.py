@@ -13,6 +13,7 @@ Map of the package (one concept per module; ``docs/concepts.md`` has the path of
 * ``save``: export back to the original (or the runtime) layout; ``saved_config``: the
   ``config.json`` it writes, describing the tensors written.
 * ``fusion``: torch.fx rewrites of module instances, with preview.
+* ``verification``: :func:`verify`, the audit card of a load → save round trip.
 * ``cli``, ``demo``, ``examples``, ``bench``: the command line, the demo, example models, benchmarks.
 """
 
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # the names below are imported on first use: ``surgery --help
     from .resolution import explain_model_conversion_mapping, get_model_conversion_mapping
     from .save import revert_state_dict, save_checkpoint
     from .transforms import PrefixChange, WeightRenaming, WeightTransform
+    from .verification import VerifyCard, verify
 
 _LAZY = {
     "CheckpointError": ".errors",
@@ -86,6 +88,8 @@ _LAZY = {
     "registry_snapshot": ".registry",
     "revert_state_dict": ".save",
     "save_checkpoint": ".save",
+    "verify": ".verification",
+    "VerifyCard": ".verification",
     "write_checkpoint": ".checkpoint",
 }
 """Public name -> the module that defines it (imported on first access, then cached)."""
@@ -128,6 +132,7 @@ __all__ = [
     "PrefixChange",
     "RegistryError",
     "SurgeryError",
+    "VerifyCard",
     "WeightConverter",
     "WeightRenaming",
     "WeightTransform",
@@ -147,6 +152,7 @@ __all__ = [
     "registry_snapshot",
     "revert_state_dict",
     "save_checkpoint",
+    "verify",
     "write_checkpoint",
 ]
 

@@ -1,10 +1,12 @@
-"""Command line: ``surgery demo | preview | inspect | convert | catalog | bench`` (also ``python -m surgery``).
+"""Command line: ``surgery demo | preview | inspect | convert | verify | catalog | bench`` (also ``python -m surgery``).
 
 * ``demo``: the main job end to end on the built-in example models.
 * ``preview``: show what a fusion would change on a built-in example (or your own model).
 * ``inspect PATH``: summarize a checkpoint; with ``--model``, show the load plan (``--tp N``:
   what each of N tensor-parallel ranks reads, planned without a process group).
 * ``convert SRC DST --model M``: load a checkpoint into a model and save it in another layout.
+* ``verify CKPT --model M``: audit a load → save round trip tensor by tensor (exit 0 identical,
+  1 different, 2 error); ``--json FILE`` writes the card (``docs/verify.md``).
 * ``catalog``: the registered conversion mappings (families and aliases).
 * ``bench {route,load,fusion,graph,quantization}``: benchmarks that print ratios against a floor.
 
@@ -49,7 +51,7 @@ _TRANSFORMERS_AUTO = "transformers:auto"  # surgery.auto_model.TRANSFORMERS_AUTO
 _QUANTIZATIONS = ("fp8", "int8", "auto")  # surgery.quantization.QUANTIZATION_CHOICES
 _DTYPES = ("float16", "bfloat16", "float32", "float64")  # surgery.casting.SAVE_DTYPES
 
-_BENCHES = ("route", "load", "fusion", "graph", "io", "quantization")
+_BENCHES = ("route", "load", "fusion", "graph", "io", "quantization", "verify")
 
 
 def _example_moe() -> nn.Module:
@@ -315,6 +317,27 @@ def _write_report(report: LoadReport) -> str:
     return name
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    """``surgery verify``: 0 when every tensor is identical (or an allowed difference), else 1."""
+    from .verification import verify
+
+    card = verify(
+        lambda: build_model(args.model),
+        args.checkpoint,
+        fusion_config=_fusion_arg(args.fusion),
+        quantizer=_quantizer(args, args.checkpoint),
+        dtype=args.dtype,
+        allow=args.allow or (),
+        output=args.output,
+        workdir=args.workdir,
+        max_shard_size=args.max_shard_size,
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(card.to_dict(), indent=2) + "\n")
+    print(card.render(limit=args.limit))
+    return 0 if card.ok else 1
+
+
 def _unmatched_fusions(args: argparse.Namespace, applied: dict[str, object] | None) -> None:
     """Say which requested ``--fusion`` fused nothing in the model (as ``preview`` does)."""
     for name in args.fusion or ():
@@ -444,6 +467,43 @@ def _parser() -> argparse.ArgumentParser:
         "--allow-pickle", action="store_true", help="accept .bin/.pt files (read with weights_only=True)"
     )
     c.set_defaults(func=_cmd_convert)
+
+    v = sub.add_parser(
+        "verify",
+        help="audit a load -> save round trip tensor by tensor (exit 0 identical, 1 different, 2 error)",
+        description="Load CKPT into the model, save it in the original layout, load that back and save "
+        "again; compare names, dtypes, shapes and SHA-256 of every tensor with CKPT. Exit status: 0 when "
+        "every tensor is identical (or a difference --allow accepts), 1 when anything differs, 2 on an "
+        "error. docs/verify.md shows its use in a conversion pipeline.",
+    )
+    v.add_argument("checkpoint", help="the checkpoint to audit (file, directory or index .json)")
+    v.add_argument("--model", required=True, help=_MODEL_HELP)
+    v.add_argument("--fusion", action="append", help="fusion name to apply first (repeatable)")
+    v.add_argument(
+        "--quantization",
+        choices=_QUANTIZATIONS,
+        default=None,
+        help=_QUANTIZATION_HELP + "; default: what CKPT persisted, as a load does",
+    )
+    v.add_argument(
+        "--dtype", default=None, help="load dtype (e.g. bfloat16, or 'checkpoint'); default: the model's"
+    )
+    v.add_argument(
+        "--allow",
+        action="append",
+        choices=("cast", "requantize"),
+        help="accept this difference (repeatable): cast (other dtype), requantize (quantized codes changed)",
+    )
+    v.add_argument(
+        "--output", default=None, help="audit this converted checkpoint against CKPT instead of a fresh save"
+    )
+    v.add_argument("--json", default=None, metavar="FILE", help="write the verification card as JSON to FILE")
+    v.add_argument("--workdir", default=None, help="where the two saves go (default: a temp dir, deleted)")
+    v.add_argument("--max-shard-size", default="5GB", help="bytes per shard of the two saves (default 5GB)")
+    v.add_argument(
+        "--limit", type=int, default=20, help="non-identical tensors listed on stdout (default 20)"
+    )
+    v.set_defaults(func=_cmd_verify)
 
     cat = sub.add_parser("catalog", help="list the registered conversion mappings (families and aliases)")
     cat.add_argument("--json", action="store_true", help="print them as JSON, with their transforms")

@@ -34,6 +34,7 @@ TOP_LEVEL = [
     "PrefixChange",
     "RegistryError",
     "SurgeryError",
+    "VerifyCard",
     "WeightConverter",
     "WeightRenaming",
     "WeightTransform",
@@ -53,6 +54,7 @@ TOP_LEVEL = [
     "registry_snapshot",
     "revert_state_dict",
     "save_checkpoint",
+    "verify",
     "write_checkpoint",
 ]
 
@@ -91,6 +93,7 @@ SIGNATURES = {
     "registry_snapshot": "(*, clear: 'bool' = False, reload_catalogs: 'bool' = False) -> 'Iterator[None]'",
     "revert_state_dict": "(model: 'nn.Module', *, original_format: 'bool' = True, quantization: 'str' = 'as_loaded') -> 'dict[str, torch.Tensor]'",
     "save_checkpoint": "(model: 'nn.Module', path: 'str | os.PathLike[str]', *, original_format: 'bool' = True, max_shard_size: 'int | str' = '5GB', metadata: 'dict[str, str] | None' = None, quantization: 'str' = 'as_loaded', dtype: 'torch.dtype | None' = None) -> 'SavedFiles'",
+    "verify": "(model: 'nn.Module | Callable[[], nn.Module]', checkpoint: 'str | os.PathLike[str]', *, fusion_config: 'dict[str, Any] | None' = None, quantizer: 'object | None' = None, dtype: 'torch.dtype | str | None' = None, allow: 'Sequence[str]' = (), output: 'str | os.PathLike[str] | None' = None, workdir: 'str | os.PathLike[str] | None' = None, max_shard_size: 'int | str' = '5GB') -> 'VerifyCard'",
     "write_checkpoint": "(state_dict: 'Mapping[str, torch.Tensor]', path: 'str | os.PathLike[str]', *, max_shard_size: 'int | str' = '5GB', metadata: 'Mapping[str, str] | None' = None, specs: 'Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None' = None) -> 'list[Path]'",
     "WeightRenaming": "(source_patterns: 'str | Sequence[str]', target_patterns: 'str | Sequence[str]', *, scope_prefix: 'str | None' = None) -> 'None'",
     "PrefixChange": "(prefix_to_add: 'str | None' = None, prefix_to_remove: 'str | None' = None, model_prefix: 'str | None' = None, *, scope_prefix: 'str | None' = None) -> 'None'",
