@@ -296,12 +296,12 @@ class _InverseRenamer:
     def __init__(self, forward: list[WeightTransform], *, recorded: Collection[str] = ()) -> None:
         self._forward = forward
         self._reverse = [r.reverse_transform() for r in forward]
-        self._plain = _Renamer(self._reverse[::-1])
+        self.plain = _Renamer(self._reverse[::-1])
         self._renamed = _Renamer(forward)
         self._recorded = recorded
 
     def __call__(self, key: str) -> str:
-        plain = self._plain(key)
+        plain = self.plain(key)
         if plain in self._recorded or self._renamed(plain) == key:
             return plain
         found = self._search(len(self._forward), key, set())
@@ -323,12 +323,18 @@ class _InverseRenamer:
             and pattern is None
         ):
             inverted, pattern = f"{reverse.prefix_to_add}.{key}", "prefix already there"
-        if pattern is not None and inverted != key and forward.rename_source_key(inverted)[0] == key:
-            if (found := self._search(step - 1, inverted, dead)) is not None:
-                return found
-        if forward.rename_source_key(key)[0] == key:
-            if (found := self._search(step - 1, key, dead)) is not None:
-                return found
+        if (
+            pattern is not None
+            and inverted != key
+            and forward.rename_source_key(inverted)[0] == key
+            and (found := self._search(step - 1, inverted, dead)) is not None
+        ):
+            return found
+        if (
+            forward.rename_source_key(key)[0] == key
+            and (found := self._search(step - 1, key, dead)) is not None
+        ):
+            return found
         dead.add((step, key))
         return None
 
@@ -482,6 +488,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
             position = {k: i for i, k in enumerate(record.source_shapes)}
         runtime_order = {k: i for i, k in enumerate(self._state)}
         groups: list[_Group] = []
+        plain_names: dict[str, str] = {}
         for tg in stage1.groups.values():
             for k in tg.source_keys:
                 route = stage1.routes[k]
@@ -494,6 +501,14 @@ class RevertedState(Mapping[str, torch.Tensor]):
                 group, metas = self._plan_converter(tg.converter, tg.key, tuple(tg.source_keys), shapes)
             names = tuple(rename(k) for k in group.outputs)
             group.names = names
+            for o in group.outputs:  # a mapping whose plain inverse is not one-to-one stays refused
+                if (p := rename.plain(o)) in plain_names:
+                    raise ConversionError(
+                        f"saving: two tensors would be written as {p!r} (one from {o!r}, one from "
+                        f"{plain_names[p]!r}); the reversed mapping is not one-to-one. Check the "
+                        "renamings of the model's mapping."
+                    )
+                plain_names[p] = o
             recorded = record.companions if record is not None else {}
             group.dtypes = tuple(
                 self._dtype(group, n, metas[o].dtype, dtypes, recorded) for n, o in zip(names, group.outputs)

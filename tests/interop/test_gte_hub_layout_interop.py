@@ -142,7 +142,9 @@ def test_transformers_own_file_saves_back_as_transformers_wrote_it_never_half_of
 
     model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)
     model.save_pretrained(tmp_path / "theirs")
-    theirs = {k: v for f in sorted((tmp_path / "theirs").glob("*.safetensors")) for k, v in load_file(f).items()}
+    theirs = {
+        k: v for f in sorted((tmp_path / "theirs").glob("*.safetensors")) for k, v in load_file(f).items()
+    }
     assert theirs and all(k.startswith("new.") for k in theirs)
     assert any(k.startswith("new.gte.") for k in theirs)
 
