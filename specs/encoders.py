@@ -53,6 +53,12 @@ ENTRIES: dict[str, list[WeightTransform]] = {
         # ``new.embeddings.word_embeddings.weight``), and whose base model is saved bare. So ``new``
         # is the hub's name of the base model ``gte``: renamed, not stripped. A bare ``GteModel`` reads
         # ``new.*`` files through the base-model prefix (``gte.`` added, then stripped).
+        # A file transformers wrote (``new.gte.*``, ``new.lm_head.*``: read as ``gte.gte.*`` and
+        # ``gte.lm_head.*``, the base-model prefix stripped from every key) saves back exactly as
+        # transformers wrote it, never half of each (``new.*`` beside ``new.lm_head.*``, which no
+        # file holds): a loaded model saves what fired, so its own input comes back bit for bit and
+        # both transformers releases reload it; the hub layout is what any other load (a hub file, a
+        # runtime-layout file, none) saves. Tested in tests/interop/test_gte_hub_layout_interop.py.
         WeightRenaming(r"^new\.", "gte."),
         WeightRenaming(r"encoder\.layer", "layers"),
         WeightRenaming(r"attention\.o_proj", "self_attn.o_proj"),

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -244,7 +244,7 @@ class _RecordedShapes:
     every recorded key once.
     """
 
-    def __init__(self, record: LoadRecord | None, rename: _Renamer) -> None:
+    def __init__(self, record: LoadRecord | None, rename: _InverseRenamer) -> None:
         self._record = record
         self._rename = rename
         self._forward = [t for t in record.transforms if not isinstance(t, WeightConverter)] if record else []
@@ -272,6 +272,71 @@ class _Renamer:
         for r in self.renamings:
             key, _ = r.rename_source_key(key)
         return key
+
+
+class _InverseRenamer:
+    """The checkpoint name of a runtime name: one that the forward renamings turn back into it.
+
+    Each renaming's inverse runs in reverse order. Where the renamings are not one-to-one, that
+    plain chain can give a name the load would not read back: a sub-model's own renaming
+    (LlavaOnevision-1.5's base model moving ``model.`` under ``language_model.``) inverted inside
+    a parent whose renaming already put the key there writes ``model.model.layers.*``, which the
+    parent's renaming would load as ``model.language_model.model.layers.*``. A plain chain that the
+    forward renamings undo is kept as it is (the common case, one forward check per name);
+    otherwise each step either inverts its renaming or leaves the name, keeping only steps that
+    the forward renaming undoes exactly, inverting where both do (as the plain chain does), and the
+    first complete chain wins. Nothing consistent found: the plain chain, as before.
+
+    A prefix the load stripped from every key (the base-model prefix of a file that held it twice,
+    as transformers writes GTE: ``new.gte.*`` read as ``gte.gte.*``) is put back even where the
+    name already starts with it, so the file the model was loaded from is written back, not half
+    of it (``new.*`` beside ``new.lm_head.*``). A plain name the load read (``recorded``) is kept.
+    """
+
+    def __init__(self, forward: list[WeightTransform], *, recorded: Collection[str] = ()) -> None:
+        self._forward = forward
+        self._reverse = [r.reverse_transform() for r in forward]
+        self.plain = _Renamer(self._reverse[::-1])
+        self._renamed = _Renamer(forward)
+        self._recorded = recorded
+
+    def __call__(self, key: str) -> str:
+        plain = self.plain(key)
+        if plain in self._recorded or self._renamed(plain) == key:
+            return plain
+        found = self._search(len(self._forward), key, set())
+        return plain if found is None else found
+
+    def _search(self, step: int, key: str, dead: set[tuple[int, str]]) -> str | None:
+        """A name that renamings ``[0, step)`` turn into ``key``; ``None`` if none (memoised in ``dead``)."""
+        if step == 0:
+            return key
+        if (step, key) in dead:
+            return None
+        forward, reverse = self._forward[step - 1], self._reverse[step - 1]
+        inverted, pattern = reverse.rename_source_key(key)
+        if (
+            isinstance(reverse, PrefixChange)
+            and reverse.prefix_to_add is not None
+            and not reverse.model_prefix
+            and not reverse.scope_prefix
+            and pattern is None
+        ):
+            inverted, pattern = f"{reverse.prefix_to_add}.{key}", "prefix already there"
+        if (
+            pattern is not None
+            and inverted != key
+            and forward.rename_source_key(inverted)[0] == key
+            and (found := self._search(step - 1, inverted, dead)) is not None
+        ):
+            return found
+        if (
+            forward.rename_source_key(key)[0] == key
+            and (found := self._search(step - 1, key, dead)) is not None
+        ):
+            return found
+        dead.add((step, key))
+        return None
 
 
 @dataclass
@@ -409,7 +474,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
             r.__dict__[SAVE_PRIORITY] = (repr(c) in fired, -depth)
             self._converters.append(r)
         self._forward = forward
-        rename = _Renamer([r.reverse_transform() for r in reversed(renamings)])
+        rename = _InverseRenamer(renamings, recorded=record.source_shapes if record is not None else ())
         stage1 = route_keys(list(self._state), self._converters)
         if stage1.conflicts:
             raise ConversionError(
@@ -425,6 +490,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
             position = {k: i for i, k in enumerate(record.source_shapes)}
         runtime_order = {k: i for i, k in enumerate(self._state)}
         groups: list[_Group] = []
+        plain_names: dict[str, str] = {}
         for tg in stage1.groups.values():
             for k in tg.source_keys:
                 route = stage1.routes[k]
@@ -437,6 +503,14 @@ class RevertedState(Mapping[str, torch.Tensor]):
                 group, metas = self._plan_converter(tg.converter, tg.key, tuple(tg.source_keys), shapes)
             names = tuple(rename(k) for k in group.outputs)
             group.names = names
+            for o in group.outputs:  # a mapping whose plain inverse is not one-to-one stays refused
+                if (p := rename.plain(o)) in plain_names:
+                    raise ConversionError(
+                        f"saving: two tensors would be written as {p!r} (one from {o!r}, one from "
+                        f"{plain_names[p]!r}); the reversed mapping is not one-to-one. Check the "
+                        "renamings of the model's mapping."
+                    )
+                plain_names[p] = o
             recorded = record.companions if record is not None else {}
             group.dtypes = tuple(
                 self._dtype(group, n, metas[o].dtype, dtypes, recorded) for n, o in zip(names, group.outputs)

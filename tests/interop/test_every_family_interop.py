@@ -53,14 +53,8 @@ NOT_SELF_ROUND_TRIPPED: dict[str, str] = {
 SAVE_DEFECTS: dict[str, str] = {
     # catalog key -> the start of the mismatch surgery's save still shows (a defect to fix, listed
     # so that the rest of the family stays checked; the test fails once the save is right).
-    "LlavaOnevision15ForConditionalGeneration": (
-        "save differs from the original file: 24 extra keys ['model.model.embed_tokens.weight'"
-    ),
 }
-"""Families whose save is known to write another layout than the hub file's. The base model's
-``^model.`` → ``language_model.`` renaming is inverted inside the parent's ``model`` scope before
-the parent's own renaming, so the text model is written under ``model.model.*`` (transformers
-5.25 writes the same); the fix belongs with the save-layout work (issue 30, section 4)."""
+"""Families whose save is known to write another layout than the hub file's (none today)."""
 
 UNRELIABLE_SAVE: dict[str, str] = {
     # catalog key -> why transformers' file sometimes does not hold the model that wrote it.
@@ -199,7 +193,8 @@ HUB_EVIDENCE: dict[tuple[str, ...], str] = {
         "writes `new.gte.*` and `new.lm_head.*`. Evidence: its own mapping strips `new.` (the hub's name "
         "of the base model), and the remote-code `NewForMaskedLM` that wrote the hub files "
         "(gte-multilingual-mlm-base, loaded by transformers' GTE integration test) holds `self.new` and "
-        "`self.lm_head`, its tied-weights table naming `new.embeddings.word_embeddings.weight`"
+        "`self.lm_head`, its tied-weights table naming `new.embeddings.word_embeddings.weight`. A file "
+        "transformers wrote saves back as written (`new.gte.*`, `new.lm_head.*`), never a mix of the two"
     ),
     ("ViTMAEForPreTraining",): (
         "`decoder.decoder_layers.N.attention.attention.query.*`; transformers writes "

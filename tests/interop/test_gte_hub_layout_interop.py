@@ -130,3 +130,29 @@ def test_a_bare_base_model_reads_the_head_models_hub_file_and_saves_bare_when_ne
 
     bare = _saved(_model("GteModel", seed=0), tmp_path / "bare")
     assert bare and not any(k.startswith(("new.", "gte.")) for k in bare)
+
+
+@pytest.mark.parametrize("cls", ["GteForMaskedLM", "GteForSequenceClassification"])
+def test_transformers_own_file_saves_back_as_transformers_wrote_it_never_half_of_each(
+    cls: str, tmp_path: Path
+) -> None:
+    model = _model(cls, seed=0)
+    # transformers' write after a load through its mapping: new.gte.*, new.<head>.*
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)
+    model.save_pretrained(tmp_path / "theirs")
+    theirs = {
+        k: v for f in sorted((tmp_path / "theirs").glob("*.safetensors")) for k, v in load_file(f).items()
+    }
+    assert theirs and all(k.startswith("new.") for k in theirs)
+    assert any(k.startswith("new.gte.") for k in theirs)
+
+    loaded = _model(cls, seed=1)
+    report = surgery.load_checkpoint(loaded, tmp_path / "theirs", strict=True)
+    assert report.ok, report
+    _same(dict(loaded.state_dict()), model.state_dict())
+    saved = _saved(loaded, tmp_path / "saved")
+    _same(saved, theirs)
+    hub = _hub_file(model, tmp_path / "hub")  # and never a mix: no hub key beside transformers' ones
+    assert not set(saved) & set(hub)
