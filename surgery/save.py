@@ -290,7 +290,9 @@ class _InverseRenamer:
     A prefix the load stripped from every key (the base-model prefix of a file that held it twice,
     as transformers writes GTE: ``new.gte.*`` read as ``gte.gte.*``) is put back even where the
     name already starts with it, so the file the model was loaded from is written back, not half
-    of it (``new.*`` beside ``new.lm_head.*``). A plain name the load read (``recorded``) is kept.
+    of it (``new.*`` beside ``new.lm_head.*``). A plain name the load read (``recorded``) is kept;
+    otherwise a chain that leads to a name the load read wins (a file in transformers' own layout,
+    where it differs from the hub's, saves back as itself, never part hub and part transformers).
     """
 
     def __init__(self, forward: list[WeightTransform], *, recorded: Collection[str] = ()) -> None:
@@ -302,15 +304,24 @@ class _InverseRenamer:
 
     def __call__(self, key: str) -> str:
         plain = self.plain(key)
-        if plain in self._recorded or self._renamed(plain) == key:
+        if plain in self._recorded or (not self._recorded and self._renamed(plain) == key):
             return plain
+        if self._recorded:  # a name the load read, if one leads here: the file is written back as it was
+            found = self._search(len(self._forward), key, set(), goal=self._recorded)
+            if found is not None:
+                return found
+            if self._renamed(plain) == key:
+                return plain
         found = self._search(len(self._forward), key, set())
         return plain if found is None else found
 
-    def _search(self, step: int, key: str, dead: set[tuple[int, str]]) -> str | None:
-        """A name that renamings ``[0, step)`` turn into ``key``; ``None`` if none (memoised in ``dead``)."""
+    def _search(
+        self, step: int, key: str, dead: set[tuple[int, str]], *, goal: Collection[str] | None = None
+    ) -> str | None:
+        """A name that renamings ``[0, step)`` turn into ``key`` (one in ``goal`` when given);
+        ``None`` if none (memoised in ``dead``)."""
         if step == 0:
-            return key
+            return key if goal is None or key in goal else None
         if (step, key) in dead:
             return None
         forward, reverse = self._forward[step - 1], self._reverse[step - 1]
@@ -327,12 +338,12 @@ class _InverseRenamer:
             pattern is not None
             and inverted != key
             and forward.rename_source_key(inverted)[0] == key
-            and (found := self._search(step - 1, inverted, dead)) is not None
+            and (found := self._search(step - 1, inverted, dead, goal=goal)) is not None
         ):
             return found
         if (
             forward.rename_source_key(key)[0] == key
-            and (found := self._search(step - 1, key, dead)) is not None
+            and (found := self._search(step - 1, key, dead, goal=goal)) is not None
         ):
             return found
         dead.add((step, key))
@@ -474,7 +485,10 @@ class RevertedState(Mapping[str, torch.Tensor]):
             r.__dict__[SAVE_PRIORITY] = (repr(c) in fired, -depth)
             self._converters.append(r)
         self._forward = forward
-        rename = _InverseRenamer(renamings, recorded=record.source_shapes if record is not None else ())
+        # The names the load read lead the way back, unless the file held runtime names only (a
+        # runtime-layout checkpoint saves the hub layout, as a model never loaded does).
+        read = record.source_shapes if record is not None else {}
+        rename = _InverseRenamer(renamings, recorded=() if read.keys() <= self._state.keys() else read)
         stage1 = route_keys(list(self._state), self._converters)
         if stage1.conflicts:
             raise ConversionError(
