@@ -165,7 +165,7 @@ def _refuse_meta(state: dict[str, torch.Tensor]) -> None:
         )
 
 
-def reverting_transforms(model: nn.Module) -> list[WeightTransform]:
+def reverting_transforms(model: nn.Module, *, loaded: bool = True) -> list[WeightTransform]:
     """The forward transforms a save in original format inverts: the family's layout, once defined.
 
     Structural transforms (the model's conversion mapping: converters, renamings, prefix
@@ -174,9 +174,9 @@ def reverting_transforms(model: nn.Module) -> list[WeightTransform]:
     (hub) layout. Renames that exist only for legacy checkpoints (``LayerNorm.gamma`` →
     ``.weight``) and the base-model prefix a checkpoint had or lacked are inverted only when they
     fired on load, so nothing the checkpoint did not have is invented; transforms a load's
-    quantizer added are inverted when they fired.
+    quantizer added are inverted when they fired. ``loaded=False``: as for a model never loaded.
     """
-    record = load_record(model)
+    record = load_record(model) if loaded else None
     fired = [t for t in record.transforms if not t.__dict__.get(FUSION_TAG)] if record is not None else []
     fired_reprs = {repr(t) for t in fired}
     mapping = get_model_conversion_mapping(model, include_legacy=False)
@@ -290,13 +290,21 @@ class _InverseRenamer:
     A prefix the load stripped from every key (the base-model prefix of a file that held it twice,
     as transformers writes GTE: ``new.gte.*`` read as ``gte.gte.*``) is put back even where the
     name already starts with it, so the file the model was loaded from is written back, not half
-    of it (``new.*`` beside ``new.lm_head.*``). A plain name the load read (``recorded``) is kept;
-    otherwise a chain that leads to a name the load read wins (a file in transformers' own layout,
-    where it differs from the hub's, saves back as itself, never part hub and part transformers).
+    of it (``new.*`` beside ``new.lm_head.*``). A plain name the load read (``recorded``) or the
+    hub layout's name (``hub``: what a model never loaded writes) is kept; otherwise a chain that
+    leads to a name the load read wins, so a file in transformers' own layout where it differs
+    from the hub's never saves part hub and part neither.
     """
 
-    def __init__(self, forward: list[WeightTransform], *, recorded: Collection[str] = ()) -> None:
+    def __init__(
+        self,
+        forward: list[WeightTransform],
+        *,
+        recorded: Collection[str] = (),
+        hub: _InverseRenamer | None = None,
+    ) -> None:
         self._forward = forward
+        self._hub = hub
         self._reverse = [r.reverse_transform() for r in forward]
         self.plain = _Renamer(self._reverse[::-1])
         self._renamed = _Renamer(forward)
@@ -306,6 +314,8 @@ class _InverseRenamer:
         plain = self.plain(key)
         if plain in self._recorded or (not self._recorded and self._renamed(plain) == key):
             return plain
+        if self._hub is not None and self._renamed(plain) == key and plain == self._hub(key):
+            return plain  # the hub layout's name: a variant layout comes back in the hub layout
         if self._recorded:  # a name the load read, if one leads here: the file is written back as it was
             found = self._search(len(self._forward), key, set(), goal=self._recorded)
             if found is not None:
@@ -488,7 +498,11 @@ class RevertedState(Mapping[str, torch.Tensor]):
         # The names the load read lead the way back, unless the file held runtime names only (a
         # runtime-layout checkpoint saves the hub layout, as a model never loaded does).
         read = record.source_shapes if record is not None else {}
-        rename = _InverseRenamer(renamings, recorded=() if read.keys() <= self._state.keys() else read)
+        if read.keys() <= self._state.keys():
+            rename = _InverseRenamer(renamings)
+        else:  # the hub's name where the plain chain gives it, else one the load read, never a mix
+            hub_renamings, _ = split_transforms(reverting_transforms(model, loaded=False))
+            rename = _InverseRenamer(renamings, recorded=read, hub=_InverseRenamer(hub_renamings))
         stage1 = route_keys(list(self._state), self._converters)
         if stage1.conflicts:
             raise ConversionError(
