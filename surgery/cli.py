@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from .bench import positive_int
 from .errors import SurgeryError
 
 if TYPE_CHECKING:
@@ -158,16 +159,6 @@ def _tp_plan(text: str | None) -> dict[str, Any] | str:
     if not isinstance(plan, dict):
         raise SurgeryError(f"--tp-plan is a JSON {type(plan).__name__}; give an object of pattern to style.")
     return plan
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} ranks: give 1 or more")
-    return value
 
 
 def _fusion_arg(values: Sequence[str] | None) -> dict[str, object] | None:
@@ -437,7 +428,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     i.add_argument("--quantization", choices=_QUANTIZATIONS, default=None, help=_QUANTIZATION_HELP)
     i.add_argument(
-        "--tp", type=_positive_int, default=None, help="plan a tensor-parallel load for this many ranks"
+        "--tp", type=positive_int, default=None, help="plan a tensor-parallel load for this many ranks"
     )
     i.add_argument("--tp-rank", type=int, default=None, help="only this rank (default: every rank)")
     i.add_argument("--tp-plan", default=None, help="a JSON tp_plan (default: the model's own, 'auto')")

@@ -1,15 +1,28 @@
 """Benchmarks: runnable timing scripts (not tests); each module has ``run()`` and ``main()``.
 
 Run them as ``surgery bench NAME [options]``; :func:`parser` gives each the same program name
-and plain-text help, and :func:`positive_int` refuses counts that would divide by zero.
+and plain-text help, :func:`positive_int` refuses counts that would divide by zero, and
+:func:`best_time` times a call the same way everywhere.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import time
+from collections.abc import Callable
 
-__all__ = ["parser", "positive_int"]
+__all__ = ["best_time", "parser", "positive_int"]
+
+
+def best_time(fn: Callable[[], object], repeat: int) -> float:
+    """The shortest wall time of ``repeat`` calls of ``fn``, in seconds."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def positive_int(text: str) -> int:

@@ -13,7 +13,6 @@ import collections
 import mmap
 import os
 import tempfile
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,19 +21,10 @@ import torch
 
 from surgery.checkpoint import open_checkpoint, write_checkpoint
 
+from . import best_time, positive_int
 from . import parser as bench_parser
-from . import positive_int
 
 __all__ = ["main"]
-
-
-def _best(fn: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def _touch(t: torch.Tensor) -> None:
@@ -122,12 +112,12 @@ def main(argv: list[str] | None = None) -> None:
                 f"checkpoint: {len(keys)} bf16 tensors, {mib:.0f} MiB, warm page cache, best of {args.repeat}"
             )
             for name, fn in results.items():
-                seconds = _best(fn, args.repeat)
+                seconds = best_time(fn, args.repeat)
                 print(f"  {name:40s} {seconds * 1e3:8.1f} ms  {mib / 1024 / seconds:6.2f} GiB/s")
 
         out_ours, out_theirs = Path(tmp, "w_ours"), Path(tmp, "w_theirs.safetensors")
-        write = _best(lambda: write_checkpoint(state, out_ours), args.repeat)
-        ref = _best(lambda: save_file(state, out_theirs), args.repeat)
+        write = best_time(lambda: write_checkpoint(state, out_ours), args.repeat)
+        ref = best_time(lambda: save_file(state, out_theirs), args.repeat)
         print(f"  {'write_checkpoint (atomic, fsync)':40s} {write * 1e3:8.1f} ms")
         print(f"  {'safetensors save_file':40s} {ref * 1e3:8.1f} ms")
         growth = _peak_rss_growth(lambda: write_checkpoint(state, out_ours))

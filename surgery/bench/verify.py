@@ -11,7 +11,6 @@ The ratio is expected near 2 plus the hashing.
 from __future__ import annotations
 
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,19 +23,10 @@ from surgery.load.loader import load_checkpoint
 from surgery.save import save_checkpoint
 from surgery.verification import verify
 
+from . import best_time, positive_int
 from . import parser as bench_parser
-from . import positive_int
 
 __all__ = ["main", "run"]
-
-
-def _best(fn: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def _cases(
@@ -91,7 +81,7 @@ def run(*, hidden: int = 512, layers: int = 4, repeat: int = 3) -> list[tuple[st
                 if not card.ok:
                     raise AssertionError(card.render())
 
-            rows.append((name, mib, _best(load_save, repeat), _best(audit, repeat)))
+            rows.append((name, mib, best_time(load_save, repeat), best_time(audit, repeat)))
     return rows
 
 
