@@ -52,9 +52,6 @@ from .converter import WeightConverter, split_transforms
 from .errors import CheckpointError, ConfigurationError, SurgeryError
 from .transforms import WeightTransform
 
-SAVE_PRIORITY = "_surgery_save_priority"
-"""Attribute a save sets on its reversed converters: where two claim one runtime key, the higher wins."""
-
 __all__ = [
     "TEMPLATE_MAX_COMPONENTS",
     "TEMPLATE_MAX_LENGTH",
@@ -261,17 +258,9 @@ class _ExactRouter:
                 continue
             if claimed is not None:
                 if _same_recipe(claimed[1], c) and claimed[1].target_keys(claimed[2]) == c.target_keys(m):
-                    # One mapping resolved for a sub-model and again for an ancestor (Qwen3-Omni's
-                    # thinker under the whole model): the same conversion either way; the
-                    # innermost scope is the one that names this key's sub-model.
+                    # One mapping resolved for a sub-model and again for an ancestor: the same
+                    # conversion either way; the innermost scope names this key's sub-model.
                     if len(c.scope_prefix or "") > len(claimed[1].scope_prefix or ""):
-                        claimed = (i, c, m)
-                    continue
-                pa, pb = claimed[1].__dict__.get(SAVE_PRIORITY), c.__dict__.get(SAVE_PRIORITY)
-                if pa is not None and pb is not None and pa != pb:
-                    # Saving, where a whole model's entry and one of its sub-model's (NeMo speech
-                    # around Nemotron-H) both reverse onto this key: the save decided which wins.
-                    if pb > pa:
                         claimed = (i, c, m)
                     continue
                 raise ConfigurationError(
@@ -292,7 +281,7 @@ def _same_recipe(a: WeightConverter, b: WeightConverter) -> bool:
         type(a) is type(b)
         and a.source_patterns == b.source_patterns
         and a.target_patterns == b.target_patterns
-        and repr(list(a.operations)) == repr(list(b.operations))
+        and a.operations == b.operations
     )
 
 
@@ -336,8 +325,8 @@ class _Replay:
             index: tuple[int, ...] = (int(values[fields[0][0]]),)
         else:
             index = tuple([fixed if c is None else int(values[c]) for c, fixed in fields])  # type: ignore[misc]
-        # tuple.__new__ skips the NamedTuple's argument handling; a replay runs once per key.
-        return tuple.__new__(_Decision, (targets, *self._rest, index))  # type: ignore[type-var]
+        renamings, converter, pattern_index = self._rest
+        return _Decision(targets, renamings, converter, pattern_index, index)
 
 
 class _TemplateCache:

@@ -42,20 +42,20 @@ from torch import nn
 from .casting import Cast, SavedFiles, cast_checked, check_save_dtype, is_castable
 from .checkpoint import check_write_arguments, write_checkpoint, write_file_atomically
 from .collective import Collective
-from .converter import WeightConverter, split_transforms
+from .converter import Collector, WeightConverter, split_transforms
 from .errors import CheckpointError, ConfigurationError, ConversionError
 from .fusion import fusion_config_of, fusion_transforms, persistable_fusion_config
 from .load.model import config_lookup, tied_groups
 from .load.placement import all_contiguous, flatten_slots, placement_views, shape_of
-from .load.plan import FUSION_METADATA_KEY, FUSION_TAG, fold_indices
-from .load.record import BASE_PREFIX_TAG, LoadRecord, load_record
+from .load.plan import FUSION_METADATA_KEY, fold_indices
 from .ops import OpContext, run_chain
 from .parallel import dtensor_type
-from .quantization import QUANTIZER_ATTRIBUTE, QuantizerHooks
+from .quantization import QuantizerHooks
+from .record import LoadRecord, Origin, record_of
 from .resolution import get_model_conversion_mapping
-from .routing import SAVE_PRIORITY, route_keys
+from .routing import RouteConflict, route_keys
 from .saved_config import SavedConfig, saved_config, write_config_json
-from .transforms import PrefixChange, WeightRenaming, WeightTransform, legacy_renamings
+from .transforms import PrefixChange, WeightRenaming, WeightTransform
 
 __all__ = [
     "QUANTIZATION_MODES",
@@ -82,7 +82,7 @@ class TensorSpec(NamedTuple):
 def _dedup_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The runtime state dict with tied tensors kept once (the name the checkpoint used, if known)."""
     state = model.state_dict(keep_vars=True)
-    record = load_record(model)
+    record = record_of(model).load
     groups = {id(keys): keys for keys in tied_groups(state).values()}  # one entry per tied group
     drop: set[str] = set()
     for keys in groups.values():
@@ -176,24 +176,23 @@ def reverting_transforms(model: nn.Module, *, loaded: bool = True) -> list[Weigh
     fired on load, so nothing the checkpoint did not have is invented; transforms a load's
     quantizer added are inverted when they fired. ``loaded=False``: as for a model never loaded.
     """
-    record = load_record(model) if loaded else None
-    fired = [t for t in record.transforms if not t.__dict__.get(FUSION_TAG)] if record is not None else []
-    fired_reprs = {repr(t) for t in fired}
+    record = record_of(model).load if loaded else None
     mapping = get_model_conversion_mapping(model, include_legacy=False)
-    structural = [t for t in mapping if not _placed_at_its_prefix(t, mapping) or repr(t) in fired_reprs]
-    known = {repr(t) for t in structural}
-    fusion = list(fusion_transforms(model))
-    legacy = {repr(t) for t in legacy_renamings()}
-    first = [t for t in fired[:1] if t.__dict__.get(BASE_PREFIX_TAG) == "first"]
-    last = [t for t in fired[-1:] if t.__dict__.get(BASE_PREFIX_TAG) == "last"]
-    fired_legacy = [t for t in fired if repr(t) in legacy]
+    if record is None:
+        return [t for t in mapping if not _placed_at_its_prefix(t, mapping)] + fusion_transforms(model)
+    fired = {f.transform for f in record.fired if f.origin is not Origin.FUSION}
+    structural = [t for t in mapping if not _placed_at_its_prefix(t, mapping) or t in fired]
+    known = set(structural)
     # What the load's quantizer added to the mapping (update/get_weight_conversions) fired too.
-    added = [
-        t
-        for t in fired
-        if repr(t) not in known and repr(t) not in legacy and not t.__dict__.get(BASE_PREFIX_TAG)
+    added = [t for t in record.of(Origin.MAPPING, Origin.QUANTIZER) if t not in known]
+    return [
+        *record.of(Origin.BASE_PREFIX_BEFORE),
+        *record.of(Origin.LEGACY),
+        *structural,
+        *added,
+        *record.of(Origin.BASE_PREFIX_AFTER),
+        *fusion_transforms(model),
     ]
-    return first + fired_legacy + structural + added + last + fusion
 
 
 def _placed_at_its_prefix(t: WeightTransform, mapping: list[WeightTransform]) -> bool:
@@ -377,6 +376,64 @@ class _Group:
     companion_of: dict[str, str] | None = None  # companion name -> the name whose encode writes it
 
 
+class _ConverterRoutes(NamedTuple):
+    """The runtime keys routed through the reversed converters (:func:`_route_by_precedence`)."""
+
+    routes: dict[str, tuple[int, tuple[int, ...]]]  # key -> (source pattern index, wildcard indices)
+    groups: list[tuple[int | None, str, tuple[str, ...]]]  # (converter, group key, runtime keys)
+
+
+def _route_by_precedence(
+    keys: list[str], converters: list[WeightConverter], precedence: list[tuple[bool, int]]
+) -> _ConverterRoutes:
+    """Route ``keys`` through ``converters``; where several could claim a key, the highest precedence wins.
+
+    The save decides before routing: converters are routed one precedence level at a time, the
+    highest first, and a key claimed at one level is not offered to the next. Within a level two
+    converters claiming one key are a configuration error, as they are at load.
+
+    Raises:
+        ConversionError: two keys land on one runtime key.
+    """
+    levels = sorted(set(precedence), reverse=True) or [(False, 0)]
+    routes: dict[str, tuple[int, tuple[int, ...]]] = {}
+    groups: dict[str, tuple[int | None, str, tuple[str, ...]]] = {}
+    first_of: dict[str, str] = {}
+    remaining = keys
+    for n, level in enumerate(levels):
+        chosen = [i for i, p in enumerate(precedence) if p == level]
+        level_converters = [converters[i] for i in chosen]
+        routing = route_keys(remaining, level_converters)
+        last = n == len(levels) - 1
+        if routing.conflicts and not last:  # only among the keys this level claims
+            claimed = [k for k in remaining if routing.routes[k].converter is not None]
+            routing = route_keys(claimed, level_converters)
+        if routing.conflicts:
+            raise _collision(routing.conflicts[0])
+        for tg in routing.groups.values():
+            if tg.converter is None and not last:
+                continue  # offered to the next level
+            if tg.key in groups:
+                raise _collision(RouteConflict(tg.key, first_of[tg.key], tg.source_keys[0]))
+            converter = None if tg.converter is None else chosen[tg.converter]
+            groups[tg.key] = (converter, tg.key, tuple(tg.source_keys))
+            first_of[tg.key] = tg.source_keys[0]
+            for k in tg.source_keys:
+                route = routing.routes[k]
+                routes[k] = (route.pattern_index or 0, route.index)
+        remaining = [k for k in remaining if k not in routes]
+    position = {k: i for i, k in enumerate(keys)}  # groups in the order their first key comes
+    ordered = sorted(groups.values(), key=lambda g: min(position[k] for k in g[2]))
+    return _ConverterRoutes(routes, ordered)
+
+
+def _collision(conflict: RouteConflict) -> ConversionError:
+    return ConversionError(
+        f"saving: {conflict}; the reversed converters collide. Check the mapping for two "
+        "converters whose targets overlap."
+    )
+
+
 def _closing_key(keys: list[str], group_of: dict[str, int]) -> str | None:
     """The key whose lookup computes a group for the last time, when ``keys`` are looked up in order.
 
@@ -444,7 +501,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
         if original_format:
             self._state = _dequantize_stage(model, self._state)
         self._quantization = quantization
-        record = load_record(model)
+        record = record_of(model).load
         self._encoder = (
             QuantizerHooks(record.quantizer)
             if record is not None and record.quantizer is not None and record.companions
@@ -475,15 +532,16 @@ class RevertedState(Mapping[str, torch.Tensor]):
             d = t.dtype if k in codes else self._cast(t.dtype)
             self._specs[k] = TensorSpec(tuple(t.shape), d)
             groups.append(_Group((k,), (k,), (k,), (d,)))
-        record = load_record(model)
+        record = record_of(model).load
         position = {k: i for i, k in enumerate(record.source_shapes)} if record is not None else {}
         self._specs = self._write_order(groups, record, position, {k: i for i, k in enumerate(self._state)})
         return groups
 
     def _plan(self, model: nn.Module) -> list[_Group]:
-        record = load_record(model)
+        record = record_of(model).load
         renamings, forward = split_transforms(reverting_transforms(model))
-        fired = {repr(t) for t in record.transforms} if record is not None else set()
+        fired = set(record.transforms) if record is not None else set()
+        precedence: list[tuple[bool, int]] = []
         for c in forward:
             r = c.reverse_transform()
             if not isinstance(r, WeightConverter):
@@ -492,7 +550,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
             # (a sub-model entry for its own checkpoints), the one that fired at load wins, then
             # the outer one (the whole model's layout).
             depth = len((c.scope_prefix or "").split(".")) if c.scope_prefix else 0
-            r.__dict__[SAVE_PRIORITY] = (repr(c) in fired, -depth)
+            precedence.append((c in fired, -depth))
             self._converters.append(r)
         self._forward = forward
         # The names the load read lead the way back, unless the file held runtime names only (a
@@ -503,12 +561,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
         else:  # the hub's name where the plain chain gives it, else one the load read, never a mix
             hub_renamings, _ = split_transforms(reverting_transforms(model, loaded=False))
             rename = _InverseRenamer(renamings, recorded=read, hub=_InverseRenamer(hub_renamings))
-        stage1 = route_keys(list(self._state), self._converters)
-        if stage1.conflicts:
-            raise ConversionError(
-                f"saving: {stage1.conflicts[0]}; the reversed converters collide. Check the mapping for two "
-                "converters whose targets overlap."
-            )
+        stage1 = _route_by_precedence(list(self._state), self._converters, precedence)
         # Recorded checkpoint shapes/dtypes, named as the reversed renamings will see them.
         dtypes: dict[str, torch.dtype] = {}
         position: dict[str, int] = {}
@@ -519,16 +572,14 @@ class RevertedState(Mapping[str, torch.Tensor]):
         runtime_order = {k: i for i, k in enumerate(self._state)}
         groups: list[_Group] = []
         plain_names: dict[str, str] = {}
-        for tg in stage1.groups.values():
-            for k in tg.source_keys:
-                route = stage1.routes[k]
-                self._routes[k] = (route.pattern_index or 0, route.index)
-            if tg.converter is None:
-                (src,) = tg.source_keys
+        self._routes = stage1.routes
+        for converter, key, sources in stage1.groups:
+            if converter is None:
+                (src,) = sources
                 metas = {src: self._state[src]}
                 group = _Group((src,), (src,), (src,), ())
             else:
-                group, metas = self._plan_converter(tg.converter, tg.key, tuple(tg.source_keys), shapes)
+                group, metas = self._plan_converter(converter, key, sources, shapes)
             names = tuple(rename(k) for k in group.outputs)
             group.names = names
             for o in group.outputs:  # a mapping whose plain inverse is not one-to-one stays refused
@@ -654,10 +705,11 @@ class RevertedState(Mapping[str, torch.Tensor]):
             config=self._config_for(sources[0]),
             residue=None if residue is None else _meta_like(residue),
         )
+        collector = Collector(conv)
         for k in sources:
             pat, idx = self._routes[k]
-            conv.add_tensor(key, k, pat, _meta_like(self._state[k]), index=idx)
-        metas = conv.convert(key, ctx)
+            collector.add_tensor(key, k, pat, _meta_like(self._state[k]), index=idx)
+        metas = collector.convert(key, ctx)
         group = _Group(sources, tuple(metas), (), (), index, key, ctx, chain_order=tuple(metas))
         if len(sources) == 1:
             group.slot_shapes = self._view_slots(index, self._state[sources[0]], ctx)
@@ -713,12 +765,12 @@ class RevertedState(Mapping[str, torch.Tensor]):
                 )
             raw = dict(zip(g.chain_order, flat))
         else:
-            conv = self._converters[g.converter]
+            collector = Collector(self._converters[g.converter])
             for k in g.sources:
                 pat, idx = self._routes[k]
-                conv.add_tensor(g.key, k, pat, _value(sources[k]), index=idx)
+                collector.add_tensor(g.key, k, pat, _value(sources[k]), index=idx)
             residue = self._residues.get(min(g.sources))
-            raw = conv.convert(g.key, g.ctx if g.ctx is None else replace(g.ctx, residue=residue))
+            raw = collector.convert(g.key, g.ctx if g.ctx is None else replace(g.ctx, residue=residue))
         out: dict[str, torch.Tensor] = {}
         for o, n, d in zip(g.outputs, g.names, g.dtypes):
             if g.companion_of and n in g.companion_of:
@@ -966,7 +1018,7 @@ def _carry_configs(model: nn.Module, path: Path) -> None:
     Only into a directory that has none yet, so the output loads in transformers with its own
     config (without one, transformers builds a default config silently). Written atomically.
     """
-    record = load_record(model)
+    record = record_of(model).load
     if record is None or not record.checkpoint:
         return
     source = Path(record.checkpoint)
@@ -987,10 +1039,10 @@ def _carry_configs(model: nn.Module, path: Path) -> None:
 
 def _model_quantizer(model: nn.Module) -> Any:
     """The quantizer of the model's last load, else the one that prepared it, else ``None``."""
-    record = load_record(model)
+    record = record_of(model).load
     if record is not None and record.quantizer is not None:
         return record.quantizer
-    return model.__dict__.get(QUANTIZER_ATTRIBUTE)
+    return record_of(model).quantizer
 
 
 def _written_dtype(state: RevertedState) -> str | None:
@@ -1027,7 +1079,7 @@ def _describe_written(
     ``written_quantized``: the quantizer whose codes a runtime-layout save writes (``None``: none).
     """
     fusions = None if original_format else fusion_config_of(model)
-    record = load_record(model)
+    record = record_of(model).load
     encoded = set(state.encoded_keys)
     if encoded and record is not None and record.quantizer is not None:  # FP8 re-encoded as loaded
         hooks = QuantizerHooks(record.quantizer)

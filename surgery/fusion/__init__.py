@@ -17,13 +17,11 @@ Map of the package:
 """
 
 from .apply import (
-    RECORD_ATTRIBUTE,
     FusionEntry,
     FusionRecord,
     apply_fusions,
     check_fusion_conflicts,
     fusion_config_of,
-    fusion_record,
     fusion_transforms,
     persistable_fusion_config,
     preview_fusions,
@@ -41,7 +39,6 @@ __all__ = [
     "EXCLUDED",
     "FUSED",
     "NOTHING_HERE",
-    "RECORD_ATTRIBUTE",
     "SKIPPED",
     "WOULD_FUSE",
     "EnabledFusion",
@@ -62,7 +59,6 @@ __all__ = [
     "check_fusion_conflicts",
     "find_fusion",
     "fusion_config_of",
-    "fusion_record",
     "fusion_registry_snapshot",
     "fusion_transforms",
     "get_fusion",

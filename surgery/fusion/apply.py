@@ -2,7 +2,8 @@
 
 :func:`preview_fusions` changes nothing; :func:`apply_fusions` swaps each matched candidate for
 its fused replacement, on that instance only (no class is patched, no global state is kept), and
-records on the model what it did (:data:`RECORD_ATTRIBUTE`):
+records on the model what it did (a :class:`FusionRecord` in the model's record,
+:func:`surgery.record.record_of`):
 
 * :func:`fusion_transforms` gives the loader fresh copies of the weight transforms (original →
   fused layout), each scoped to its module's path; the saver reverses them.
@@ -29,6 +30,7 @@ from torch import nn
 from ..converter import WeightConverter
 from ..errors import FusionConflictError, FusionError
 from ..graph import swap_module
+from ..record import record_of, update_record
 from ..transforms import WeightTransform
 from .config import EnabledFusion, FusionConfig, validate_fusion_config
 from .plan import EXCLUDED, FUSED, SKIPPED, FusionCandidate, FusionPlan
@@ -36,21 +38,16 @@ from .registry import find_fusion
 from .rewrite import NO_MATCH, NOTHING_HERE, FusedModule, examine_candidate
 
 __all__ = [
-    "RECORD_ATTRIBUTE",
     "FusionEntry",
     "FusionRecord",
     "apply_fusions",
     "check_fusion_conflicts",
     "fusion_config_of",
-    "fusion_record",
     "fusion_transforms",
     "persistable_fusion_config",
     "preview_fusions",
     "trusted_fusion_config",
 ]
-
-RECORD_ATTRIBUTE = "_surgery_fusions"
-"""The model attribute holding the :class:`FusionRecord` of the fusions applied to it."""
 
 
 @dataclass(frozen=True)
@@ -151,12 +148,6 @@ def apply_fusions(
     return _run(model, fusion_config, strict=strict, apply=True)
 
 
-def fusion_record(model: nn.Module) -> FusionRecord | None:
-    """The :class:`FusionRecord` of ``model``, or ``None`` if no fusion was applied to it."""
-    record = model.__dict__.get(RECORD_ATTRIBUTE)
-    return record if isinstance(record, FusionRecord) else None
-
-
 def fusion_transforms(model: nn.Module) -> list[WeightTransform]:
     """Fresh copies of the weight transforms (original → fused layout) of every applied fusion.
 
@@ -164,7 +155,7 @@ def fusion_transforms(model: nn.Module) -> list[WeightTransform]:
     loader appends them to the model's conversion mapping; reversing them saves the original
     layout. Empty when no fusion was applied.
     """
-    record = fusion_record(model)
+    record = record_of(model).fusions
     if record is None:
         return []
     return [t.copy() for e in record.entries for t in e.transforms]
@@ -176,7 +167,7 @@ def fusion_config_of(model: nn.Module) -> dict[str, Any] | None:
     Persist it with a checkpoint saved in the runtime layout; :func:`apply_fusions` with it on a
     fresh model reproduces the same module tree.
     """
-    record = fusion_record(model)
+    record = record_of(model).fusions
     return None if record is None else copy.deepcopy(record.config)
 
 
@@ -190,7 +181,7 @@ def persistable_fusion_config(model: nn.Module) -> dict[str, Any] | None:
     ``{"patch_embeddings": {"modules": ["^visual\\.patch_embed$"]}}``: a later load re-applies
     each fusion to exactly those modules, however broad the options it was first applied with.
     """
-    record = fusion_record(model)
+    record = record_of(model).fusions
     if record is None:
         return None
     out: dict[str, Any] = {}
@@ -257,7 +248,7 @@ def check_fusion_conflicts(model: nn.Module, transforms: Sequence[WeightTransfor
         FusionConflictError: (a ``FusionError`` and a ``ConfigurationError``) naming the fusion, the
             module path, the key and both transforms.
     """
-    record = fusion_record(model)
+    record = record_of(model).fusions
     if record is None:
         return
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -455,9 +446,9 @@ def _run(
 def _record(model: nn.Module, cfg: FusionConfig, entries: list[FusionEntry]) -> None:
     applied = {e.fusion for e in entries}
     new_config = {k: v for k, v in cfg.to_dict().items() if k in applied}
-    old = fusion_record(model)
+    old = record_of(model).fusions
     if old is None:
-        object.__setattr__(model, RECORD_ATTRIBUTE, FusionRecord(new_config, list(entries)))
+        update_record(model, fusions=FusionRecord(new_config, list(entries)))
         return
     all_entries = [*old.entries, *entries]
     merged = dict(old.config)

@@ -21,7 +21,6 @@ __all__ = ["FUSION_METADATA_KEY", "LoadPlan", "PlanEntry", "fold_indices"]
 
 FUSION_METADATA_KEY = "surgery.fusion_config"
 """Safetensors metadata key under which a runtime-layout save persists its fusion config."""
-FUSION_TAG = "_surgery_from_fusion"
 
 
 @dataclass

@@ -41,6 +41,7 @@ from ..fusion import (
 )
 from ..ops import OpContext
 from ..quantization import QuantizerHooks, quantizer_from_metadata
+from ..record import Origin
 from ..resolution import get_model_conversion_mapping
 from ..routing import Routing, route_keys
 from ..slicing import local_shape
@@ -54,7 +55,7 @@ from .model import (
     tied_groups,
 )
 from .placement import all_contiguous, placement_views, source_slot_shapes
-from .plan import FUSION_METADATA_KEY, FUSION_TAG, LoadPlan, PlanEntry
+from .plan import FUSION_METADATA_KEY, LoadPlan, PlanEntry
 from .quantized import (
     broken_units,
     check_stored,
@@ -81,16 +82,23 @@ __all__ = ["Prepared", "Work", "ordered_sources", "persisted_fusion_config", "pr
 # --------------------------------------------------------------------------- model helpers
 
 
-def _resolve_transforms(model: nn.Module, hooks: QuantizerHooks | None = None) -> list[WeightTransform]:
+def _resolve_transforms(
+    model: nn.Module, hooks: QuantizerHooks | None = None
+) -> tuple[list[WeightTransform], list[Origin]]:
+    """The transforms a load routes through, and the origin of each (what the load record keeps)."""
     quantizer = None if hooks is None else hooks.quantizer
     transforms = list(get_model_conversion_mapping(model, quantizer=quantizer))
+    legacy = legacy_renamings()
+    origins = [Origin.LEGACY if t in legacy else Origin.MAPPING for t in transforms]
     if hooks is not None:
-        transforms.extend(hooks.weight_conversions())
+        added = hooks.weight_conversions()
+        transforms.extend(added)
+        origins.extend(Origin.LEGACY if t in legacy else Origin.QUANTIZER for t in added)
     check_fusion_conflicts(model, transforms)  # before any byte is read, naming the fusion and the key
-    for t in fusion_transforms(model):
-        t.__dict__[FUSION_TAG] = True  # saving reverses fusions whether or not they fired
-        transforms.append(t)
-    return transforms
+    fused = fusion_transforms(model)  # saving reverses fusions whether or not they fired
+    transforms.extend(fused)
+    origins.extend(Origin.FUSION for _ in fused)
+    return transforms, origins
 
 
 def persisted_fusion_config(reader: CheckpointReader) -> Any:
@@ -207,6 +215,7 @@ class Prepared:
     checked: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # companions read by planning
     # what ops dropped (padding rows), by the group's smallest runtime key: the load record keeps it
     residues: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    origins: list[Origin] = dataclasses.field(default_factory=list)  # aligned with transforms
 
 
 def _normalize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
@@ -272,7 +281,7 @@ def prepare(
         hooks.prepare(model)
     if tp is not None:
         apply_tp_plan(model, tp)
-    transforms = _resolve_transforms(model, hooks)
+    transforms, origins = _resolve_transforms(model, hooks)
     runtime = runtime_tensors(model)
     tied = tied_groups(runtime)
     placements_of = target_placements(model, runtime, tp, tied) if tp is not None else {}
@@ -484,8 +493,7 @@ def prepare(
     for k in list(covered):
         covered.update(tied.get(k, ()))
     plan.missing_keys = [k for k in runtime if k not in covered]
-    legacy = {repr(t) for t in legacy_renamings()}
-    if (plan.missing_keys or plan.unexpected_keys) and all(repr(t) in legacy for t in transforms):
+    if (plan.missing_keys or plan.unexpected_keys) and all(o is Origin.LEGACY for o in origins):
         notes.append(
             f"no conversion mapping applied to {type(model).__name__}: no registered class name or model_type "
             "matched it (surgery.explain_model_conversion_mapping(model) shows the lookup), so checkpoint keys "
@@ -507,6 +515,7 @@ def prepare(
         placements_of,
         hooks,
         checked=checked,
+        origins=origins,
     )
 
 

@@ -26,7 +26,6 @@ from .fp8 import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize, ex
 from .int8 import Int8WeightOnlyLinear, Int8WeightOnlyQuantizer, int8_kernel_usable, quantize_per_channel
 from .protocol import (
     QUANTIZATION_METADATA_KEY,
-    QUANTIZER_ATTRIBUTE,
     QuantizedModule,
     Quantizer,
     QuantizerHooks,
@@ -38,7 +37,6 @@ __all__ = [
     "BUILTIN_QUANTIZERS",
     "QUANTIZATION_CHOICES",
     "QUANTIZATION_METADATA_KEY",
-    "QUANTIZER_ATTRIBUTE",
     "FP8BlockQuantizer",
     "Int8WeightOnlyLinear",
     "Int8WeightOnlyQuantizer",
