@@ -46,6 +46,7 @@ import operator
 import re
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import NamedTuple
 
 from .converter import WeightConverter, split_transforms
@@ -55,6 +56,7 @@ from .transforms import WeightTransform
 __all__ = [
     "TEMPLATE_MAX_COMPONENTS",
     "TEMPLATE_MAX_LENGTH",
+    "BasePrefix",
     "KeyLimits",
     "KeyRoute",
     "RouteConflict",
@@ -68,6 +70,31 @@ __all__ = [
 # --------------------------------------------------------------------------- records
 
 
+class BasePrefix(str, Enum):
+    """How a key used the model's ``base_model_prefix`` (:attr:`KeyRoute.base_prefix`)."""
+
+    UNUSED = ""
+    """Not needed: the routed targets name runtime keys as they are."""
+    ADDED_BEFORE = "added before routing"
+    """Added to the checkpoint key, which was then routed (the first renaming)."""
+    STRIPPED_BEFORE = "stripped before routing"
+    """Stripped from the checkpoint key, which was then routed (the first renaming)."""
+    ADDED_AFTER = "added after routing"
+    """Added to the routed targets (the last renaming)."""
+    STRIPPED_AFTER = "stripped after routing"
+    """Stripped from the routed targets (the last renaming)."""
+
+    @property
+    def added(self) -> bool:
+        """Whether the prefix was added (else stripped, or unused)."""
+        return self in (BasePrefix.ADDED_BEFORE, BasePrefix.ADDED_AFTER)
+
+    @property
+    def after(self) -> bool:
+        """Whether the prefix was changed on the routed targets (the last renaming)."""
+        return self in (BasePrefix.ADDED_AFTER, BasePrefix.STRIPPED_AFTER)
+
+
 class KeyRoute(NamedTuple):
     """How one checkpoint key travels.
 
@@ -78,9 +105,7 @@ class KeyRoute(NamedTuple):
         converter: index of the converter that claimed the key, or ``None``.
         pattern_index: which source pattern of that converter matched.
         index: the wildcard indices, when the converter gathers (merges) keys.
-        base_prefix: how ``base_model_prefix`` was used: ``"+after"`` / ``"-after"`` when it was
-            added to / stripped from the routed targets, ``"+"`` / ``"-"`` when it was added to /
-            stripped from the checkpoint key before routing, ``""`` when it was not needed.
+        base_prefix: how ``base_model_prefix`` was used (:class:`BasePrefix`).
     """
 
     source_key: str
@@ -89,7 +114,7 @@ class KeyRoute(NamedTuple):
     converter: int | None = None
     pattern_index: int | None = None
     index: tuple[int, ...] = ()  # type: ignore[assignment]  # a field, shadowing tuple.index
-    base_prefix: str = ""
+    base_prefix: BasePrefix = BasePrefix.UNUSED
 
 
 @dataclass(slots=True)
@@ -556,7 +581,7 @@ def route_keys(
         )
     try:
         for key in keys:
-            how = ""
+            how = BasePrefix.UNUSED
             if limits is not None and limits.exceeded_by(key) and not _is_runtime_key(key, prefix, known):
                 d = _Decision((key,), (), None, None, ())  # no pattern runs over it: unexpected
                 oversized.append(key)
@@ -608,7 +633,7 @@ def _names_runtime_keys(targets: tuple[str, ...], known: Collection[str]) -> boo
 
 def _with_base_prefix(
     key: str, d: _Decision, prefix: str, known: Collection[str], decide: object
-) -> tuple[_Decision, str]:
+) -> tuple[_Decision, BasePrefix]:
     """The base-model-prefix form of a key whose targets name no runtime key (else ``d``).
 
     First the routed targets with ``prefix`` stripped or added (a checkpoint of the model with a
@@ -616,13 +641,13 @@ def _with_base_prefix(
     stripped or added and routed again (so that transforms scoped under the prefix see it).
     """
     if all(t.startswith(prefix) for t in d.targets):
-        moved, how = tuple(t[len(prefix) :] for t in d.targets), "-after"
+        moved, how = tuple(t[len(prefix) :] for t in d.targets), BasePrefix.STRIPPED_AFTER
     else:
-        moved, how = tuple(prefix + t for t in d.targets), "+after"
+        moved, how = tuple(prefix + t for t in d.targets), BasePrefix.ADDED_AFTER
     if _names_runtime_keys(moved, known):
         return d._replace(targets=moved), how
     stripped = key.startswith(prefix)
     alt: _Decision = decide(key[len(prefix) :] if stripped else prefix + key)  # type: ignore[operator]
     if _names_runtime_keys(alt.targets, known):
-        return alt, "-" if stripped else "+"
-    return d, ""
+        return alt, BasePrefix.STRIPPED_BEFORE if stripped else BasePrefix.ADDED_BEFORE
+    return d, BasePrefix.UNUSED

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from surgery import CheckpointError, ConfigurationError, PrefixChange, WeightConverter, WeightRenaming, ops
 from surgery.bench.route import mixtral_mapping
 from surgery.checkpoint import write_checkpoint
-from surgery.routing import KeyLimits, KeyRoute, RouteConflict, Routing, route_key, route_keys
+from surgery.routing import BasePrefix, KeyLimits, KeyRoute, RouteConflict, Routing, route_key, route_keys
 from surgery.transforms import WeightTransform, legacy_renamings
 
 # --------------------------------------------------------------------------- fixtures
@@ -125,13 +125,13 @@ def test_a_plain_key_landing_on_a_converter_target_conflicts() -> None:
 def test_base_model_prefix_is_added_when_that_names_a_runtime_key() -> None:
     routing = route_keys(["layers.0.w"], [], runtime_keys={"model.layers.0.w"}, base_model_prefix="model")
     route = routing.routes["layers.0.w"]
-    assert (route.target_key, route.base_prefix) == ("model.layers.0.w", "+after")
+    assert (route.target_key, route.base_prefix) == ("model.layers.0.w", BasePrefix.ADDED_AFTER)
 
 
 def test_base_model_prefix_is_stripped_when_that_names_a_runtime_key() -> None:
     routing = route_keys(["model.layers.0.w"], [], runtime_keys={"layers.0.w"}, base_model_prefix="model")
     route = routing.routes["model.layers.0.w"]
-    assert (route.target_key, route.base_prefix) == ("layers.0.w", "-after")
+    assert (route.target_key, route.base_prefix) == ("layers.0.w", BasePrefix.STRIPPED_AFTER)
 
 
 def test_base_model_prefix_is_stripped_from_the_renamed_key_like_transformers() -> None:
@@ -145,20 +145,20 @@ def test_base_model_prefix_is_stripped_from_the_renamed_key_like_transformers() 
         base_model_prefix="model",
     )
     route = routing.routes["model.layers.0.w"]
-    assert (route.target_key, route.base_prefix) == ("language_model.layers.0.w", "-after")
+    assert (route.target_key, route.base_prefix) == ("language_model.layers.0.w", BasePrefix.STRIPPED_AFTER)
 
 
 def test_base_model_prefix_is_added_to_the_checkpoint_key_when_a_scoped_transform_needs_it() -> None:
     scoped = WeightRenaming(r"^old\.", "new.", scope_prefix="model")
     routing = route_keys(["old.w"], [scoped], runtime_keys={"model.new.w"}, base_model_prefix="model")
     route = routing.routes["old.w"]
-    assert (route.target_key, route.base_prefix) == ("model.new.w", "+")
+    assert (route.target_key, route.base_prefix) == ("model.new.w", BasePrefix.ADDED_BEFORE)
 
 
 def test_base_model_prefix_is_left_alone_when_neither_form_is_a_runtime_key() -> None:
     routing = route_keys(["layers.0.w"], [], runtime_keys={"other.w"}, base_model_prefix="model")
     route = routing.routes["layers.0.w"]
-    assert (route.target_key, route.base_prefix) == ("layers.0.w", "")
+    assert (route.target_key, route.base_prefix) == ("layers.0.w", BasePrefix.UNUSED)
 
 
 def test_base_model_prefix_is_left_alone_when_the_key_already_names_a_runtime_key() -> None:
@@ -651,7 +651,7 @@ def test_a_key_beyond_the_limits_that_names_a_runtime_key_is_routed_exactly() ->
     keys = [long_name, long_name.removeprefix("model."), "x." * 30 + "weight"]
     routing = route_keys(keys, [], runtime_keys=runtime, base_model_prefix="model", limits=limits)
     assert routing.routes[keys[0]] == KeyRoute(keys[0], long_name)
-    assert routing.routes[keys[1]] == KeyRoute(keys[1], long_name, base_prefix="+after")
+    assert routing.routes[keys[1]] == KeyRoute(keys[1], long_name, base_prefix=BasePrefix.ADDED_AFTER)
     assert routing.oversized == [keys[2]]
 
 

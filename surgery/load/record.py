@@ -13,6 +13,7 @@ import os
 from torch import nn
 
 from ..record import Fired, LoadRecord, Origin, update_record
+from ..routing import BasePrefix
 from ..transforms import PrefixChange
 from .planner import Prepared, Work
 
@@ -33,7 +34,7 @@ def record_load(
         The transforms that fired, as text (for the load report).
     """
     used: set[int] = set()
-    base_changes: set[str] = set()
+    base_changes: set[BasePrefix] = set()
     sources: set[str] = set()
     for w in done:
         sources.update(w.entry.companions)
@@ -43,18 +44,14 @@ def record_load(
             used.update(r.renamings)
             if r.converter is not None:
                 used.add(r.converter)
-            if r.base_prefix:
+            if r.base_prefix is not BasePrefix.UNUSED:
                 base_changes.add(r.base_prefix)
     fired = [Fired(t, prep.origins[i]) for i, t in enumerate(prep.transforms) if i in used]
     prefix = getattr(model, "base_model_prefix", None)
     if prefix and len(base_changes) == 1:
-        (mark,) = base_changes
-        change = (
-            PrefixChange(prefix_to_add=prefix)
-            if mark.startswith("+")
-            else PrefixChange(prefix_to_remove=prefix)
-        )
-        if mark.endswith("after"):  # applied to the renamed keys: the last renaming
+        (how,) = base_changes
+        change = PrefixChange(prefix_to_add=prefix) if how.added else PrefixChange(prefix_to_remove=prefix)
+        if how.after:  # applied to the renamed keys: the last renaming
             fired.append(Fired(change, Origin.BASE_PREFIX_AFTER))
         else:  # applied to the checkpoint keys: the first renaming
             fired.insert(0, Fired(change, Origin.BASE_PREFIX_BEFORE))
