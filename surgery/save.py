@@ -45,11 +45,11 @@ from .collective import Collective
 from .converter import Collector, WeightConverter, split_transforms
 from .errors import CheckpointError, ConfigurationError, ConversionError
 from .fusion import fusion_config_of, fusion_transforms, persistable_fusion_config
-from .load.model import config_lookup, tied_groups
-from .load.placement import all_contiguous, flatten_slots, placement_views, shape_of
 from .load.plan import FUSION_METADATA_KEY, fold_indices
+from .model_state import config_lookup, tied_groups
 from .ops import OpContext, run_chain
 from .parallel import dtensor_type
+from .placement import all_contiguous, flatten_slots, placement_views, shape_of
 from .quantization import QuantizerHooks
 from .record import LoadRecord, Origin, record_of
 from .resolution import get_model_conversion_mapping

@@ -242,7 +242,7 @@ _SLOTS = {
 @pytest.mark.parametrize("slots", list(_SLOTS.values()), ids=list(_SLOTS))
 @pytest.mark.parametrize("chain", list(_CHAINS.values()), ids=list(_CHAINS))
 def test_shape_rules_agree_with_the_meta_run(chain: list, slots: list) -> None:
-    from surgery.load.placement import _meta_stage_shapes, _rule_stage_shapes
+    from surgery.placement import _meta_stage_shapes, _rule_stage_shapes
 
     conv = WeightConverter(["a.*", "b.*"] if len(slots) == 2 else ["a.*"], "ab", chain)
     ctx = OpContext(n_targets=1)
@@ -256,7 +256,7 @@ def test_shape_rules_agree_with_the_meta_run(chain: list, slots: list) -> None:
 
 
 def test_shape_rules_cover_the_fused_experts_chain() -> None:
-    from surgery.load.placement import _rule_stage_shapes
+    from surgery.placement import _rule_stage_shapes
 
     stages = _rule_stage_shapes((ops.MergeModulelist(0), ops.Concatenate(1)), [[(2, 3)] * 4, [(2, 3)] * 4])
     assert stages is not None and stages[-1] == [(4, 4, 3)]

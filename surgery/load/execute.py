@@ -21,9 +21,9 @@ from ..converter import Collector, expand_outputs
 from ..errors import ConversionError, SurgeryError
 from ..ops import OpContext, run_chain
 from ..parallel import dtensor_type
+from ..placement import all_contiguous, flatten_slots, placement_views
 from ..slicing import NOT_NEEDED, Region, local_shape
 from .inference import op_context
-from .placement import all_contiguous, flatten_slots, placement_views
 from .planner import Prepared, Work, ordered_sources
 from .sharding import local_context
 

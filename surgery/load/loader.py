@@ -36,11 +36,11 @@ from torch import nn
 from ..checkpoint import CheckpointReader, open_checkpoint
 from ..errors import ConfigurationError, LoadError, SurgeryError
 from ..fusion import fusion_config_of
+from ..model_state import meta_clone, model_device
 from ..quantization import QUANTIZATION_METADATA_KEY
 from ..record import record_of, update_record
 from ..slicing import local_shape
 from .execute import execute
-from .model import meta_clone, model_device
 from .plan import LoadPlan
 from .planner import Prepared, Work, persisted_fusion_config, prepare
 from .record import clear_record, record_load

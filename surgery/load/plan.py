@@ -5,7 +5,7 @@
 which keys that differ only by their indices fold into one row (``layers.{0..31}``), and as JSON.
 
 Building the plan (phase 1 of a load) lives in :mod:`surgery.load.planner`; the placement views in
-:mod:`surgery.load.placement`.
+:mod:`surgery.placement`.
 """
 
 from __future__ import annotations

@@ -39,7 +39,15 @@ from ..fusion import (
     fusion_transforms,
     trusted_fusion_config,
 )
+from ..model_state import (
+    config_lookup,
+    dtype_name,
+    lossy_cast,
+    runtime_tensors,
+    tied_groups,
+)
 from ..ops import OpContext
+from ..placement import all_contiguous, placement_views, source_slot_shapes
 from ..quantization import QuantizerHooks, quantizer_from_metadata
 from ..record import Origin
 from ..resolution import get_model_conversion_mapping
@@ -47,14 +55,6 @@ from ..routing import Routing, route_keys
 from ..slicing import local_shape
 from ..transforms import WeightTransform, legacy_renamings
 from .inference import BUILTIN_OPS, infer_outputs, op_context
-from .model import (
-    config_lookup,
-    dtype_name,
-    lossy_cast,
-    runtime_tensors,
-    tied_groups,
-)
-from .placement import all_contiguous, placement_views, source_slot_shapes
 from .plan import FUSION_METADATA_KEY, LoadPlan, PlanEntry
 from .quantized import (
     broken_units,
@@ -678,7 +678,7 @@ def _choose_mode(
 
 
 def ordered_sources(conv: WeightConverter, w: Work) -> list[str]:
-    """``w``'s source keys in the order of :func:`~surgery.load.placement.flatten_slots` of its views."""
+    """``w``'s source keys in the order of :func:`~surgery.placement.flatten_slots` of its views."""
     by_pattern: dict[int, dict[tuple[int, ...], str]] = {}
     for src in w.entry.source_keys:
         pat, idx = w.pattern_of[src]
