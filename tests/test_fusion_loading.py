@@ -27,7 +27,7 @@ from surgery.checkpoint import write_checkpoint
 from surgery.examples import build_vision_tower, example_pixel_values
 from surgery.examples.vision import ExamplePatchEmbed, ExampleVisionTower
 from surgery.fusion import fusion_config_of
-from surgery.load.plan import FUSION_METADATA_KEY
+from surgery.persist import FUSION_METADATA_KEY
 from surgery.record import record_of
 
 ON = {"patch_embeddings": True}

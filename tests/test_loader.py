@@ -19,7 +19,7 @@ from surgery.checkpoint import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, write
 from surgery.errors import CheckpointError, ConfigurationError, LoadError
 from surgery.examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
 from surgery.load.loader import SYNC_ENV
-from surgery.load.plan import FUSION_METADATA_KEY
+from surgery.persist import FUSION_METADATA_KEY
 from surgery.record import record_of
 from surgery.registry import register_checkpoint_conversion_mapping, registry_snapshot
 

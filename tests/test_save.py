@@ -20,7 +20,7 @@ from surgery.checkpoint import SAFE_WEIGHTS_NAME, open_checkpoint, write_checkpo
 from surgery.errors import CheckpointError, ConfigurationError, ConversionError
 from surgery.examples.moe import ExampleMoEConfig, ExampleMoEModel, build_moe_model, original_state_dict
 from surgery.examples.vision import build_vision_tower
-from surgery.load.plan import FUSION_METADATA_KEY
+from surgery.persist import FUSION_METADATA_KEY
 from surgery.record import record_of
 from surgery.registry import register_checkpoint_conversion_mapping, registry_snapshot
 from surgery.save import RevertedState

@@ -23,9 +23,7 @@ from .apply import (
     check_fusion_conflicts,
     fusion_config_of,
     fusion_transforms,
-    persistable_fusion_config,
     preview_fusions,
-    trusted_fusion_config,
 )
 from .config import EnabledFusion, FusionConfig, validate_fusion_config
 from .plan import EXCLUDED, FUSED, SKIPPED, WOULD_FUSE, FusionCandidate, FusionPlan, GraphSnapshot, TensorInfo
@@ -63,12 +61,10 @@ __all__ = [
     "fusion_transforms",
     "get_fusion",
     "list_fusions",
-    "persistable_fusion_config",
     "preview_fusions",
     "register_fusion",
     "register_leaf_function",
     "register_none_argument",
     "trace_module",
-    "trusted_fusion_config",
     "validate_fusion_config",
 ]

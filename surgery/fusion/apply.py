@@ -32,9 +32,8 @@ from ..errors import FusionConflictError, FusionError
 from ..graph import swap_module
 from ..record import record_of, update_record
 from ..transforms import WeightTransform
-from .config import EnabledFusion, FusionConfig, validate_fusion_config
+from .config import EnabledFusion, FusionConfig, exact_module_pattern, validate_fusion_config
 from .plan import EXCLUDED, FUSED, SKIPPED, FusionCandidate, FusionPlan
-from .registry import find_fusion
 from .rewrite import NO_MATCH, NOTHING_HERE, FusedModule, examine_candidate
 
 __all__ = [
@@ -44,9 +43,7 @@ __all__ = [
     "check_fusion_conflicts",
     "fusion_config_of",
     "fusion_transforms",
-    "persistable_fusion_config",
     "preview_fusions",
-    "trusted_fusion_config",
 ]
 
 
@@ -171,72 +168,6 @@ def fusion_config_of(model: nn.Module) -> dict[str, Any] | None:
     return None if record is None else copy.deepcopy(record.config)
 
 
-_EXACT_PATH = re.compile(r"\^((?:[A-Za-z0-9_]|\\\.)*)\$")
-r"""An exact module-path pattern as :func:`persistable_fusion_config` writes it: ``^a\.b_c\.0$``."""
-
-
-def persistable_fusion_config(model: nn.Module) -> dict[str, Any] | None:
-    """The fusions applied to ``model``, pinned to the exact paths they rewrote (what a save persists).
-
-    ``{"patch_embeddings": {"modules": ["^visual\\.patch_embed$"]}}``: a later load re-applies
-    each fusion to exactly those modules, however broad the options it was first applied with.
-    """
-    record = record_of(model).fusions
-    if record is None:
-        return None
-    out: dict[str, Any] = {}
-    for name, given in record.config.items():
-        options = (
-            {k: copy.deepcopy(v) for k, v in given.items() if k not in ("modules", "exclude")}
-            if isinstance(given, dict)
-            else {}
-        )
-        options["modules"] = [_exact(e.path) for e in record.entries if e.fusion == name]
-        out[name] = options
-    return out
-
-
-def trusted_fusion_config(model: nn.Module, config: object) -> tuple[dict[str, Any] | None, str]:
-    """A fusion config read from a checkpoint, if it only names modules ``model`` has; else ``None`` and why.
-
-    A checkpoint decides which registered fusions run on the caller's model and where, so what
-    it may say is narrow: fusion names the registry knows, their typed options, and module
-    paths written exactly (``^a\\.b$``, as :func:`persistable_fusion_config` writes them) that
-    exist in ``model``. Regexes are refused (one can run forever in ``re.search``), and so is a
-    config naming modules the model lacks; the caller can always pass ``fusion_config=``.
-    """
-    if not isinstance(config, dict):
-        return None, f"the persisted fusion config is {type(config).__name__}, not a mapping"
-    paths: set[str] | None = None
-    out: dict[str, Any] = {}
-    for name, value in config.items():
-        if not isinstance(name, str) or find_fusion(name) is None:
-            return None, f"it names {str(name)[:80]!r}, which is not a registered fusion"
-        if isinstance(value, bool):
-            out[name] = value
-            continue
-        if not isinstance(value, dict):
-            return None, f"its value for {name!r} is neither True/False nor a mapping of options"
-        for key in ("modules", "exclude"):
-            patterns = value.get(key, [])
-            if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
-                return None, f"{name}.{key} is not a list of module paths"
-            for pattern in patterns:
-                m = _EXACT_PATH.fullmatch(pattern)
-                if m is None:
-                    return None, (
-                        f"{name}.{key} holds {pattern[:80]!r}, which is not an exact module path (^path$); "
-                        "a checkpoint may name modules, not regexes"
-                    )
-                if paths is None:
-                    paths = {p for p, _ in model.named_modules()}
-                path = m.group(1).replace("\\", "")
-                if path not in paths:
-                    return None, f"{name}.{key} names the module {path!r}, which this model does not have"
-        out[name] = value
-    return out, ""
-
-
 def check_fusion_conflicts(model: nn.Module, transforms: Sequence[WeightTransform]) -> None:
     """Fail fast when another converter would claim a key that an applied fusion converts.
 
@@ -265,15 +196,11 @@ def check_fusion_conflicts(model: nn.Module, transforms: Sequence[WeightTransfor
                         f"Fusion {entry.fusion!r} at {entry.path!r} converts {key!r} with {ours!r}, but the "
                         f"model's conversion mapping also claims it with {other!r}. Make that converter's source "
                         f"pattern skip {entry.path!r}, or leave the module unfused with "
-                        f"{{{entry.fusion!r}: {{'exclude': [{_exact(entry.path)!r}]}}}}."
+                        f"{{{entry.fusion!r}: {{'exclude': [{exact_module_pattern(entry.path)!r}]}}}}."
                     )
 
 
 # ---------------------------------------------------------------------- engine
-def _exact(path: str) -> str:
-    return "^" + re.escape(path) + "$"
-
-
 def _candidates(model: nn.Module, fusion: EnabledFusion) -> Iterator[tuple[str, nn.Module, str | None]]:
     """``(path, module, exclude pattern that hit or None)`` for every module the fusion looks at."""
     patterns = [re.compile(p) for p in fusion.spec.candidate_patterns(fusion.options)]
@@ -336,7 +263,7 @@ def _strict_failure(fusion: str, candidate: FusionCandidate) -> FusionError:
     return FusionError(
         f"Fusion {fusion!r} could not fuse {candidate.display_path!r} ({candidate.class_name}): "
         f"{candidate.reason}. The model was left unchanged. Pass strict=False to skip it, or exclude it "
-        f"with {{{fusion!r}: {{'exclude': [{_exact(candidate.path)!r}]}}}}."
+        f"with {{{fusion!r}: {{'exclude': [{exact_module_pattern(candidate.path)!r}]}}}}."
     )
 
 
@@ -458,7 +385,7 @@ def _record(model: nn.Module, cfg: FusionConfig, entries: list[FusionEntry]) -> 
             continue
         # Two applications with different options: pin the exact modules so a reload matches.
         options = {k: v for k, v in given.items() if k != "exclude"} if isinstance(given, dict) else {}
-        options["modules"] = [_exact(e.path) for e in all_entries if e.fusion == name]
+        options["modules"] = [exact_module_pattern(e.path) for e in all_entries if e.fusion == name]
         merged[name] = options
     old.config = merged
     old.entries = all_entries

@@ -37,12 +37,13 @@ from ..checkpoint import CheckpointReader, open_checkpoint
 from ..errors import ConfigurationError, LoadError, SurgeryError
 from ..fusion import fusion_config_of
 from ..model_state import meta_clone, model_device
+from ..persist import persisted_fusion_config
 from ..quantization import QUANTIZATION_METADATA_KEY
 from ..record import record_of, update_record
 from ..slicing import local_shape
 from .execute import execute
 from .plan import LoadPlan
-from .planner import Prepared, Work, persisted_fusion_config, prepare
+from .planner import Prepared, Work, prepare
 from .record import clear_record, record_load
 from .report import ConversionFailure, LoadReport, TPFallback
 from .sharding import tensor_parallel

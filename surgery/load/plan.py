@@ -17,10 +17,7 @@ from typing import Any
 
 from ..errors import ConfigurationError
 
-__all__ = ["FUSION_METADATA_KEY", "LoadPlan", "PlanEntry", "fold_indices"]
-
-FUSION_METADATA_KEY = "surgery.fusion_config"
-"""Safetensors metadata key under which a runtime-layout save persists its fusion config."""
+__all__ = ["LoadPlan", "PlanEntry", "fold_indices"]
 
 
 @dataclass

@@ -21,7 +21,6 @@ quantizer checks the values of (FP8 block scales, int8 scales; :func:`~surgery.l
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -31,13 +30,12 @@ from torch import nn
 
 from ..checkpoint import CheckpointReader, TensorInfo
 from ..converter import WeightConverter
-from ..errors import ConfigurationError, ConversionError, LoadError, SurgeryError
+from ..errors import ConfigurationError, ConversionError, SurgeryError
 from ..fusion import (
     apply_fusions,
     check_fusion_conflicts,
     fusion_config_of,
     fusion_transforms,
-    trusted_fusion_config,
 )
 from ..model_state import (
     config_lookup,
@@ -47,6 +45,7 @@ from ..model_state import (
     tied_groups,
 )
 from ..ops import OpContext
+from ..persist import persisted_fusion_config, trusted_fusion_config
 from ..placement import all_contiguous, placement_views, source_slot_shapes
 from ..quantization import QuantizerHooks, quantizer_from_metadata
 from ..record import Origin
@@ -55,7 +54,7 @@ from ..routing import Routing, route_keys
 from ..slicing import local_shape
 from ..transforms import WeightTransform, legacy_renamings
 from .inference import BUILTIN_OPS, infer_outputs, op_context
-from .plan import FUSION_METADATA_KEY, LoadPlan, PlanEntry
+from .plan import LoadPlan, PlanEntry
 from .quantized import (
     broken_units,
     check_stored,
@@ -76,7 +75,7 @@ from .sharding import (
     target_placements,
 )
 
-__all__ = ["Prepared", "Work", "ordered_sources", "persisted_fusion_config", "prepare"]
+__all__ = ["Prepared", "Work", "ordered_sources", "prepare"]
 
 
 # --------------------------------------------------------------------------- model helpers
@@ -101,33 +100,6 @@ def _resolve_transforms(
     return transforms, origins
 
 
-def persisted_fusion_config(reader: CheckpointReader) -> Any:
-    """The fusion config a runtime-layout save persisted (metadata, else config.json), or None.
-
-    Returned as parsed: it comes from the file, so :func:`~surgery.fusion.trusted_fusion_config`
-    decides whether it is applied.
-    """
-    raw = reader.metadata.get(FUSION_METADATA_KEY)
-    if raw is None:
-        cfg_path = reader.path / "config.json" if reader.path.is_dir() else reader.path.parent / "config.json"
-        if cfg_path.is_file():
-            try:
-                data = json.loads(cfg_path.read_text())
-            except (OSError, ValueError, RecursionError):
-                return None
-            value = data.get("fusion_config") if isinstance(data, dict) else None
-            return value if isinstance(value, dict) and value else None
-        return None
-    try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise LoadError(
-            f"{reader.path}: metadata {FUSION_METADATA_KEY!r} is not valid JSON ({exc}); "
-            "re-save the checkpoint or pass fusion_config= explicitly."
-        ) from exc
-    return value  # checked by trusted_fusion_config before anything is applied
-
-
 def _apply_fusions(
     model: nn.Module,
     fusion_config: dict[str, Any] | None,
@@ -140,7 +112,7 @@ def _apply_fusions(
 
     ``parallel``: the model is already parallelized, and fusions cannot rewrite DTensor modules. A
     config persisted with the checkpoint is applied only in the exact-path form a save writes
-    (:func:`~surgery.fusion.trusted_fusion_config`); otherwise ``notes`` says why it was not.
+    (:func:`~surgery.persist.trusted_fusion_config`); otherwise ``notes`` says why it was not.
     """
     current = fusion_config_of(model)
     if fusion_config is not None:

@@ -11,7 +11,6 @@ the model itself. A tensor-parallel save gathers and writes through
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterator
@@ -24,8 +23,8 @@ from torch import nn
 from ..casting import SavedFiles, is_castable
 from ..checkpoint import check_write_arguments, write_checkpoint, write_file_atomically
 from ..collective import Collective
-from ..fusion import fusion_config_of, persistable_fusion_config
-from ..load.plan import FUSION_METADATA_KEY
+from ..fusion import fusion_config_of
+from ..persist import persisted_metadata
 from ..quantization import QuantizerHooks
 from ..record import record_of
 from ..saved_config import SavedConfig, saved_config, write_config_json
@@ -155,9 +154,6 @@ def save_checkpoint(
     with collective.step():  # every rank checks everything before the first collective
         check_write_arguments(path, max_shard_size=max_shard_size, metadata=metadata)
         meta = dict(metadata or {})
-        fusion = persistable_fusion_config(model)  # pinned to the exact module paths it rewrote
-        if not original_format and fusion:
-            meta[FUSION_METADATA_KEY] = json.dumps(fusion, sort_keys=True)
         state = RevertedState(
             model,
             original_format=original_format,
@@ -166,8 +162,9 @@ def save_checkpoint(
             dtype=dtype,
         )
         written_quantized = quantized_on_the_fly(model) if not original_format else None
-        if written_quantized is not None:
-            meta.update(written_quantized.metadata())
+        if not original_format:  # what a load needs to rebuild the model: fusions, quantizer
+            quantizer_metadata = written_quantized.metadata() if written_quantized is not None else {}
+            meta.update(persisted_metadata(model, quantizer_metadata=quantizer_metadata))
         described = _describe_written(model, state, written_quantized, original_format=original_format)
         described = replace(described, dtype=_written_dtype(state), dtype_requested=dtype is not None)
 
