@@ -69,19 +69,16 @@ def reverting_transforms(model: nn.Module, *, loaded: bool = True) -> list[Weigh
 def _placed_at_its_prefix(t: WeightTransform, mapping: list[WeightTransform]) -> bool:
     """A ``PrefixChange(prefix_to_remove=P)`` of a sub-model whose keys its parent already places.
 
-    Such an entry exists for the sub-model loaded on its own from a checkpoint of its own (a
-    Qwen-Omni thinker from ``thinker.*`` keys, an Ultrabert encoder from ``ultrabert.*``). Inside
-    a parent whose scope for it already holds ``P``, which strips ``P`` itself, or whose mapping
-    renames ``P`` to the sub-model's place (``^ultrabert.`` → ``model.``), the hub keys never
-    hold ``P`` twice:
-    inverting it would write ``thinker.thinker.*`` or ``ultrabert.ultrabert.*``, so it is
-    inverted only when it fired. (A CLIP tower inside Llava keeps its ``vision_model.``: the
-    parent renames ``vision_tower``, not ``vision_model``.)
+    Such an entry exists for a sub-model loaded on its own, from a checkpoint of its own whose
+    keys start with ``P.``. Inside a parent whose scope for it already holds ``P``, which strips
+    ``P`` itself, or whose mapping renames ``P`` to the sub-model's place (``^P.`` → the scope),
+    the hub keys never hold ``P`` twice: inverting it would write ``P.P.*``, so it is inverted
+    only when it fired. A parent that renames another component keeps the sub-model's ``P``.
     """
     if not isinstance(t, PrefixChange) or t.prefix_to_remove is None or t.model_prefix or not t.scope_prefix:
         return False
     scope, prefix = t.scope_prefix, t.prefix_to_remove
-    if prefix in scope.split("."):  # the thinker, or a sub-model inside it (``thinker.model``)
+    if prefix in scope.split("."):  # the sub-model at P, or one inside it (``P.model``)
         return True
     for other in mapping:
         if other is t:
@@ -89,7 +86,7 @@ def _placed_at_its_prefix(t: WeightTransform, mapping: list[WeightTransform]) ->
         if isinstance(other, PrefixChange) and other.prefix_to_remove == prefix and not other.model_prefix:
             outer = other.scope_prefix or ""
             if outer == "" or scope.startswith(outer + "."):
-                return True  # a parent already strips P (the thinker around its base model)
+                return True  # a parent already strips P
         if (
             type(other) is not WeightRenaming
             or len(other.source_patterns) != 1
