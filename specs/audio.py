@@ -22,7 +22,7 @@ the fused ``in_proj`` of the attention into q/k/v, permuting q and k from interl
 Inside NeMo's speech model both its own entry and the Nemotron-H entry of its language model
 reverse onto the fused experts when saving: the converter that fired at load wins (a model
 loaded from per-expert keys saves them again), else the whole model's, so a NeMo speech model
-that was never loaded saves NeMo's fused ``gate_and_up_projs`` (``surgery.routing.SAVE_PRIORITY``).
+that was never loaded saves NeMo's fused ``gate_and_up_projs``. The save settles this before routing.
 """
 
 from __future__ import annotations

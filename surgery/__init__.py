@@ -9,9 +9,13 @@ Map of the package (one concept per module; ``docs/concepts.md`` has the path of
 * ``registry``, ``graph``, ``resolution``: which conversion mapping applies where.
 * ``checkpoint``: the safetensors format, validated lazy reads, atomic streaming writes.
 * ``empty``: :func:`init_empty`, build a model with parameters on ``meta`` and real buffers.
+* ``record``: what happened to a model (fusions, the last load's fired transforms with their
+  origins, the quantizer), one typed record read with :func:`~surgery.record.record_of`.
+* ``model_state``, ``placement``: runtime tensors and ties, placement views (load and save).
 * ``load``: plan a load from headers, read straight into place, report.
 * ``save``: export back to the original (or the runtime) layout; ``saved_config``: the
-  ``config.json`` it writes, describing the tensors written.
+  ``config.json`` it writes, describing the tensors written; ``persist``: the fusion and
+  quantizer configs persisted with a checkpoint (one reader, one writer).
 * ``fusion``: torch.fx rewrites of module instances, with preview.
 * ``verification``: :func:`verify`, the audit card of a load → save round trip.
 * ``cli``, ``demo``, ``examples``, ``bench``: the command line, the demo, example models, benchmarks.

@@ -23,8 +23,8 @@ from typing import NamedTuple
 import torch
 
 from .errors import ConfigurationError
-from .load.model import lossy_cast
 from .load.plan import fold_indices
+from .model_state import lossy_cast
 
 __all__ = ["SAVE_DTYPES", "Cast", "SavedFiles", "cast_checked", "check_save_dtype", "is_castable"]
 

@@ -2,10 +2,22 @@
 
 :class:`WeightConverter` is the transform that claims a key (at most one converter may match
 any key) and runs a chain of :mod:`~surgery.ops` over every tensor collected under its source
-patterns: :meth:`~WeightConverter.add_tensor` files each tensor under its group's first target
-key, :meth:`~WeightConverter.convert` orders what was collected into the slots the chain takes
-(one per source pattern; a gathering pattern's tensors in wildcard-index order, with no index
-missing), runs the chain and names the outputs after the target keys (:func:`expand_outputs`).
+patterns. A converter is a value (immutable, compared by what it does); the tensors collected for
+it live in a :class:`Collector` that the caller (the loader, the saver) owns:
+:meth:`Collector.add_tensor` files each tensor under its group's first target key,
+:meth:`Collector.convert` orders what was collected into the slots the chain takes (one per source
+pattern; a gathering pattern's tensors in wildcard-index order, with no index missing), runs the
+chain and names the outputs after the target keys (:func:`expand_outputs`).
+
+Example:
+    >>> import torch
+    >>> from surgery import ops
+    >>> c = WeightConverter("experts.*.w1", "experts.w1", [ops.MergeModulelist()])
+    >>> collector = Collector(c)
+    >>> for i in (1, 0):
+    ...     collector.add_tensor("experts.w1", f"experts.{i}.w1", 0, torch.full((2,), float(i)), index=(i,))
+    >>> collector.convert("experts.w1")["experts.w1"].tolist()
+    [[0.0, 0.0], [1.0, 1.0]]
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ from .errors import ConfigurationError, ConversionError
 from .ops import ConversionOp, OpContext, Slot, reverse_chain, run_chain
 from .transforms import TransformMatch, WeightTransform
 
-__all__ = ["WeightConverter", "expand_outputs", "split_transforms"]
+__all__ = ["Collector", "WeightConverter", "expand_outputs", "split_transforms"]
 
 
 class WeightConverter(WeightTransform):
@@ -31,9 +43,8 @@ class WeightConverter(WeightTransform):
     1→1, 1→N (e.g. ``Chunk``) and N→1 (e.g. ``Concatenate``) are always allowed; N→M needs an op
     with ``supports_many_to_many = True``.
 
-    Collected tensors are kept per *target key*, so one converter instance serves every layer:
-    :meth:`add_tensor` files a tensor (or a future, or a zero-argument callable), :meth:`convert`
-    runs the chain for one target key and forgets its inputs.
+    A converter holds no tensors: a :class:`Collector` gathers them per *target key* (so one
+    converter serves every layer) and runs the chain.
     """
 
     def __init__(
@@ -62,12 +73,11 @@ class WeightConverter(WeightTransform):
             len(self.source_patterns) != len(self.target_patterns) or any(s.has_star for s in self._sources)
         ):
             raise ConfigurationError(f"{self!r} has no operations; only a 1→1 rename can do without one.")
-        self.operations: tuple[ConversionOp, ...] = ops
-        self._reset_state()
+        self.operations: tuple[ConversionOp, ...]
+        object.__setattr__(self, "operations", ops)
 
-    def _reset_state(self) -> None:
-        self._collected: dict[str, dict[int, dict[tuple[int, ...], Any]]] = {}
-        self._sources_of: dict[str, dict[int, dict[tuple[int, ...], str]]] = {}
+    def _options(self) -> tuple[Any, ...]:
+        return self.operations
 
     def _init_kwargs(self) -> dict[str, Any]:
         return {"operations": reverse_chain(self.operations)}
@@ -117,7 +127,51 @@ class WeightConverter(WeightTransform):
         n = self._gathered(m.pattern_index)
         return tuple(int(x) for x in m.stars[len(m.stars) - n :]) if n else ()
 
-    # ------------------------------------------------------------------ collection
+    def pattern_number(self, source_pattern: str | int) -> int:
+        if isinstance(source_pattern, int) and not isinstance(source_pattern, bool):
+            if 0 <= source_pattern < len(self.source_patterns):
+                return source_pattern
+        elif source_pattern in self.source_patterns:
+            return self.source_patterns.index(source_pattern)
+        raise ConversionError(
+            f"{self!r}: {source_pattern!r} is not one of its source patterns {list(self.source_patterns)}; "
+            "pass the pattern text or its index as returned by rename_source_key() or match()."
+        )
+
+    def expand_target_keys(self, first_target_key: str) -> tuple[str, ...]:
+        """All target keys of the group whose first target key is ``first_target_key``."""
+        if len(self._targets) == 1:
+            return (first_target_key,)
+        # The first target's text sits somewhere inside the key; rebuild the others around it.
+        m = self._targets[0].locate(first_target_key)
+        if m is None:
+            raise ConversionError(
+                f"{self!r}: cannot locate {self.target_patterns[0]!r} in {first_target_key!r}."
+            )
+        prefix, groups, stars, suffix = m
+        return tuple(prefix + t.expand(groups, stars) + suffix for t in self._targets)
+
+
+class Collector:
+    """The tensors collected for one converter, per target key, until each group is converted.
+
+    The loader and the saver own one (per converter, or per group); the converter itself stays a
+    value that any number of collectors, threads and models share.
+
+    Args:
+        converter: the converter whose chain runs over what is collected.
+    """
+
+    def __init__(self, converter: WeightConverter) -> None:
+        self._converter = converter
+        self._collected: dict[str, dict[int, dict[tuple[int, ...], Any]]] = {}
+        self._sources_of: dict[str, dict[int, dict[tuple[int, ...], str]]] = {}
+
+    @property
+    def converter(self) -> WeightConverter:
+        """The converter this collector collects for."""
+        return self._converter
+
     def add_tensor(
         self,
         target_key: str,
@@ -141,36 +195,25 @@ class WeightConverter(WeightTransform):
             ConversionError: when another key already landed at the same position, or
                 ``source_pattern`` is not one of this converter's patterns.
         """
-        i = self._pattern_number(source_pattern)
-        n = self._gathered(i)
+        i = self._converter.pattern_number(source_pattern)
+        n = self._converter._gathered(i)
         index = tuple(int(x) for x in index)
         if len(index) > n:
             index = index[len(index) - n :] if n else ()
         elif len(index) < n:
             raise ConversionError(
-                f"{self!r}: {source_key!r} matched {self.source_patterns[i]!r}, which gathers {n} index "
+                f"{self._converter!r}: {source_key!r} matched {self._converter.source_patterns[i]!r}, which gathers {n} index "
                 f"wildcard(s), but add_tensor got index={index!r}; pass index=gather_index(match)."
             )
         slot = self._collected.setdefault(target_key, {}).setdefault(i, {})
         names = self._sources_of.setdefault(target_key, {}).setdefault(i, {})
         if index in slot:
             raise ConversionError(
-                f"{self!r}: checkpoint keys {names[index]!r} and {source_key!r} both land on "
-                f"{target_key!r} (pattern {self.source_patterns[i]!r}, index {index}); remove one."
+                f"{self._converter!r}: checkpoint keys {names[index]!r} and {source_key!r} both land on "
+                f"{target_key!r} (pattern {self._converter.source_patterns[i]!r}, index {index}); remove one."
             )
         slot[index] = tensor
         names[index] = source_key
-
-    def _pattern_number(self, source_pattern: str | int) -> int:
-        if isinstance(source_pattern, int) and not isinstance(source_pattern, bool):
-            if 0 <= source_pattern < len(self.source_patterns):
-                return source_pattern
-        elif source_pattern in self.source_patterns:
-            return self.source_patterns.index(source_pattern)
-        raise ConversionError(
-            f"{self!r}: {source_pattern!r} is not one of its source patterns {list(self.source_patterns)}; "
-            "pass the pattern text or its index as returned by rename_source_key() or match()."
-        )
 
     def pending_targets(self) -> list[str]:
         """The target keys with tensors collected and not yet converted."""
@@ -202,44 +245,32 @@ class WeightConverter(WeightTransform):
         collected = self._collected.pop(target_key, None)
         names = self._sources_of.pop(target_key, {})
         if collected is None:
-            raise ConversionError(f"{self!r}: nothing was collected for {target_key!r}.")
+            raise ConversionError(f"{self._converter!r}: nothing was collected for {target_key!r}.")
         source_keys = tuple(k for i in sorted(names) for _, k in sorted(names[i].items()))
-        slots = _gather_slots(self, collected, names, target_key)
+        conv = self._converter
+        slots = _gather_slots(conv, collected, names, target_key)
         if target_keys is not None:
             targets = tuple(target_keys)
-            if len(targets) != len(self._targets):
+            if len(targets) != len(conv.target_patterns):
                 raise ConversionError(
-                    f"{self!r}: got {len(targets)} target keys {list(targets)} for {len(self._targets)} "
+                    f"{conv!r}: got {len(targets)} target keys {list(targets)} for {len(conv.target_patterns)} "
                     f"target pattern(s); pass the group's target keys in pattern order."
                 )
         else:
-            targets = self.expand_target_keys(target_key)
+            targets = conv.expand_target_keys(target_key)
         base = ctx or OpContext()
         ctx = OpContext(
-            n_targets=len(self._targets),
+            n_targets=len(targets),
             target_shapes=base.target_shapes,
             config=base.config,
             source_keys=source_keys,
             target_keys=targets,
-            transform=repr(self),
+            transform=repr(conv),
             keep_residue=base.keep_residue,
             residue=base.residue,
         )
-        out = run_chain(self.operations, slots, ctx)
-        return expand_outputs(targets, out, self)
-
-    def expand_target_keys(self, first_target_key: str) -> tuple[str, ...]:
-        """All target keys of the group whose first target key is ``first_target_key``."""
-        if len(self._targets) == 1:
-            return (first_target_key,)
-        # The first target's text sits somewhere inside the key; rebuild the others around it.
-        m = self._targets[0].locate(first_target_key)
-        if m is None:
-            raise ConversionError(
-                f"{self!r}: cannot locate {self.target_patterns[0]!r} in {first_target_key!r}."
-            )
-        prefix, groups, stars, suffix = m
-        return tuple(prefix + t.expand(groups, stars) + suffix for t in self._targets)
+        out = run_chain(conv.operations, slots, ctx)
+        return expand_outputs(targets, out, conv)
 
 
 def split_transforms(

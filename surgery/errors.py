@@ -13,6 +13,7 @@ __all__ = [
     "ConversionError",
     "FusionConflictError",
     "FusionError",
+    "ImmutableError",
     "LoadError",
     "PatternError",
     "RegistryError",
@@ -37,6 +38,10 @@ class RegistryError(ConfigurationError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable.
         return str(self.args[0]) if self.args else ""
+
+
+class ImmutableError(SurgeryError, AttributeError):
+    """An attribute of a value object (a :class:`~surgery.WeightTransform`) was assigned after construction."""
 
 
 class ConversionError(SurgeryError):

@@ -46,18 +46,17 @@ import operator
 import re
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import NamedTuple
 
 from .converter import WeightConverter, split_transforms
 from .errors import CheckpointError, ConfigurationError, SurgeryError
 from .transforms import WeightTransform
 
-SAVE_PRIORITY = "_surgery_save_priority"
-"""Attribute a save sets on its reversed converters: where two claim one runtime key, the higher wins."""
-
 __all__ = [
     "TEMPLATE_MAX_COMPONENTS",
     "TEMPLATE_MAX_LENGTH",
+    "BasePrefix",
     "KeyLimits",
     "KeyRoute",
     "RouteConflict",
@@ -71,6 +70,31 @@ __all__ = [
 # --------------------------------------------------------------------------- records
 
 
+class BasePrefix(str, Enum):
+    """How a key used the model's ``base_model_prefix`` (:attr:`KeyRoute.base_prefix`)."""
+
+    UNUSED = ""
+    """Not needed: the routed targets name runtime keys as they are."""
+    ADDED_BEFORE = "added before routing"
+    """Added to the checkpoint key, which was then routed (the first renaming)."""
+    STRIPPED_BEFORE = "stripped before routing"
+    """Stripped from the checkpoint key, which was then routed (the first renaming)."""
+    ADDED_AFTER = "added after routing"
+    """Added to the routed targets (the last renaming)."""
+    STRIPPED_AFTER = "stripped after routing"
+    """Stripped from the routed targets (the last renaming)."""
+
+    @property
+    def added(self) -> bool:
+        """Whether the prefix was added (else stripped, or unused)."""
+        return self in (BasePrefix.ADDED_BEFORE, BasePrefix.ADDED_AFTER)
+
+    @property
+    def after(self) -> bool:
+        """Whether the prefix was changed on the routed targets (the last renaming)."""
+        return self in (BasePrefix.ADDED_AFTER, BasePrefix.STRIPPED_AFTER)
+
+
 class KeyRoute(NamedTuple):
     """How one checkpoint key travels.
 
@@ -81,9 +105,7 @@ class KeyRoute(NamedTuple):
         converter: index of the converter that claimed the key, or ``None``.
         pattern_index: which source pattern of that converter matched.
         index: the wildcard indices, when the converter gathers (merges) keys.
-        base_prefix: how ``base_model_prefix`` was used: ``"+after"`` / ``"-after"`` when it was
-            added to / stripped from the routed targets, ``"+"`` / ``"-"`` when it was added to /
-            stripped from the checkpoint key before routing, ``""`` when it was not needed.
+        base_prefix: how ``base_model_prefix`` was used (:class:`BasePrefix`).
     """
 
     source_key: str
@@ -92,7 +114,7 @@ class KeyRoute(NamedTuple):
     converter: int | None = None
     pattern_index: int | None = None
     index: tuple[int, ...] = ()  # type: ignore[assignment]  # a field, shadowing tuple.index
-    base_prefix: str = ""
+    base_prefix: BasePrefix = BasePrefix.UNUSED
 
 
 @dataclass(slots=True)
@@ -261,17 +283,9 @@ class _ExactRouter:
                 continue
             if claimed is not None:
                 if _same_recipe(claimed[1], c) and claimed[1].target_keys(claimed[2]) == c.target_keys(m):
-                    # One mapping resolved for a sub-model and again for an ancestor (Qwen3-Omni's
-                    # thinker under the whole model): the same conversion either way; the
-                    # innermost scope is the one that names this key's sub-model.
+                    # One mapping resolved for a sub-model and again for an ancestor: the same
+                    # conversion either way; the innermost scope names this key's sub-model.
                     if len(c.scope_prefix or "") > len(claimed[1].scope_prefix or ""):
-                        claimed = (i, c, m)
-                    continue
-                pa, pb = claimed[1].__dict__.get(SAVE_PRIORITY), c.__dict__.get(SAVE_PRIORITY)
-                if pa is not None and pb is not None and pa != pb:
-                    # Saving, where a whole model's entry and one of its sub-model's (NeMo speech
-                    # around Nemotron-H) both reverse onto this key: the save decided which wins.
-                    if pb > pa:
                         claimed = (i, c, m)
                     continue
                 raise ConfigurationError(
@@ -292,7 +306,7 @@ def _same_recipe(a: WeightConverter, b: WeightConverter) -> bool:
         type(a) is type(b)
         and a.source_patterns == b.source_patterns
         and a.target_patterns == b.target_patterns
-        and repr(list(a.operations)) == repr(list(b.operations))
+        and a.operations == b.operations
     )
 
 
@@ -336,8 +350,8 @@ class _Replay:
             index: tuple[int, ...] = (int(values[fields[0][0]]),)
         else:
             index = tuple([fixed if c is None else int(values[c]) for c, fixed in fields])  # type: ignore[misc]
-        # tuple.__new__ skips the NamedTuple's argument handling; a replay runs once per key.
-        return tuple.__new__(_Decision, (targets, *self._rest, index))  # type: ignore[type-var]
+        renamings, converter, pattern_index = self._rest
+        return _Decision(targets, renamings, converter, pattern_index, index)
 
 
 class _TemplateCache:
@@ -567,7 +581,7 @@ def route_keys(
         )
     try:
         for key in keys:
-            how = ""
+            how = BasePrefix.UNUSED
             if limits is not None and limits.exceeded_by(key) and not _is_runtime_key(key, prefix, known):
                 d = _Decision((key,), (), None, None, ())  # no pattern runs over it: unexpected
                 oversized.append(key)
@@ -619,7 +633,7 @@ def _names_runtime_keys(targets: tuple[str, ...], known: Collection[str]) -> boo
 
 def _with_base_prefix(
     key: str, d: _Decision, prefix: str, known: Collection[str], decide: object
-) -> tuple[_Decision, str]:
+) -> tuple[_Decision, BasePrefix]:
     """The base-model-prefix form of a key whose targets name no runtime key (else ``d``).
 
     First the routed targets with ``prefix`` stripped or added (a checkpoint of the model with a
@@ -627,13 +641,13 @@ def _with_base_prefix(
     stripped or added and routed again (so that transforms scoped under the prefix see it).
     """
     if all(t.startswith(prefix) for t in d.targets):
-        moved, how = tuple(t[len(prefix) :] for t in d.targets), "-after"
+        moved, how = tuple(t[len(prefix) :] for t in d.targets), BasePrefix.STRIPPED_AFTER
     else:
-        moved, how = tuple(prefix + t for t in d.targets), "+after"
+        moved, how = tuple(prefix + t for t in d.targets), BasePrefix.ADDED_AFTER
     if _names_runtime_keys(moved, known):
         return d._replace(targets=moved), how
     stripped = key.startswith(prefix)
     alt: _Decision = decide(key[len(prefix) :] if stripped else prefix + key)  # type: ignore[operator]
     if _names_runtime_keys(alt.targets, known):
-        return alt, "-" if stripped else "+"
-    return d, ""
+        return alt, BasePrefix.STRIPPED_BEFORE if stripped else BasePrefix.ADDED_BEFORE
+    return d, BasePrefix.UNUSED

@@ -179,7 +179,7 @@ def trace_regions(
     Args:
         operations: the converter's op chain.
         stages: slot shapes before each op and after the last (``len(operations) + 1`` stages;
-            :func:`surgery.load.placement.stage_shapes`).
+            :func:`surgery.placement.stage_shapes`).
         targets: per output slot of the chain, the rank's region.
         ctx: the global op context (``PermuteForRope`` reads its head count from it).
 

@@ -10,6 +10,11 @@ A transform whose ``scope_prefix`` is set fires only on keys under ``f"{scope_pr
 prefix is stripped before matching (so ``^`` anchors at the scoped key) and put back afterwards.
 Inverses are derived mechanically with :meth:`WeightTransform.reverse_transform`.
 
+Transforms are values: immutable once built, equal (and hashing alike) when they have the same
+type, patterns, scope and options. What a load did with them is kept elsewhere (the model's
+record, :mod:`surgery.record`), and the tensors a converter collects live in a
+:class:`~surgery.converter.Collector` its caller owns.
+
 Example:
     >>> from surgery import WeightRenaming
     >>> r = WeightRenaming(r"\.block_sparse_moe\.", ".mlp.")
@@ -23,7 +28,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from .errors import ConfigurationError, PatternError
+from .errors import ConfigurationError, ImmutableError, PatternError
 from .patterns import SourcePattern, TargetPattern, compile_source, parse_target, reverse_pair
 
 __all__ = [
@@ -50,9 +55,6 @@ class TransformMatch(NamedTuple):
     stars: tuple[str, ...]
 
 
-_new_match = tuple.__new__  # TransformMatch from its fields in order, without keyword handling
-
-
 def _as_tuple(patterns: str | Sequence[str], what: str) -> tuple[str, ...]:
     if isinstance(patterns, str):
         return (patterns,)
@@ -72,6 +74,11 @@ def _check_scope(scope_prefix: object) -> None:
 
 class WeightTransform:
     """Base of all transforms: source patterns → target patterns, optionally scoped.
+
+    A transform is a value: its attributes cannot be reassigned once it is built, and two
+    transforms are equal when their type, patterns, scope and options are. (A subclass sets its
+    own fields before calling ``super().__init__``, or with ``object.__setattr__`` as a frozen
+    dataclass does.)
 
     Args:
         source_patterns: one regex or a list (see :mod:`surgery.patterns`).
@@ -93,7 +100,7 @@ class WeightTransform:
         self._sources: tuple[SourcePattern, ...] = tuple(compile_source(p) for p in self.source_patterns)
         self._targets: tuple[TargetPattern, ...] = tuple(parse_target(p) for p in self.target_patterns)
         self._check_references()
-        self._used = False
+        object.__setattr__(self, "_frozen", True)
 
     def _pairwise(self) -> bool:
         """Whether source i renames to target i (otherwise every source feeds every target)."""
@@ -111,6 +118,29 @@ class WeightTransform:
                     )
 
     # ------------------------------------------------------------------ identity
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise ImmutableError(
+                f"{self!r} is immutable: cannot set {name!r}. Build a new transform instead "
+                "(scoped(...) for another scope); a subclass sets its fields before super().__init__()."
+            )
+        object.__setattr__(self, name, value)
+
+    def _options(self) -> tuple[Any, ...]:
+        """What a subclass adds to the patterns and scope to say what it does (its options)."""
+        return ()
+
+    def _value(self) -> tuple[Any, ...]:
+        return (type(self), self.source_patterns, self.target_patterns, self.scope_prefix, self._options())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, WeightTransform):
+            return NotImplemented
+        return self is other or self._value() == other._value()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.source_patterns, self.target_patterns, self.scope_prefix))
+
     def __repr__(self) -> str:
         scope = f", scope_prefix={self.scope_prefix!r}" if self.scope_prefix is not None else ""
         src = self.source_patterns[0] if len(self.source_patterns) == 1 else list(self.source_patterns)
@@ -121,22 +151,17 @@ class WeightTransform:
         return {}
 
     def copy(self) -> WeightTransform:
-        """A fresh copy with the same patterns and scope and no recorded state."""
+        """A distinct object equal to this one (a transform list may hold each object once)."""
         new = type(self).__new__(type(self))
         new.__dict__.update(self.__dict__)
-        new._used = False
-        new._reset_state()
         return new
 
     def scoped(self, scope_prefix: str | None) -> WeightTransform:
-        """A fresh copy scoped to ``scope_prefix``."""
+        """This transform scoped to ``scope_prefix`` (a new value)."""
         _check_scope(scope_prefix)
         new = self.copy()
-        new.scope_prefix = scope_prefix
+        object.__setattr__(new, "scope_prefix", scope_prefix)
         return new
-
-    def _reset_state(self) -> None:
-        """Forget per-load state. Renamings keep none; converters override this."""
 
     # ------------------------------------------------------------------ matching
     def match(self, key: str) -> TransformMatch | None:
@@ -160,7 +185,7 @@ class WeightTransform:
         groups = tuple([m.group(g) or "" for g in sp.user_groups]) if sp.user_groups else ()
         stars = tuple([m.group(g) for g in sp.star_groups]) if sp.star_groups else ()
         start, end = m.span()
-        return _new_match(TransformMatch, (i, head + key[:start], key[end:], groups, stars))
+        return TransformMatch(i, head + key[:start], key[end:], groups, stars)
 
     @property
     def compiled_sources(self) -> tuple[SourcePattern, ...]:
@@ -197,14 +222,6 @@ class WeightTransform:
             return source_key, None
         t = self._targets[self.target_index(m.pattern_index)]
         return m.prefix + t.expand(m.groups, m.stars) + m.suffix, self.source_patterns[m.pattern_index]
-
-    # ------------------------------------------------------------------ usage
-    def was_used(self) -> bool:
-        """Whether an output of this transform was actually loaded into the model."""
-        return self._used
-
-    def mark_used(self) -> None:
-        self._used = True
 
     # ------------------------------------------------------------------ reversal
     def reverse_transform(self) -> WeightTransform:
@@ -276,7 +293,8 @@ class IndexOffsetRenaming(WeightRenaming):
         super().__init__(source_patterns, target_patterns, scope_prefix=scope_prefix)
         if isinstance(offset, bool) or not isinstance(offset, int):
             raise ConfigurationError(f"IndexOffsetRenaming(offset={offset!r}): the offset must be an int.")
-        self.offset = offset
+        self.offset: int
+        object.__setattr__(self, "offset", offset)
         if any(not sp.user_groups for sp in self._sources):
             raise PatternError(f"{self!r}: every source pattern needs a capture group holding the index.")
         if any("\\1" not in t.text for t in self._targets):
@@ -287,6 +305,9 @@ class IndexOffsetRenaming(WeightRenaming):
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, offset={self.offset})"
+
+    def _options(self) -> tuple[Any, ...]:
+        return (self.offset,)
 
     @property
     def digit_blind(self) -> bool:
@@ -332,11 +353,15 @@ class LayerPairCollapse(WeightRenaming):
         super().__init__(
             rf"layers\.(\d+)\.({'|'.join(names)})(?=\.|$)", r"layers.\1.\2", scope_prefix=scope_prefix
         )
-        self.inverse = inverse
+        self.inverse: bool
+        object.__setattr__(self, "inverse", inverse)
 
     def __repr__(self) -> str:
         scope = f", scope_prefix={self.scope_prefix!r}" if self.scope_prefix is not None else ""
         return f"LayerPairCollapse(inverse={self.inverse}{scope})"
+
+    def _options(self) -> tuple[Any, ...]:
+        return (self.inverse,)
 
     def reverse_transform(self) -> WeightTransform:
         return LayerPairCollapse(inverse=not self.inverse, scope_prefix=self.scope_prefix)
@@ -424,6 +449,9 @@ class PrefixChange(WeightRenaming):
         mp = f", model_prefix={self.model_prefix!r}" if self.model_prefix else ""
         scope = f", scope_prefix={self.scope_prefix!r}" if self.scope_prefix is not None else ""
         return f"PrefixChange({what}{mp}{scope})"
+
+    def _options(self) -> tuple[Any, ...]:
+        return (self.prefix_to_add, self.prefix_to_remove, self.model_prefix)
 
     def reverse_transform(self) -> WeightTransform:
         return PrefixChange(

@@ -44,6 +44,7 @@ from specs import (
 )
 from specs.releases import NEWEST, PINNED, entries_for
 from surgery import ConversionError, WeightConverter
+from surgery.converter import Collector
 from surgery.ops import OpContext, Slot
 from surgery.registry import (
     checkpoint_conversion_entry,
@@ -745,15 +746,16 @@ def _to_runtime(
             continue
         conv = transforms[group.converter]
         assert isinstance(conv, WeightConverter)
+        collector = Collector(conv)
         for pattern, by_index in group.sources.items():
             for index, src in by_index.items():
-                conv.add_tensor(group.key, src, pattern, tensors[src], index=index)
+                collector.add_tensor(group.key, src, pattern, tensors[src], index=index)
         targets = conv.expand_target_keys(group.key)
         keep = None if residues is None else functools.partial(residues.__setitem__, min(targets))
         ctx = OpContext(
             target_shapes=tuple(shapes.get(k) for k in targets), config=_CONFIG, keep_residue=keep
         )
-        out.update(conv.convert(group.key, ctx))
+        out.update(collector.convert(group.key, ctx))
     return out, [transforms[i] for i in routing.fired()]
 
 
@@ -781,14 +783,15 @@ def _to_original(
             continue
         conv = converters[group.converter]
         assert isinstance(conv, WeightConverter)
+        collector = Collector(conv)
         for pattern, by_index in group.sources.items():
             for index, src in by_index.items():
-                conv.add_tensor(group.key, src, pattern, tensors[src], index=index)
+                collector.add_tensor(group.key, src, pattern, tensors[src], index=index)
         names = [_renamed(k, renamings) for k in conv.expand_target_keys(group.key)]
         target_shapes = tuple((shapes or {}).get(k) for k in names)
         residue = (residues or {}).get(min(group.source_keys))
         ctx = OpContext(config=_CONFIG, target_shapes=target_shapes, residue=residue)
-        produced.update(conv.convert(group.key, ctx))
+        produced.update(collector.convert(group.key, ctx))
     out: dict[str, torch.Tensor] = {}
     for key, t in produced.items():
         key = _renamed(key, renamings)

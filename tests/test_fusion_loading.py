@@ -26,9 +26,9 @@ from surgery import ConfigurationError, WeightConverter, ops
 from surgery.checkpoint import write_checkpoint
 from surgery.examples import build_vision_tower, example_pixel_values
 from surgery.examples.vision import ExamplePatchEmbed, ExampleVisionTower
-from surgery.fusion import fusion_config_of, fusion_record
-from surgery.load.plan import FUSION_METADATA_KEY
-from surgery.load.record import load_record
+from surgery.fusion import fusion_config_of
+from surgery.persist import FUSION_METADATA_KEY
+from surgery.record import record_of
 
 ON = {"patch_embeddings": True}
 PINNED = {"patch_embeddings": {"modules": ["^patch_embed$"]}}
@@ -296,7 +296,7 @@ def test_loading_with_a_fusion_leaves_other_and_later_models_unfused(tmp_path):
     later = tower()
     for model in (sibling, later):
         assert type(model.patch_embed) is ExamplePatchEmbed
-        assert fusion_record(model) is None
+        assert record_of(model).fusions is None
         report = surgery.load_checkpoint(model, tmp_path)
         assert report.ok and report.fusions is None
         assert type(model.patch_embed) is ExamplePatchEmbed
@@ -309,7 +309,7 @@ def test_disabled_fusion_fuses_nothing_and_loads_the_original_layout(tmp_path):
     report = surgery.load_checkpoint(model, tmp_path, fusion_config=OFF)
     assert report.ok, report
     assert not report.fusions
-    assert type(model.patch_embed) is ExamplePatchEmbed and fusion_record(model) is None
+    assert type(model.patch_embed) is ExamplePatchEmbed and record_of(model).fusions is None
     state = model.state_dict()
     assert list(state) == list(original)
     assert all(torch.equal(state[k], v) for k, v in original.items())
@@ -330,7 +330,7 @@ def test_plan_load_with_a_fusion_leaves_the_model_unfused(tmp_path, checkpoint, 
     assert plan.fusions == (ON if fusion_config else PINNED)
     assert_same_structure(structure(model), before)
     assert type(model.patch_embed) is ExamplePatchEmbed
-    assert fusion_record(model) is None and load_record(model) is None
+    assert record_of(model).fusions is None and record_of(model).load is None
 
 
 def test_plan_load_shows_the_fused_targets(tmp_path):

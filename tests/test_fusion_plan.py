@@ -11,11 +11,11 @@ from torch import nn
 from surgery.errors import FusionError
 from surgery.examples import build_vision_tower
 from surgery.fusion import (
-    RECORD_ATTRIBUTE,
     SKIPPED,
     WOULD_FUSE,
     preview_fusions,
 )
+from surgery.record import record_of
 
 ON = {"patch_embeddings": True}
 
@@ -39,7 +39,7 @@ def test_preview_changes_nothing():
     assert after.keys() == tensors.keys()
     assert all(id(after[k]) == i and torch.equal(after[k], v) for k, (i, v) in tensors.items())
     assert {n: set(m.__dict__) for n, m in tower.named_modules()} == attrs
-    assert RECORD_ATTRIBUTE not in tower.__dict__
+    assert record_of(tower).fusions is None
 
 
 def test_preview_candidate_reports_path_class_and_why(plan):

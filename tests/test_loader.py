@@ -19,8 +19,8 @@ from surgery.checkpoint import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, write
 from surgery.errors import CheckpointError, ConfigurationError, LoadError
 from surgery.examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
 from surgery.load.loader import SYNC_ENV
-from surgery.load.plan import FUSION_METADATA_KEY
-from surgery.load.record import load_record
+from surgery.persist import FUSION_METADATA_KEY
+from surgery.record import record_of
 from surgery.registry import register_checkpoint_conversion_mapping, registry_snapshot
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def test_truncated_file_is_refused_before_the_model_changes(
     with pytest.raises(CheckpointError, match=r"file has only \d+ bytes"):
         surgery.load_checkpoint(model, tmp_path)
     assert_same(model.state_dict(), before)
-    assert load_record(model) is None
+    assert record_of(model).load is None
 
 
 def test_wrong_header_is_refused_naming_the_file(tmp_path: Path, write_original: WriteOriginal) -> None:
@@ -538,10 +538,10 @@ def test_keyboard_interrupt_propagates_cancels_pending_work_and_leaves_no_record
     write_checkpoint({f"v.{i}": torch.ones(3) for i in range(n)}, tmp_path / "bad")
     model = Toy("toy_ctrl_c", n)
     assert surgery.load_checkpoint(model, tmp_path / "good").ok
-    assert load_record(model) is not None
+    assert record_of(model).load is not None
     with pytest.raises(KeyboardInterrupt):
         surgery.load_checkpoint(model, tmp_path / "bad", sync=sync, num_workers=2)
-    assert load_record(model) is None
+    assert record_of(model).load is None
     assert 1 <= len(calls) < n // 2  # the rest was cancelled before it started
 
 
@@ -697,14 +697,14 @@ def test_device_meta_is_refused_by_load_and_plan_naming_the_dry_run_and_the_mode
     write_original(tmp_path)
     model = build_moe_model(CFG, device="meta")
     assert surgery.load_checkpoint(model, tmp_path).ok
-    before, record = snapshot(model), load_record(model)
+    before, record = snapshot(model), record_of(model).load
 
     for call in (surgery.load_checkpoint, surgery.plan_load):
         with pytest.raises(ConfigurationError, match=rf"{call.__name__}\(\.\.\., device=.*plan_load") as info:
             call(model, tmp_path, device=device)
         assert "holds no data" in str(info.value)
     assert_same(model.state_dict(), before)
-    assert load_record(model) is record  # not even the record of the previous load is dropped
+    assert record_of(model).load is record  # not even the record of the previous load is dropped
 
 
 def test_a_model_built_on_meta_still_loads_to_cpu_by_default(

@@ -16,10 +16,9 @@ from surgery import WeightConverter, ops
 from surgery.checkpoint import SAFE_WEIGHTS_NAME, write_checkpoint
 from surgery.examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
 from surgery.examples.vision import build_vision_tower
-from surgery.fusion import fusion_record
 from surgery.load.plan import LoadPlan, PlanEntry, fold_indices
-from surgery.load.record import load_record
 from surgery.ops import OpContext
+from surgery.record import record_of
 
 if TYPE_CHECKING:
     from conftest import WriteOriginal
@@ -101,7 +100,7 @@ def test_plan_changes_nothing_on_the_model(tmp_path: Path, write_original: Write
     surgery.plan_load(model, tmp_path)
     after = model.state_dict(keep_vars=True)
     assert all(after[k] is t and torch.equal(t, copy) for k, (t, copy) in before.items())
-    assert load_record(model) is None
+    assert record_of(model).load is None
 
 
 def test_plan_with_a_fusion_config_leaves_the_model_unfused(tmp_path: Path) -> None:
@@ -112,7 +111,7 @@ def test_plan_with_a_fusion_config_leaves_the_model_unfused(tmp_path: Path) -> N
     plan = surgery.plan_load(tower, tmp_path, fusion_config=FUSE)
     assert plan.fusions == FUSE
     assert any(e.target_keys == ("patch_embed.linear_proj.weight",) for e in plan.entries)
-    assert fusion_record(tower) is None and tower.patch_embed is patch_embed
+    assert record_of(tower).fusions is None and tower.patch_embed is patch_embed
     assert list(tower.state_dict()) == keys
     assert all(t.device.type == "cpu" for t in tower.state_dict().values())
 
@@ -243,7 +242,7 @@ _SLOTS = {
 @pytest.mark.parametrize("slots", list(_SLOTS.values()), ids=list(_SLOTS))
 @pytest.mark.parametrize("chain", list(_CHAINS.values()), ids=list(_CHAINS))
 def test_shape_rules_agree_with_the_meta_run(chain: list, slots: list) -> None:
-    from surgery.load.placement import _meta_stage_shapes, _rule_stage_shapes
+    from surgery.placement import _meta_stage_shapes, _rule_stage_shapes
 
     conv = WeightConverter(["a.*", "b.*"] if len(slots) == 2 else ["a.*"], "ab", chain)
     ctx = OpContext(n_targets=1)
@@ -257,7 +256,7 @@ def test_shape_rules_agree_with_the_meta_run(chain: list, slots: list) -> None:
 
 
 def test_shape_rules_cover_the_fused_experts_chain() -> None:
-    from surgery.load.placement import _rule_stage_shapes
+    from surgery.placement import _rule_stage_shapes
 
     stages = _rule_stage_shapes((ops.MergeModulelist(0), ops.Concatenate(1)), [[(2, 3)] * 4, [(2, 3)] * 4])
     assert stages is not None and stages[-1] == [(4, 4, 3)]

@@ -13,7 +13,7 @@ import pytest
 
 from surgery import ops
 from surgery.converter import WeightConverter
-from surgery.errors import RegistryError
+from surgery.errors import ImmutableError, RegistryError
 from surgery.registry import (
     catalog_modules,
     checkpoint_conversion_entry,
@@ -61,16 +61,13 @@ def test_each_get_hands_out_new_objects(registry):
     assert first[0] is not second[0]
 
 
-def test_state_recorded_on_a_copy_does_not_reach_the_prototype_or_the_next_copy(registry):
+def test_a_copy_is_an_equal_immutable_value_apart_from_the_prototype(registry):
     register_checkpoint_conversion_mapping("toy", [_moe_converter()])
     (conv,) = get_checkpoint_conversion_mapping("toy")
-    conv.mark_used()
-    conv.add_tensor("m.experts.down_proj", "m.experts.0.w2.weight", 0, object(), index=(0,))
-    (fresh,) = get_checkpoint_conversion_mapping("toy")
-    assert not fresh.was_used()
-    assert fresh.pending_targets() == []
+    with pytest.raises(ImmutableError):
+        conv.scope_prefix = "elsewhere"
     (proto,) = checkpoint_conversion_entry("toy").transforms
-    assert not proto.was_used() and proto.pending_targets() == []
+    assert conv == proto and conv is not proto and proto.scope_prefix is None
 
 
 def test_mapping_keeps_the_registered_order(registry):

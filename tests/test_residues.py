@@ -19,7 +19,8 @@ from specs.inkling2 import Inkling2UnpadVocab
 from surgery import WeightConverter
 from surgery.checkpoint import open_checkpoint, write_checkpoint
 from surgery.errors import ConversionError
-from surgery.load.record import clear_record, load_record
+from surgery.load.record import clear_record
+from surgery.record import record_of
 from surgery.registry import register_checkpoint_conversion_mapping, registry_snapshot
 
 VOCAB, KEPT, HIDDEN = 8, 6, 4
@@ -85,7 +86,7 @@ def test_load_then_save_writes_the_padding_rows_back_bit_for_bit(tmp_path: Path)
 
 def test_the_load_record_keeps_only_the_dropped_rows(tmp_path: Path) -> None:
     hub = _hub_file(tmp_path / "hub")
-    record = load_record(_loaded(tmp_path / "hub"))
+    record = record_of(_loaded(tmp_path / "hub")).load
     assert record is not None
     (residue,) = record.residues.values()
     assert list(record.residues) == ["lm_head.weight"]

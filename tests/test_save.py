@@ -20,8 +20,8 @@ from surgery.checkpoint import SAFE_WEIGHTS_NAME, open_checkpoint, write_checkpo
 from surgery.errors import CheckpointError, ConfigurationError, ConversionError
 from surgery.examples.moe import ExampleMoEConfig, ExampleMoEModel, build_moe_model, original_state_dict
 from surgery.examples.vision import build_vision_tower
-from surgery.load.plan import FUSION_METADATA_KEY
-from surgery.load.record import load_record
+from surgery.persist import FUSION_METADATA_KEY
+from surgery.record import record_of
 from surgery.registry import register_checkpoint_conversion_mapping, registry_snapshot
 from surgery.save import RevertedState
 from surgery.saved_config import TRANSFORMERS_REFUSAL
@@ -141,7 +141,7 @@ def test_a_runtime_layout_checkpoint_converts_nothing_and_saves_the_family_layou
     report = surgery.load_checkpoint(model, tmp_path / "src")
     assert report.ok and report.transforms_used == []
     assert all(e.transform is None and e.renamings == () for e in report.plan.entries)
-    assert load_record(model).transforms == []
+    assert record_of(model).load.transforms == []
     surgery.save_checkpoint(model, tmp_path / "out")
     assert_same(tensors(tmp_path / "out"), original_state_dict(source))  # per-expert, as the hub has it
     surgery.save_checkpoint(model, tmp_path / "runtime", original_format=False)
@@ -698,3 +698,79 @@ def test_a_quantization_config_in_a_sub_config_follows_the_tensors_too() -> None
     assert rewrite_config(source, SavedConfig()) == {"model_type": "vlm", "text_config": {"hidden_size": 8}}
     kept = rewrite_config(source, SavedConfig(quantization_config=FP8_CONFIG, unquantized_modules=()))
     assert kept == {"model_type": "vlm", "text_config": {"hidden_size": 8}, "quantization_config": fp8}
+
+
+# --------------------------------------------------------------------------- overlapping reversed converters
+
+
+class _Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.arange(24.0).reshape(2, 3, 4))
+
+
+class _Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = _Experts()
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mixer = _Mixer()
+
+
+class PrecedenceInner(nn.Module):
+    """A sub-model with a mapping of its own (its own checkpoints hold one tensor per expert)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer()])
+
+
+class PrecedenceOuter(nn.Module):
+    """A whole model whose mapping stores the same parameter fused and transposed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = PrecedenceInner()
+
+
+@pytest.fixture
+def precedence_mappings():
+    with registry_snapshot():
+        register_checkpoint_conversion_mapping(
+            "PrecedenceOuter",
+            [WeightConverter(r"mixer\.experts\.fused", "mixer.experts.up_proj", [ops.Transpose(1, 2)])],
+        )
+        register_checkpoint_conversion_mapping(
+            "PrecedenceInner",
+            [
+                WeightConverter(
+                    "mixer.experts.*.up_proj.weight", "mixer.experts.up_proj", [ops.MergeModulelist(0)]
+                )
+            ],
+        )
+        yield
+
+
+def test_a_model_never_loaded_saves_the_whole_models_layout_where_a_sub_models_converter_also_claims_the_key(
+    precedence_mappings,
+) -> None:
+    saved = surgery.revert_state_dict(PrecedenceOuter())
+    assert list(saved) == ["lm.layers.0.mixer.experts.fused"]
+    assert torch.equal(
+        saved["lm.layers.0.mixer.experts.fused"], torch.arange(24.0).reshape(2, 3, 4).transpose(1, 2)
+    )
+
+
+def test_the_converter_that_fired_at_load_wins_the_save_over_the_whole_models(
+    precedence_mappings, tmp_path
+) -> None:
+    experts = {f"lm.layers.0.mixer.experts.{i}.up_proj.weight": torch.randn(3, 4) for i in range(2)}
+    write_checkpoint(experts, tmp_path / "in")
+    model = PrecedenceOuter()
+    report = surgery.load_checkpoint(model, tmp_path / "in", strict=True)
+    assert not report.missing_keys
+    assert_same(surgery.revert_state_dict(model), experts)

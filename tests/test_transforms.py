@@ -24,8 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from surgery import ops
-from surgery.converter import WeightConverter, split_transforms
-from surgery.errors import ConfigurationError, ConversionError, PatternError, SurgeryError
+from surgery.converter import Collector, WeightConverter, split_transforms
+from surgery.errors import ConfigurationError, ConversionError, ImmutableError, PatternError, SurgeryError
 from surgery.ops import OpContext
 from surgery.routing import route_keys
 from surgery.transforms import PrefixChange, WeightRenaming, WeightTransform, legacy_renamings
@@ -55,14 +55,14 @@ def _apply(
             continue
         converter = routing.transforms[group.converter]
         assert isinstance(converter, WeightConverter)
+        collector = Collector(converter)
         for pattern, by_index in group.sources.items():
             for index, key in by_index.items():
-                converter.add_tensor(group.key, key, pattern, fetch(key), index=index)
+                collector.add_tensor(group.key, key, pattern, fetch(key), index=index)
         known = shapes or {}
         target_shapes = tuple(known.get(k.replace("*", "0")) for k in group.target_keys)
         ctx = OpContext(target_shapes=target_shapes if any(target_shapes) else None)
-        out.update(converter.convert(group.key, ctx, target_keys=group.target_keys))
-        converter.mark_used()
+        out.update(collector.convert(group.key, ctx, target_keys=group.target_keys))
     return out
 
 
@@ -299,48 +299,50 @@ def test_mixtral_experts_save_back_to_the_original_keys_and_tensors(tmp_path):
         _assert_same_state({k: f.get_tensor(k) for k in f.keys()}, state)  # noqa: SIM118
 
 
-def _collect(
-    converter: WeightConverter, target: str, indices: Sequence[int], make: Callable[[int], Any]
-) -> None:
-    pattern = converter.source_patterns[0]
+def _collect(collector: Collector, target: str, indices: Sequence[int], make: Callable[[int], Any]) -> None:
+    pattern = collector.converter.source_patterns[0]
     for i in indices:
-        converter.add_tensor(target, f"m.experts.{i}.w1.weight", pattern, make(i), index=(i,))
+        collector.add_tensor(target, f"m.experts.{i}.w1.weight", pattern, make(i), index=(i,))
 
 
 def test_expert_position_is_the_index_the_star_captured_not_arrival_or_string_order():
     c = WeightConverter("experts.*.w1.weight", "experts.w1", operations=[ops.MergeModulelist(0)])
+    col = Collector(c)
     order = list(range(12))
     random.Random(1).shuffle(order)
-    _collect(c, "m.experts.w1", order, lambda i: torch.full((2,), float(i)))
-    (stacked,) = c.convert("m.experts.w1").values()
+    _collect(col, "m.experts.w1", order, lambda i: torch.full((2,), float(i)))
+    (stacked,) = col.convert("m.experts.w1").values()
     assert stacked[:, 0].tolist() == [float(i) for i in range(12)]  # 2 before 10, whatever the arrival order
 
 
 def test_collected_futures_and_callables_are_resolved_at_convert():
     c = WeightConverter("experts.*.w1.weight", "experts.w1", operations=[ops.MergeModulelist(0)])
+    col = Collector(c)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        _collect(c, "m.experts.w1", [1, 0], lambda i: pool.submit(torch.full, (2,), float(i)))
-        _collect(c, "m.experts.w1", [2], lambda i: lambda: torch.full((2,), float(i)))
-        (stacked,) = c.convert("m.experts.w1").values()
+        _collect(col, "m.experts.w1", [1, 0], lambda i: pool.submit(torch.full, (2,), float(i)))
+        _collect(col, "m.experts.w1", [2], lambda i: lambda: torch.full((2,), float(i)))
+        (stacked,) = col.convert("m.experts.w1").values()
     assert stacked[:, 0].tolist() == [0.0, 1.0, 2.0]
 
 
 def test_a_missing_expert_is_an_error_naming_its_index():
     c = WeightConverter("experts.*.w1.weight", "experts.w1", operations=[ops.MergeModulelist(0)])
-    _collect(c, "m.experts.w1", [0, 1, 2, 4, 5, 6, 7], lambda i: torch.zeros(2))
+    col = Collector(c)
+    _collect(col, "m.experts.w1", [0, 1, 2, 4, 5, 6, 7], lambda i: torch.zeros(2))
     with pytest.raises(
         ConversionError, match=r"index 3 of 'experts\.\*\.w1\.weight' is missing for 'm\.experts\.w1'"
     ):
-        c.convert("m.experts.w1")
+        col.convert("m.experts.w1")
 
 
 def test_one_stray_huge_index_is_a_quick_error_listing_the_first_gaps():
     c = WeightConverter("experts.*.w1.weight", "experts.w1", operations=[ops.MergeModulelist(0)])
-    _collect(c, "m.experts.w1", [0, 1, 10**15], lambda i: torch.zeros(2))
+    col = Collector(c)
+    _collect(col, "m.experts.w1", [0, 1, 10**15], lambda i: torch.zeros(2))
     with pytest.raises(
         ConversionError, match=r"index 2, 3, 4, 5, 6, 7, 8, 9 \.\.\. of .* up to 1000000000000000"
     ):
-        c.convert("m.experts.w1")
+        col.convert("m.experts.w1")
 
 
 def test_a_merge_keeps_the_layer_wildcard_and_gathers_the_expert_one():
@@ -427,36 +429,41 @@ def test_a_split_to_a_star_target_numbers_the_parts():
 
 def test_convert_without_target_keys_rebuilds_them_from_the_first():
     c = WeightConverter("qkv_proj.weight", ["q_proj.weight", "k_proj.weight"], [ops.Chunk(dim=0)])
-    c.add_tensor("l.0.q_proj.weight", "l.0.qkv_proj.weight", 0, torch.zeros(4, 2))
-    assert sorted(c.convert("l.0.q_proj.weight")) == ["l.0.k_proj.weight", "l.0.q_proj.weight"]
+    col = Collector(c)
+    col.add_tensor("l.0.q_proj.weight", "l.0.qkv_proj.weight", 0, torch.zeros(4, 2))
+    assert sorted(col.convert("l.0.q_proj.weight")) == ["l.0.k_proj.weight", "l.0.q_proj.weight"]
 
 
 def test_convert_of_an_uncollected_target_names_it():
     c = WeightConverter("a.weight", "b.weight", [ops.Transpose()])
+    col = Collector(c)
     with pytest.raises(ConversionError, match=r"nothing was collected for 'm\.b\.weight'"):
-        c.convert("m.b.weight")
+        col.convert("m.b.weight")
 
 
 def test_convert_names_the_transform_and_keys_when_an_op_fails():
     c = WeightConverter(["q_proj.weight", "k_proj.weight"], "qk_proj.weight", [ops.Concatenate(dim=0)])
-    c.add_tensor("l.qk_proj.weight", "l.q_proj.weight", "q_proj.weight", torch.zeros(2, 3))
-    c.add_tensor("l.qk_proj.weight", "l.k_proj.weight", "k_proj.weight", torch.zeros(2, 4))
+    col = Collector(c)
+    col.add_tensor("l.qk_proj.weight", "l.q_proj.weight", "q_proj.weight", torch.zeros(2, 3))
+    col.add_tensor("l.qk_proj.weight", "l.k_proj.weight", "k_proj.weight", torch.zeros(2, 4))
     with pytest.raises(ConversionError) as info:
-        c.convert("l.qk_proj.weight")
+        col.convert("l.qk_proj.weight")
     message = str(info.value)
     assert "'q_proj.weight'" in message and "l.k_proj.weight" in message and "l.qk_proj.weight" in message
 
 
 def test_add_tensor_needs_the_gathered_index():
     c = WeightConverter("experts.*.w1.weight", "experts.w1", operations=[ops.MergeModulelist(0)])
+    col = Collector(c)
     with pytest.raises(ConversionError, match=r"'m\.experts\.3\.w1\.weight' matched .* got index=\(\)"):
-        c.add_tensor("m.experts.w1", "m.experts.3.w1.weight", 0, torch.zeros(1))
+        col.add_tensor("m.experts.w1", "m.experts.3.w1.weight", 0, torch.zeros(1))
 
 
 def test_add_tensor_refuses_an_unknown_source_pattern():
     c = WeightConverter("a.weight", "b.weight", [ops.Transpose()])
+    col = Collector(c)
     with pytest.raises(ConversionError, match=r"'c\.weight' is not one of its source patterns"):
-        c.add_tensor("m.b.weight", "m.c.weight", "c.weight", torch.zeros(1))
+        col.add_tensor("m.b.weight", "m.c.weight", "c.weight", torch.zeros(1))
 
 
 def test_two_keys_on_one_target_are_a_conflict_in_routing():
@@ -469,11 +476,12 @@ def test_two_keys_on_one_target_are_a_conflict_in_routing():
 
 def test_two_keys_on_one_target_make_add_tensor_raise():
     c = WeightConverter(r"(?:a|b)\.weight", "c.weight", [ops.Transpose()])
-    c.add_tensor("m.c.weight", "m.a.weight", 0, torch.zeros(1, 1))
+    col = Collector(c)
+    col.add_tensor("m.c.weight", "m.a.weight", 0, torch.zeros(1, 1))
     with pytest.raises(
         ConversionError, match=r"'m\.a\.weight' and 'm\.b\.weight' both land on 'm\.c\.weight'"
     ):
-        c.add_tensor("m.c.weight", "m.b.weight", 0, torch.zeros(1, 1))
+        col.add_tensor("m.c.weight", "m.b.weight", 0, torch.zeros(1, 1))
 
 
 def test_overlapping_converters_are_a_configuration_error_naming_both():
@@ -621,15 +629,39 @@ def test_scoped_mapping_loads_and_saves_back(tmp_path):
     _assert_same_state(_revert(loaded, mapping), state)
 
 
-def test_scoped_and_copy_give_fresh_transforms_and_reverse_keeps_the_scope():
+def test_scoped_gives_a_new_value_and_reverse_keeps_the_scope():
     c = WeightConverter("a.weight", "b.weight", [ops.Transpose()])
-    c.add_tensor("m.b.weight", "m.a.weight", 0, torch.zeros(1, 1))
-    c.mark_used()
     scoped = c.scoped("text_model")
-    assert scoped.scope_prefix == "text_model" and not scoped.was_used() and scoped.pending_targets() == []
-    assert c.was_used() and c.pending_targets() == ["m.b.weight"] and c.scope_prefix is None
+    assert scoped.scope_prefix == "text_model" and c.scope_prefix is None and scoped != c
     assert scoped.reverse_transform().scope_prefix == "text_model"
-    assert c.copy().pending_targets() == []
+    assert c.copy() == c and c.copy() is not c
+
+
+def test_transforms_are_values_equal_by_type_patterns_scope_and_options():
+    c = WeightConverter("a.weight", "b.weight", [ops.Transpose()])
+    assert c == WeightConverter("a.weight", "b.weight", [ops.Transpose()])
+    assert hash(c) == hash(WeightConverter("a.weight", "b.weight", [ops.Transpose()]))
+    assert c != WeightConverter("a.weight", "b.weight", [ops.Transpose(0, 2)])
+    assert c != WeightRenaming("a.weight", "b.weight")
+    assert PrefixChange(prefix_to_add="model") == PrefixChange(prefix_to_add="model")
+    assert PrefixChange(prefix_to_add="model") != PrefixChange(prefix_to_remove="model")
+    assert len({c, c.copy(), c.scoped("x")}) == 2
+
+
+def test_a_transform_cannot_be_changed_after_construction():
+    r = WeightRenaming(r"\.gamma$", ".weight")
+    with pytest.raises(ImmutableError, match=r"cannot set 'scope_prefix'.*scoped"):
+        r.scope_prefix = "vision_model"
+    assert r.scope_prefix is None
+
+
+def test_a_collector_keeps_its_tensors_apart_from_the_converter_and_other_collectors():
+    c = WeightConverter("a.weight", "b.weight", [ops.Transpose()])
+    first, second = Collector(c), Collector(c)
+    first.add_tensor("m.b.weight", "m.a.weight", 0, torch.zeros(1, 2))
+    assert first.pending_targets() == ["m.b.weight"] and second.pending_targets() == []
+    assert first.convert("m.b.weight")["m.b.weight"].shape == (2, 1)
+    assert not first.is_pending("m.b.weight")
 
 
 def test_a_scope_prefix_with_a_trailing_dot_is_refused():
@@ -640,14 +672,6 @@ def test_a_scope_prefix_with_a_trailing_dot_is_refused():
 
 
 # --------------------------------------------------------------------------- usage and errors
-
-
-def test_was_used_is_false_until_marked():
-    r = WeightRenaming(r"\.gamma$", ".weight")
-    r.rename_source_key("a.gamma")  # matching alone is not loading
-    assert not r.was_used()
-    r.mark_used()
-    assert r.was_used()
 
 
 def test_every_configuration_error_is_a_surgery_error():

@@ -23,8 +23,8 @@ import surgery
 from surgery import WeightConverter, ops
 from surgery.checkpoint import open_checkpoint, write_checkpoint
 from surgery.examples import dense, moe
-from surgery.load.record import load_record
 from surgery.quantization import FP8BlockQuantizer
+from surgery.record import record_of
 
 DENSE = dense.ExampleDenseConfig()
 MOE = moe.ExampleMoEConfig(num_attention_heads=4, num_key_value_heads=2)
@@ -253,7 +253,7 @@ def _padded_head(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
     register_padded_head_mapping()
     model = PaddedHeadModel().to("meta")
     report = surgery.load_checkpoint(model, work / "padded", tp_plan="auto", device_mesh=mesh)
-    record = load_record(model)
+    record = record_of(model).load
     with open_checkpoint(work / "padded") as reader:
         hub = reader.get_tensor("unembed.weight")
     w = model.lm_head.weight

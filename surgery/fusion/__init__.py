@@ -17,17 +17,13 @@ Map of the package:
 """
 
 from .apply import (
-    RECORD_ATTRIBUTE,
     FusionEntry,
     FusionRecord,
     apply_fusions,
     check_fusion_conflicts,
     fusion_config_of,
-    fusion_record,
     fusion_transforms,
-    persistable_fusion_config,
     preview_fusions,
-    trusted_fusion_config,
 )
 from .config import EnabledFusion, FusionConfig, validate_fusion_config
 from .plan import EXCLUDED, FUSED, SKIPPED, WOULD_FUSE, FusionCandidate, FusionPlan, GraphSnapshot, TensorInfo
@@ -41,7 +37,6 @@ __all__ = [
     "EXCLUDED",
     "FUSED",
     "NOTHING_HERE",
-    "RECORD_ATTRIBUTE",
     "SKIPPED",
     "WOULD_FUSE",
     "EnabledFusion",
@@ -62,17 +57,14 @@ __all__ = [
     "check_fusion_conflicts",
     "find_fusion",
     "fusion_config_of",
-    "fusion_record",
     "fusion_registry_snapshot",
     "fusion_transforms",
     "get_fusion",
     "list_fusions",
-    "persistable_fusion_config",
     "preview_fusions",
     "register_fusion",
     "register_leaf_function",
     "register_none_argument",
     "trace_module",
-    "trusted_fusion_config",
     "validate_fusion_config",
 ]

@@ -2,7 +2,8 @@
 
 :func:`preview_fusions` changes nothing; :func:`apply_fusions` swaps each matched candidate for
 its fused replacement, on that instance only (no class is patched, no global state is kept), and
-records on the model what it did (:data:`RECORD_ATTRIBUTE`):
+records on the model what it did (a :class:`FusionRecord` in the model's record,
+:func:`surgery.record.record_of`):
 
 * :func:`fusion_transforms` gives the loader fresh copies of the weight transforms (original →
   fused layout), each scoped to its module's path; the saver reverses them.
@@ -29,28 +30,21 @@ from torch import nn
 from ..converter import WeightConverter
 from ..errors import FusionConflictError, FusionError
 from ..graph import swap_module
+from ..record import record_of, update_record
 from ..transforms import WeightTransform
-from .config import EnabledFusion, FusionConfig, validate_fusion_config
+from .config import EnabledFusion, FusionConfig, exact_module_pattern, validate_fusion_config
 from .plan import EXCLUDED, FUSED, SKIPPED, FusionCandidate, FusionPlan
-from .registry import find_fusion
 from .rewrite import NO_MATCH, NOTHING_HERE, FusedModule, examine_candidate
 
 __all__ = [
-    "RECORD_ATTRIBUTE",
     "FusionEntry",
     "FusionRecord",
     "apply_fusions",
     "check_fusion_conflicts",
     "fusion_config_of",
-    "fusion_record",
     "fusion_transforms",
-    "persistable_fusion_config",
     "preview_fusions",
-    "trusted_fusion_config",
 ]
-
-RECORD_ATTRIBUTE = "_surgery_fusions"
-"""The model attribute holding the :class:`FusionRecord` of the fusions applied to it."""
 
 
 @dataclass(frozen=True)
@@ -151,12 +145,6 @@ def apply_fusions(
     return _run(model, fusion_config, strict=strict, apply=True)
 
 
-def fusion_record(model: nn.Module) -> FusionRecord | None:
-    """The :class:`FusionRecord` of ``model``, or ``None`` if no fusion was applied to it."""
-    record = model.__dict__.get(RECORD_ATTRIBUTE)
-    return record if isinstance(record, FusionRecord) else None
-
-
 def fusion_transforms(model: nn.Module) -> list[WeightTransform]:
     """Fresh copies of the weight transforms (original → fused layout) of every applied fusion.
 
@@ -164,7 +152,7 @@ def fusion_transforms(model: nn.Module) -> list[WeightTransform]:
     loader appends them to the model's conversion mapping; reversing them saves the original
     layout. Empty when no fusion was applied.
     """
-    record = fusion_record(model)
+    record = record_of(model).fusions
     if record is None:
         return []
     return [t.copy() for e in record.entries for t in e.transforms]
@@ -176,74 +164,8 @@ def fusion_config_of(model: nn.Module) -> dict[str, Any] | None:
     Persist it with a checkpoint saved in the runtime layout; :func:`apply_fusions` with it on a
     fresh model reproduces the same module tree.
     """
-    record = fusion_record(model)
+    record = record_of(model).fusions
     return None if record is None else copy.deepcopy(record.config)
-
-
-_EXACT_PATH = re.compile(r"\^((?:[A-Za-z0-9_]|\\\.)*)\$")
-r"""An exact module-path pattern as :func:`persistable_fusion_config` writes it: ``^a\.b_c\.0$``."""
-
-
-def persistable_fusion_config(model: nn.Module) -> dict[str, Any] | None:
-    """The fusions applied to ``model``, pinned to the exact paths they rewrote (what a save persists).
-
-    ``{"patch_embeddings": {"modules": ["^visual\\.patch_embed$"]}}``: a later load re-applies
-    each fusion to exactly those modules, however broad the options it was first applied with.
-    """
-    record = fusion_record(model)
-    if record is None:
-        return None
-    out: dict[str, Any] = {}
-    for name, given in record.config.items():
-        options = (
-            {k: copy.deepcopy(v) for k, v in given.items() if k not in ("modules", "exclude")}
-            if isinstance(given, dict)
-            else {}
-        )
-        options["modules"] = [_exact(e.path) for e in record.entries if e.fusion == name]
-        out[name] = options
-    return out
-
-
-def trusted_fusion_config(model: nn.Module, config: object) -> tuple[dict[str, Any] | None, str]:
-    """A fusion config read from a checkpoint, if it only names modules ``model`` has; else ``None`` and why.
-
-    A checkpoint decides which registered fusions run on the caller's model and where, so what
-    it may say is narrow: fusion names the registry knows, their typed options, and module
-    paths written exactly (``^a\\.b$``, as :func:`persistable_fusion_config` writes them) that
-    exist in ``model``. Regexes are refused (one can run forever in ``re.search``), and so is a
-    config naming modules the model lacks; the caller can always pass ``fusion_config=``.
-    """
-    if not isinstance(config, dict):
-        return None, f"the persisted fusion config is {type(config).__name__}, not a mapping"
-    paths: set[str] | None = None
-    out: dict[str, Any] = {}
-    for name, value in config.items():
-        if not isinstance(name, str) or find_fusion(name) is None:
-            return None, f"it names {str(name)[:80]!r}, which is not a registered fusion"
-        if isinstance(value, bool):
-            out[name] = value
-            continue
-        if not isinstance(value, dict):
-            return None, f"its value for {name!r} is neither True/False nor a mapping of options"
-        for key in ("modules", "exclude"):
-            patterns = value.get(key, [])
-            if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
-                return None, f"{name}.{key} is not a list of module paths"
-            for pattern in patterns:
-                m = _EXACT_PATH.fullmatch(pattern)
-                if m is None:
-                    return None, (
-                        f"{name}.{key} holds {pattern[:80]!r}, which is not an exact module path (^path$); "
-                        "a checkpoint may name modules, not regexes"
-                    )
-                if paths is None:
-                    paths = {p for p, _ in model.named_modules()}
-                path = m.group(1).replace("\\", "")
-                if path not in paths:
-                    return None, f"{name}.{key} names the module {path!r}, which this model does not have"
-        out[name] = value
-    return out, ""
 
 
 def check_fusion_conflicts(model: nn.Module, transforms: Sequence[WeightTransform]) -> None:
@@ -257,7 +179,7 @@ def check_fusion_conflicts(model: nn.Module, transforms: Sequence[WeightTransfor
         FusionConflictError: (a ``FusionError`` and a ``ConfigurationError``) naming the fusion, the
             module path, the key and both transforms.
     """
-    record = fusion_record(model)
+    record = record_of(model).fusions
     if record is None:
         return
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -274,15 +196,11 @@ def check_fusion_conflicts(model: nn.Module, transforms: Sequence[WeightTransfor
                         f"Fusion {entry.fusion!r} at {entry.path!r} converts {key!r} with {ours!r}, but the "
                         f"model's conversion mapping also claims it with {other!r}. Make that converter's source "
                         f"pattern skip {entry.path!r}, or leave the module unfused with "
-                        f"{{{entry.fusion!r}: {{'exclude': [{_exact(entry.path)!r}]}}}}."
+                        f"{{{entry.fusion!r}: {{'exclude': [{exact_module_pattern(entry.path)!r}]}}}}."
                     )
 
 
 # ---------------------------------------------------------------------- engine
-def _exact(path: str) -> str:
-    return "^" + re.escape(path) + "$"
-
-
 def _candidates(model: nn.Module, fusion: EnabledFusion) -> Iterator[tuple[str, nn.Module, str | None]]:
     """``(path, module, exclude pattern that hit or None)`` for every module the fusion looks at."""
     patterns = [re.compile(p) for p in fusion.spec.candidate_patterns(fusion.options)]
@@ -345,7 +263,7 @@ def _strict_failure(fusion: str, candidate: FusionCandidate) -> FusionError:
     return FusionError(
         f"Fusion {fusion!r} could not fuse {candidate.display_path!r} ({candidate.class_name}): "
         f"{candidate.reason}. The model was left unchanged. Pass strict=False to skip it, or exclude it "
-        f"with {{{fusion!r}: {{'exclude': [{_exact(candidate.path)!r}]}}}}."
+        f"with {{{fusion!r}: {{'exclude': [{exact_module_pattern(candidate.path)!r}]}}}}."
     )
 
 
@@ -455,9 +373,9 @@ def _run(
 def _record(model: nn.Module, cfg: FusionConfig, entries: list[FusionEntry]) -> None:
     applied = {e.fusion for e in entries}
     new_config = {k: v for k, v in cfg.to_dict().items() if k in applied}
-    old = fusion_record(model)
+    old = record_of(model).fusions
     if old is None:
-        object.__setattr__(model, RECORD_ATTRIBUTE, FusionRecord(new_config, list(entries)))
+        update_record(model, fusions=FusionRecord(new_config, list(entries)))
         return
     all_entries = [*old.entries, *entries]
     merged = dict(old.config)
@@ -467,7 +385,7 @@ def _record(model: nn.Module, cfg: FusionConfig, entries: list[FusionEntry]) -> 
             continue
         # Two applications with different options: pin the exact modules so a reload matches.
         options = {k: v for k, v in given.items() if k != "exclude"} if isinstance(given, dict) else {}
-        options["modules"] = [_exact(e.path) for e in all_entries if e.fusion == name]
+        options["modules"] = [exact_module_pattern(e.path) for e in all_entries if e.fusion == name]
         merged[name] = options
     old.config = merged
     old.entries = all_entries

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -25,7 +26,7 @@ from ..errors import FusionError
 from .registry import find_fusion, list_fusions
 from .spec import FusionSpec
 
-__all__ = ["EnabledFusion", "FusionConfig", "validate_fusion_config"]
+__all__ = ["EnabledFusion", "FusionConfig", "exact_module_pattern", "validate_fusion_config"]
 
 
 @dataclass(frozen=True)
@@ -142,3 +143,13 @@ def validate_fusion_config(fusion_config: Mapping[str, Any] | FusionConfig | Non
             )
         enabled.append(EnabledFusion(name, spec, MappingProxyType(options), given))
     return FusionConfig(tuple(enabled))
+
+
+def exact_module_pattern(path: str) -> str:
+    r"""The ``modules``/``exclude`` entry that names exactly the module at ``path``.
+
+    Example:
+        >>> exact_module_pattern("visual.patch_embed")
+        '^visual\\.patch_embed$'
+    """
+    return "^" + re.escape(path) + "$"

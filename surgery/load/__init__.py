@@ -2,19 +2,18 @@
 
 * :mod:`~surgery.load.plan`: :class:`LoadPlan` and :class:`PlanEntry`, what a load will do.
 * :mod:`~surgery.load.planner`: phase 1, from checkpoint headers to the work list; with
-  :mod:`~surgery.load.model` (tensors, ties, configs, dtypes), :mod:`~surgery.load.inference`
+  :mod:`~surgery.model_state` (tensors, ties, configs, dtypes), :mod:`~surgery.load.inference`
   (converter outputs on meta), :mod:`~surgery.load.sharding` (a tensor-parallel rank's part) and
   :mod:`~surgery.load.quantized` (a quantizer's steps).
-* :mod:`~surgery.load.placement`: destination views that sources are read into.
+* :mod:`~surgery.placement` (shared with saving): destination views that sources are read into.
 * :mod:`~surgery.load.execute`: one entry of the work list, read and converted.
 * :mod:`~surgery.load.loader`: :func:`plan_load` and :func:`load_checkpoint` (phase 2).
-* :mod:`~surgery.load.record`: what a load leaves on the model for the save.
+* :mod:`~surgery.load.record`: what a load leaves in the model's record (:mod:`surgery.record`) for the save.
 * :mod:`~surgery.load.report`: :class:`LoadReport`, everything a load did not do as asked.
 """
 
 from .loader import DEFAULT_WORKERS, SYNC_ENV, load_checkpoint, plan_load
 from .plan import LoadPlan, PlanEntry
-from .record import LoadRecord, load_record
 from .report import ConversionFailure, LoadReport, Mismatch
 
 __all__ = [
@@ -22,11 +21,9 @@ __all__ = [
     "SYNC_ENV",
     "ConversionFailure",
     "LoadPlan",
-    "LoadRecord",
     "LoadReport",
     "Mismatch",
     "PlanEntry",
     "load_checkpoint",
-    "load_record",
     "plan_load",
 ]

@@ -17,13 +17,13 @@ import torch
 
 from ..checkpoint import CheckpointReader
 from ..checkpoint.format import SafetensorsFile
-from ..converter import expand_outputs
+from ..converter import Collector, expand_outputs
 from ..errors import ConversionError, SurgeryError
 from ..ops import OpContext, run_chain
 from ..parallel import dtensor_type
+from ..placement import all_contiguous, flatten_slots, placement_views
 from ..slicing import NOT_NEEDED, Region, local_shape
 from .inference import op_context
-from .placement import all_contiguous, flatten_slots, placement_views
 from .planner import Prepared, Work, ordered_sources
 from .sharding import local_context
 
@@ -89,10 +89,11 @@ def execute(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, bool]]:
             )
         _read_placed(reader, list(zip(ordered_sources(conv, w), flatten_slots(views))), dest)
         return [(key, dest, fresh)]
+    collector = Collector(conv)
     for src in entry.source_keys:
         pat, idx = w.pattern_of[src]
-        conv.add_tensor(w.group_key, src, pat, _source(prep, w, src), index=idx)
-    outputs = conv.convert(w.group_key, ctx)
+        collector.add_tensor(w.group_key, src, pat, _source(prep, w, src), index=idx)
+    outputs = collector.convert(w.group_key, ctx)
     result = []
     for key in w.dest_keys:
         result.extend(_targets(prep, w, key, outputs.pop(key)))
@@ -173,10 +174,11 @@ def _execute_shard(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, boo
     ctx = _keeping(prep, w, op_context(conv, w.group_key, prep.runtime, w.config))
     targets = conv.expand_target_keys(w.group_key)
     if sh.fallback is not None:  # read whole, run the global chain, keep this rank's part
+        collector = Collector(conv)
         for src in entry.source_keys:
             pat, idx = w.pattern_of[src]
-            conv.add_tensor(w.group_key, src, pat, _source(prep, w, src), index=idx)
-        outputs = conv.convert(w.group_key, ctx)
+            collector.add_tensor(w.group_key, src, pat, _source(prep, w, src), index=idx)
+        outputs = collector.convert(w.group_key, ctx)
         result = []
         for key, region in zip(w.dest_keys, sh.regions):
             t = outputs.pop(key)

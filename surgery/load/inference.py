@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .. import ops
-from ..converter import WeightConverter, expand_outputs
+from ..converter import Collector, WeightConverter, expand_outputs
 from ..errors import SurgeryError
 from ..ops import OpContext
 
@@ -71,14 +71,15 @@ def infer_outputs(
                 tuple((pattern_of[i.key], i.shape, i.dtype) for i in infos),
             )
             slots = cache.get(key)
-            if slots is not None and not converter.is_pending(group_key):
+            if slots is not None:
                 return expand_outputs(targets, slots, converter)
+    collector = Collector(converter)
     for info in infos:
         pat, idx = pattern_of[info.key]
-        converter.add_tensor(
+        collector.add_tensor(
             group_key, info.key, pat, torch.empty(info.shape, dtype=info.dtype, device="meta"), index=idx
         )
-    outputs = converter.convert(group_key, op_context(converter, group_key, runtime, config))
+    outputs = collector.convert(group_key, op_context(converter, group_key, runtime, config))
     if key is not None and cache is not None:
         slots = _output_slots(targets, outputs, converter)
         if slots is not None:

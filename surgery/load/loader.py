@@ -13,7 +13,7 @@ that are all Python overhead (memory-mapped ones, and ones whose tensors average
 such as a thousand tiny experts) run on the calling thread, where the GIL costs no hand-offs, and
 the cycle collector is paused for the duration of a load (it only allocates acyclic objects). Ctrl-C
 cancels what has not started. A successful load leaves a
-:class:`~surgery.load.record.LoadRecord` on the model, which saving reads to invert what happened.
+:class:`~surgery.record.LoadRecord` in the model's record, which saving reads to invert what happened.
 """
 
 from __future__ import annotations
@@ -35,13 +35,15 @@ from torch import nn
 
 from ..checkpoint import CheckpointReader, open_checkpoint
 from ..errors import ConfigurationError, LoadError, SurgeryError
-from ..fusion import RECORD_ATTRIBUTE, fusion_config_of
+from ..fusion import fusion_config_of
+from ..model_state import meta_clone, model_device
+from ..persist import persisted_fusion_config
 from ..quantization import QUANTIZATION_METADATA_KEY
+from ..record import record_of, update_record
 from ..slicing import local_shape
 from .execute import execute
-from .model import meta_clone, model_device
 from .plan import LoadPlan
-from .planner import Prepared, Work, persisted_fusion_config, prepare
+from .planner import Prepared, Work, prepare
 from .record import clear_record, record_load
 from .report import ConversionFailure, LoadReport, TPFallback
 from .sharding import tensor_parallel
@@ -487,8 +489,7 @@ def _undo_on_error(model: nn.Module) -> Iterator[None]:
     modules = dict(model.named_modules())
     parameters = {path: dict(m._parameters) for path, m in modules.items()}
     hooks = {path: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for path, m in modules.items()}
-    had_record = RECORD_ATTRIBUTE in model.__dict__
-    record = model.__dict__.get(RECORD_ATTRIBUTE)
+    fusions = record_of(model).fusions
     try:
         yield
     except BaseException:
@@ -508,10 +509,7 @@ def _undo_on_error(model: nn.Module) -> Iterator[None]:
             original._forward_pre_hooks.update(pre)
             original._forward_hooks.clear()
             original._forward_hooks.update(post)
-        if had_record:
-            model.__dict__[RECORD_ATTRIBUTE] = record
-        else:
-            model.__dict__.pop(RECORD_ATTRIBUTE, None)
+        update_record(model, fusions=fusions)
         raise
 
 

@@ -5,7 +5,7 @@
 which keys that differ only by their indices fold into one row (``layers.{0..31}``), and as JSON.
 
 Building the plan (phase 1 of a load) lives in :mod:`surgery.load.planner`; the placement views in
-:mod:`surgery.load.placement`.
+:mod:`surgery.placement`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,7 @@ from typing import Any
 
 from ..errors import ConfigurationError
 
-__all__ = ["FUSION_METADATA_KEY", "LoadPlan", "PlanEntry", "fold_indices"]
-
-FUSION_METADATA_KEY = "surgery.fusion_config"
-"""Safetensors metadata key under which a runtime-layout save persists its fusion config."""
-FUSION_TAG = "_surgery_from_fusion"
+__all__ = ["LoadPlan", "PlanEntry", "fold_indices"]
 
 
 @dataclass

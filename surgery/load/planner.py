@@ -21,7 +21,6 @@ quantizer checks the values of (FP8 block scales, int8 scales; :func:`~surgery.l
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -31,30 +30,31 @@ from torch import nn
 
 from ..checkpoint import CheckpointReader, TensorInfo
 from ..converter import WeightConverter
-from ..errors import ConfigurationError, ConversionError, LoadError, SurgeryError
+from ..errors import ConfigurationError, ConversionError, SurgeryError
 from ..fusion import (
     apply_fusions,
     check_fusion_conflicts,
     fusion_config_of,
     fusion_transforms,
-    trusted_fusion_config,
 )
-from ..ops import OpContext
-from ..quantization import QuantizerHooks, quantizer_from_metadata
-from ..resolution import get_model_conversion_mapping
-from ..routing import Routing, route_keys
-from ..slicing import local_shape
-from ..transforms import WeightTransform, legacy_renamings
-from .inference import BUILTIN_OPS, infer_outputs, op_context
-from .model import (
+from ..model_state import (
     config_lookup,
     dtype_name,
     lossy_cast,
     runtime_tensors,
     tied_groups,
 )
-from .placement import all_contiguous, placement_views, source_slot_shapes
-from .plan import FUSION_METADATA_KEY, FUSION_TAG, LoadPlan, PlanEntry
+from ..ops import OpContext
+from ..persist import persisted_fusion_config, trusted_fusion_config
+from ..placement import all_contiguous, placement_views, source_slot_shapes
+from ..quantization import QuantizerHooks, quantizer_from_metadata
+from ..record import Origin
+from ..resolution import get_model_conversion_mapping
+from ..routing import Routing, route_keys
+from ..slicing import local_shape
+from ..transforms import WeightTransform, legacy_renamings
+from .inference import BUILTIN_OPS, infer_outputs, op_context
+from .plan import LoadPlan, PlanEntry
 from .quantized import (
     broken_units,
     check_stored,
@@ -75,49 +75,29 @@ from .sharding import (
     target_placements,
 )
 
-__all__ = ["Prepared", "Work", "ordered_sources", "persisted_fusion_config", "prepare"]
+__all__ = ["Prepared", "Work", "ordered_sources", "prepare"]
 
 
 # --------------------------------------------------------------------------- model helpers
 
 
-def _resolve_transforms(model: nn.Module, hooks: QuantizerHooks | None = None) -> list[WeightTransform]:
+def _resolve_transforms(
+    model: nn.Module, hooks: QuantizerHooks | None = None
+) -> tuple[list[WeightTransform], list[Origin]]:
+    """The transforms a load routes through, and the origin of each (what the load record keeps)."""
     quantizer = None if hooks is None else hooks.quantizer
     transforms = list(get_model_conversion_mapping(model, quantizer=quantizer))
+    legacy = legacy_renamings()
+    origins = [Origin.LEGACY if t in legacy else Origin.MAPPING for t in transforms]
     if hooks is not None:
-        transforms.extend(hooks.weight_conversions())
+        added = hooks.weight_conversions()
+        transforms.extend(added)
+        origins.extend(Origin.LEGACY if t in legacy else Origin.QUANTIZER for t in added)
     check_fusion_conflicts(model, transforms)  # before any byte is read, naming the fusion and the key
-    for t in fusion_transforms(model):
-        t.__dict__[FUSION_TAG] = True  # saving reverses fusions whether or not they fired
-        transforms.append(t)
-    return transforms
-
-
-def persisted_fusion_config(reader: CheckpointReader) -> Any:
-    """The fusion config a runtime-layout save persisted (metadata, else config.json), or None.
-
-    Returned as parsed: it comes from the file, so :func:`~surgery.fusion.trusted_fusion_config`
-    decides whether it is applied.
-    """
-    raw = reader.metadata.get(FUSION_METADATA_KEY)
-    if raw is None:
-        cfg_path = reader.path / "config.json" if reader.path.is_dir() else reader.path.parent / "config.json"
-        if cfg_path.is_file():
-            try:
-                data = json.loads(cfg_path.read_text())
-            except (OSError, ValueError, RecursionError):
-                return None
-            value = data.get("fusion_config") if isinstance(data, dict) else None
-            return value if isinstance(value, dict) and value else None
-        return None
-    try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise LoadError(
-            f"{reader.path}: metadata {FUSION_METADATA_KEY!r} is not valid JSON ({exc}); "
-            "re-save the checkpoint or pass fusion_config= explicitly."
-        ) from exc
-    return value  # checked by trusted_fusion_config before anything is applied
+    fused = fusion_transforms(model)  # saving reverses fusions whether or not they fired
+    transforms.extend(fused)
+    origins.extend(Origin.FUSION for _ in fused)
+    return transforms, origins
 
 
 def _apply_fusions(
@@ -132,7 +112,7 @@ def _apply_fusions(
 
     ``parallel``: the model is already parallelized, and fusions cannot rewrite DTensor modules. A
     config persisted with the checkpoint is applied only in the exact-path form a save writes
-    (:func:`~surgery.fusion.trusted_fusion_config`); otherwise ``notes`` says why it was not.
+    (:func:`~surgery.persist.trusted_fusion_config`); otherwise ``notes`` says why it was not.
     """
     current = fusion_config_of(model)
     if fusion_config is not None:
@@ -207,6 +187,7 @@ class Prepared:
     checked: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # companions read by planning
     # what ops dropped (padding rows), by the group's smallest runtime key: the load record keeps it
     residues: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    origins: list[Origin] = dataclasses.field(default_factory=list)  # aligned with transforms
 
 
 def _normalize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
@@ -272,7 +253,7 @@ def prepare(
         hooks.prepare(model)
     if tp is not None:
         apply_tp_plan(model, tp)
-    transforms = _resolve_transforms(model, hooks)
+    transforms, origins = _resolve_transforms(model, hooks)
     runtime = runtime_tensors(model)
     tied = tied_groups(runtime)
     placements_of = target_placements(model, runtime, tp, tied) if tp is not None else {}
@@ -484,8 +465,7 @@ def prepare(
     for k in list(covered):
         covered.update(tied.get(k, ()))
     plan.missing_keys = [k for k in runtime if k not in covered]
-    legacy = {repr(t) for t in legacy_renamings()}
-    if (plan.missing_keys or plan.unexpected_keys) and all(repr(t) in legacy for t in transforms):
+    if (plan.missing_keys or plan.unexpected_keys) and all(o is Origin.LEGACY for o in origins):
         notes.append(
             f"no conversion mapping applied to {type(model).__name__}: no registered class name or model_type "
             "matched it (surgery.explain_model_conversion_mapping(model) shows the lookup), so checkpoint keys "
@@ -507,6 +487,7 @@ def prepare(
         placements_of,
         hooks,
         checked=checked,
+        origins=origins,
     )
 
 
@@ -669,7 +650,7 @@ def _choose_mode(
 
 
 def ordered_sources(conv: WeightConverter, w: Work) -> list[str]:
-    """``w``'s source keys in the order of :func:`~surgery.load.placement.flatten_slots` of its views."""
+    """``w``'s source keys in the order of :func:`~surgery.placement.flatten_slots` of its views."""
     by_pattern: dict[int, dict[tuple[int, ...], str]] = {}
     for src in w.entry.source_keys:
         pat, idx = w.pattern_of[src]

@@ -21,8 +21,8 @@ from torch import nn
 
 from ..checkpoint import CheckpointReader, TensorInfo
 from ..errors import ConversionError
+from ..model_state import dtype_name
 from ..quantization import QuantizerHooks
-from .model import dtype_name
 
 __all__ = [
     "broken_units",

@@ -37,8 +37,8 @@ from ..parallel import (
     param_placements,
     resolve_tp_plan,
 )
+from ..placement import all_contiguous, placement_views, stage_shapes
 from ..slicing import NOT_NEEDED, Region, SlotRegion, local_shape, trace_regions
-from .placement import all_contiguous, placement_views, stage_shapes
 
 __all__ = [
     "Sharding",

@@ -16,17 +16,16 @@ A runtime-layout save of a model quantized on the fly records its quantizer in t
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigurationError, LoadError
+from ..persist import metadata_json
 from .choice import QUANTIZATION_CHOICES, checkpoint_config, quantizer_by_name
 from .fp8 import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize, expand_block_scales
 from .int8 import Int8WeightOnlyLinear, Int8WeightOnlyQuantizer, int8_kernel_usable, quantize_per_channel
 from .protocol import (
     QUANTIZATION_METADATA_KEY,
-    QUANTIZER_ATTRIBUTE,
     QuantizedModule,
     Quantizer,
     QuantizerHooks,
@@ -38,7 +37,6 @@ __all__ = [
     "BUILTIN_QUANTIZERS",
     "QUANTIZATION_CHOICES",
     "QUANTIZATION_METADATA_KEY",
-    "QUANTIZER_ATTRIBUTE",
     "FP8BlockQuantizer",
     "Int8WeightOnlyLinear",
     "Int8WeightOnlyQuantizer",
@@ -68,16 +66,11 @@ def quantizer_from_metadata(metadata: Mapping[str, str], *, source: str = "check
             holds options that quantizer refuses (the message says to pass ``quantizer=``
             explicitly).
     """
-    raw = metadata.get(QUANTIZATION_METADATA_KEY)
-    if raw is None:
+    config = metadata_json(
+        metadata, QUANTIZATION_METADATA_KEY, source=source, fix="pass quantizer= explicitly."
+    )
+    if config is None:
         return None
-    try:
-        config = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise LoadError(
-            f"{source}: metadata {QUANTIZATION_METADATA_KEY!r} is not valid JSON ({type(exc).__name__}: "
-            f"{str(exc)[:200]}); pass quantizer= explicitly."
-        ) from None
     method = config.get("quant_method") if isinstance(config, dict) else None
     cls = BUILTIN_QUANTIZERS.get(method) if isinstance(method, str) else None
     if cls is None:

@@ -9,12 +9,11 @@
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..persist import checkpoint_config
 from .fp8 import FP8BlockQuantizer
 from .int8 import Int8WeightOnlyQuantizer
 
@@ -22,30 +21,6 @@ __all__ = ["QUANTIZATION_CHOICES", "checkpoint_config", "quantizer_by_name"]
 
 QUANTIZATION_CHOICES = ("fp8", "int8", "auto")
 """The names :func:`quantizer_by_name` takes."""
-
-
-def checkpoint_config(checkpoint: str | os.PathLike[str]) -> tuple[Path, dict[str, Any] | None]:
-    """The ``config.json`` beside a checkpoint (a directory, a ``.safetensors`` file or an index), parsed.
-
-    Returns:
-        Its path, and its contents (``None`` when there is no such file).
-
-    Raises:
-        ConfigurationError: the file exists but is not a JSON object.
-    """
-    path = Path(checkpoint)
-    path = (path if path.is_dir() else path.parent) / "config.json"
-    if not path.is_file():
-        return path, None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise ConfigurationError(
-            f"{path}: cannot read it as JSON ({type(exc).__name__}: {str(exc)[:200]})."
-        ) from None
-    if not isinstance(data, dict):
-        raise ConfigurationError(f"{path} holds a {type(data).__name__}, not a JSON object.")
-    return path, data
 
 
 def quantizer_by_name(name: str, checkpoint: str | os.PathLike[str]) -> Any | None:

@@ -24,7 +24,6 @@ saturates at ±448 without a NaN, so an overflow would otherwise go unnoticed.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 
 from ..checkpoint import TensorInfo
 from ..errors import ConfigurationError, ConversionError
+from ..persist import read_json_file
 from ..slicing import Region
 from .protocol import bounded_repr, first_bad_scale
 
@@ -243,12 +243,7 @@ class FP8BlockQuantizer:
         if isinstance(config, (str, os.PathLike)):
             path = Path(config)
             path = path / "config.json" if path.is_dir() else path
-            try:
-                config = json.loads(path.read_text())
-            except (OSError, ValueError, RecursionError) as exc:
-                raise ConfigurationError(
-                    f"{path}: cannot read a JSON config ({type(exc).__name__}: {str(exc)[:200]})."
-                ) from None
+            config = read_json_file(path, what="a JSON config")
             where = f"{path}: quantization_config"
         else:
             where = "quantization_config"

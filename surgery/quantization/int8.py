@@ -43,7 +43,8 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from ..checkpoint import TensorInfo
 from ..errors import ConfigurationError, ConversionError
 from ..graph import match_modules, swap_module
-from .protocol import QUANTIZER_ATTRIBUTE, bounded_repr, config_metadata, first_bad_scale
+from ..record import update_record
+from .protocol import bounded_repr, config_metadata, first_bad_scale
 
 __all__ = [
     "KERNEL_ALIGNMENT",
@@ -414,7 +415,7 @@ class Int8WeightOnlyQuantizer:
             module = model.get_submodule(path)
             if isinstance(module, nn.Linear):
                 swap_module(model, path, Int8WeightOnlyLinear.from_linear(module))
-        model.__dict__[QUANTIZER_ATTRIBUTE] = self
+        update_record(model, quantizer=self)
 
     def checks(self, key: str, info: TensorInfo) -> bool:
         """A runtime-layout ``X.weight_scale`` is read during planning and checked (:meth:`check`)."""

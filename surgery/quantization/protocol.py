@@ -54,12 +54,12 @@ from torch import nn
 
 from ..checkpoint import TensorInfo
 from ..errors import ConfigurationError, ConversionError, SurgeryError
+from ..record import update_record
 from ..slicing import Region
 from ..transforms import WeightTransform
 
 __all__ = [
     "QUANTIZATION_METADATA_KEY",
-    "QUANTIZER_ATTRIBUTE",
     "QuantizedModule",
     "Quantizer",
     "QuantizerHooks",
@@ -68,8 +68,6 @@ __all__ = [
     "first_bad_scale",
 ]
 
-QUANTIZER_ATTRIBUTE = "_surgery_quantizer"
-"""The model attribute naming the quantizer that prepared it (a runtime-layout save reads it)."""
 QUANTIZATION_METADATA_KEY = "surgery.quantization"
 """Safetensors metadata key of a quantized runtime-layout save: JSON with ``quant_method``."""
 
@@ -245,7 +243,7 @@ class QuantizerHooks:
     def prepare(self, model: nn.Module) -> None:
         if "prepare" in self._hooks:
             result = self._call("prepare", type(model).__name__, model)
-            model.__dict__[QUANTIZER_ATTRIBUTE] = self.quantizer
+            update_record(model, quantizer=self.quantizer)
             if result is not None and result is not model:
                 raise ConfigurationError(
                     f"{self.name}.prepare returned {type(result).__name__}; it must change the model in place "

@@ -24,7 +24,7 @@ from tiny import Candidate, build, candidates  # noqa: E402
 
 from specs.releases import release_tuple  # noqa: E402
 from surgery import load_checkpoint, save_checkpoint  # noqa: E402
-from surgery.load.record import load_record  # noqa: E402
+from surgery.record import record_of  # noqa: E402
 
 pytestmark = pytest.mark.interop
 
@@ -66,7 +66,7 @@ def test_a_hub_file_with_nonzero_padding_rows_is_saved_back_bit_for_bit(key: str
     report = load_checkpoint(fresh, tmp_path / "hub")
     assert report.ok, report
     head = fresh.lm_head.weight.detach()
-    record = load_record(fresh)
+    record = record_of(fresh).load
     assert record is not None
     if UNPADS:
         assert torch.equal(head, hub[UNEMBED][:kept])
@@ -89,7 +89,7 @@ def test_a_runtime_layout_file_has_no_padding_rows_to_keep(tmp_path: Path) -> No
         model, fresh = build(candidate, seed=0), build(candidate, seed=1)
     save_checkpoint(model, tmp_path / "runtime", original_format=False)
     assert load_checkpoint(fresh, tmp_path / "runtime").ok
-    record = load_record(fresh)
+    record = record_of(fresh).load
     assert record is not None and record.residues == {}
     save_checkpoint(fresh, tmp_path / "saved")
     unembed = read(tmp_path / "saved")[UNEMBED]

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from ..converter import WeightConverter
-from ..errors import SurgeryError
-from ..ops import Chunk, Concatenate, MergeModulelist, OpContext, Split, SplitModulelist
+from .converter import WeightConverter
+from .errors import SurgeryError
+from .ops import Chunk, Concatenate, MergeModulelist, OpContext, Split, SplitModulelist
 
 __all__ = [
     "all_contiguous",
