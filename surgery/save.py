@@ -50,7 +50,7 @@ from .load.placement import all_contiguous, flatten_slots, placement_views, shap
 from .load.plan import FUSION_METADATA_KEY, FUSION_TAG, fold_indices
 from .load.record import BASE_PREFIX_TAG, LoadRecord, load_record
 from .ops import OpContext, run_chain
-from .parallel import dtensor_type
+from .parallel import full_tensor, is_dtensor
 from .quantization import QUANTIZER_ATTRIBUTE, QuantizerHooks
 from .resolution import get_model_conversion_mapping
 from .routing import SAVE_PRIORITY, route_keys
@@ -137,16 +137,6 @@ def _dequantize_stage(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
     """A ``meta`` tensor of ``t``'s global shape and dtype (a DTensor's global shape, not its shard)."""
     return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    dtensor = dtensor_type()
-    return dtensor is not None and isinstance(t, dtensor)
-
-
-def _gathered(t: Any) -> Any:
-    """A DTensor gathered whole (collective: every rank asks, in the same order); anything else as is."""
-    return t.full_tensor() if _is_dtensor(t) else t
 
 
 def _value(t: Any) -> torch.Tensor:
@@ -674,7 +664,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
         views = placement_views(
             forward, meta, slot_shapes, OpContext(n_targets=1, target_shapes=(tuple(source.shape),))
         )
-        if views is None or not all_contiguous(views) or not (_is_dtensor(source) or source.is_contiguous()):
+        if views is None or not all_contiguous(views) or not (is_dtensor(source) or source.is_contiguous()):
             return None  # a DTensor is gathered into a fresh contiguous tensor
         return slot_shapes
 
@@ -690,7 +680,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
         writes the last values and commits only once every rank has computed everything.
         """
         self._collective.agree()
-        sources = {k: _gathered(self._state[k]) for k in g.sources}
+        sources = {k: full_tensor(self._state[k]) for k in g.sources}
         with self._collective.step():
             out = self._compute(g, sources)
         if last:

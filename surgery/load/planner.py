@@ -40,10 +40,10 @@ from ..fusion import (
     trusted_fusion_config,
 )
 from ..ops import OpContext
+from ..parallel.regions import local_shape
 from ..quantization import QuantizerHooks, quantizer_from_metadata
 from ..resolution import get_model_conversion_mapping
 from ..routing import Routing, route_keys
-from ..slicing import local_shape
 from ..transforms import WeightTransform, legacy_renamings
 from .inference import BUILTIN_OPS, infer_outputs, op_context
 from .model import (
@@ -70,7 +70,6 @@ from .sharding import (
     TensorParallel,
     apply_tp_plan,
     direct_possible,
-    placement_text,
     shard_work,
     target_placements,
 )
@@ -536,12 +535,7 @@ def _plan_shard(
     )
     w.sharding = sh
     entry.nbytes = nbytes
-    entry.tp = tuple(
-        None
-        if p is None
-        else (placement_text(p), None if r is None else r.dim, () if r is None else r.intervals)
-        for p, r in zip(sh.placements, sh.regions)
-    )
+    entry.tp = sh.slices
     if not sh.sharded:
         return
     on_cpu = w.device.type == "cpu"
