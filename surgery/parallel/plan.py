@@ -446,6 +446,7 @@ def local_split_sizes(param: torch.Tensor, sizes: Sequence[int], *, dim: int = 0
     parts instead (plain ``colwise``: ``[I, 0]`` on rank 0) is refused.
 
     Example:
+        >>> import torch
         >>> local_split_sizes(torch.zeros(96, 32), [48, 48])
         [48, 48]
 
@@ -476,7 +477,7 @@ def local_split_sizes(param: torch.Tensor, sizes: Sequence[int], *, dim: int = 0
 # Fused forwards call it from their fx graphs, whose code names a function by its module: the
 # public path keeps that code (and a preview showing it) the same wherever the function lives.
 local_split_sizes.__module__ = "surgery.parallel"
-__test__ = {"local_split_sizes": local_split_sizes}  # its example still runs as this module's doctest
+__test__ = {"local_split_sizes": local_split_sizes}  # its example runs as this module's doctest too
 
 
 @functools.lru_cache(maxsize=256)
