@@ -31,7 +31,7 @@ import torch
 
 from . import errors
 from .errors import CheckpointError, SurgeryError
-from .parallel import dtensor_type
+from .parallel import is_dtensor
 
 __all__ = ["Collective"]
 
@@ -98,14 +98,12 @@ class Collective:
     @classmethod
     def of_tensors(cls, tensors: Iterable[torch.Tensor], *, what: str) -> Collective:
         """The collective over the mesh of the first DTensor in ``tensors`` (one process if none)."""
-        dtensor = dtensor_type()
-        if dtensor is not None:
-            for t in tensors:
-                if isinstance(t, dtensor):
-                    mesh = t.device_mesh  # type: ignore[attr-defined]
-                    if mesh.size() > 1:
-                        return cls(mesh.get_group(), what=what, device_type=mesh.device_type)
-                    break
+        for t in tensors:
+            if is_dtensor(t):
+                mesh = t.device_mesh  # type: ignore[attr-defined]
+                if mesh.size() > 1:
+                    return cls(mesh.get_group(), what=what, device_type=mesh.device_type)
+                break
         return cls(None, what=what)
 
     @property

@@ -35,7 +35,7 @@ from typing import Any, ClassVar, TypeAlias
 import torch
 
 from .errors import ConversionError
-from .slicing import NOT_NEEDED, Region, SlotRegion, intersect
+from .parallel.regions import NOT_NEEDED, Region, SlotRegion, intersect
 
 __all__ = [
     "Chunk",
@@ -144,7 +144,7 @@ class ConversionOp:
         """Which regions of the inputs make the given regions of the outputs (tensor parallelism).
 
         Optional (the default has no rule). ``regions`` holds, per output slot, the part a rank
-        needs (:data:`surgery.slicing.SlotRegion`, dims non-negative, ``None`` for all of it);
+        needs (:data:`surgery.parallel.regions.SlotRegion`, dims non-negative, ``None`` for all of it);
         ``in_shapes``/``out_shapes`` are the slots' global shapes. Return the inputs' regions and
         the op that turns the local input pieces into exactly the local output pieces, or
         ``None`` when no such rule exists: the loader then reads the sources whole and keeps the

@@ -137,3 +137,33 @@ def test_every_module_declares_all() -> None:
         if not hasattr(importlib.import_module(info.name), "__all__"):
             missing.append(info.name)
     assert missing == []
+
+
+PARALLEL = [
+    "ExpertsParallel",
+    "PackedColwiseParallel",
+    "Region",
+    "ResolvedStyle",
+    "STYLE_NAMES",
+    "TPSlice",
+    "check_mesh",
+    "dtensor_type",
+    "dtensors_of",
+    "from_local",
+    "full_tensor",
+    "has_dtensors",
+    "is_dtensor",
+    "local_region",
+    "local_split_sizes",
+    "parallelize",
+    "param_placements",
+    "resolve_tp_plan",
+    "strided_shard",
+]
+
+
+def test_parallel_exports_exactly_its_public_names_and_each_resolves() -> None:
+    import surgery.parallel
+
+    assert sorted(surgery.parallel.__all__) == PARALLEL
+    assert all(getattr(surgery.parallel, name) is not None for name in PARALLEL)

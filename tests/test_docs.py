@@ -72,11 +72,11 @@ def test_the_architecture_map_names_every_module_and_nothing_else() -> None:
     for path in package.glob("*.py"):
         if path.stem not in ("__init__", "__main__"):
             assert f"{path.name}" in block, path.name
-    for sub in ("checkpoint", "load", "save"):
+    for sub in ("checkpoint", "load", "save", "parallel"):
         for path in (package / sub).glob("*.py"):
             if path.stem != "__init__":
                 assert path.name in block, f"{sub}/{path.name}"
-    for folder in ("checkpoint", "load", "save", "fusion", "examples", "bench"):
+    for folder in ("checkpoint", "load", "save", "parallel", "fusion", "examples", "bench"):
         assert f"{folder}/" in block, folder
     named = set(re.findall(r"\b(\w+\.py)\b", block))
     existing = {p.name for p in package.rglob("*.py")}

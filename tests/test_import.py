@@ -69,6 +69,23 @@ def test_import_does_not_import_torch_distributed_tensor() -> None:
     assert out == "False"
 
 
+def test_regions_are_a_leaf_that_ops_imports_without_a_circle() -> None:
+    """``surgery.parallel.regions`` imports nothing of surgery; ``ops`` needs only it and ``errors``."""
+    out = _run(
+        """
+        import sys
+        import surgery.parallel.regions
+        print(sorted(m for m in sys.modules if m.startswith("surgery.")))
+        import surgery.ops
+        print(sorted(m for m in sys.modules if m.startswith("surgery.")))
+        """
+    )
+    assert out.splitlines() == [
+        "['surgery.parallel', 'surgery.parallel.regions']",
+        "['surgery.errors', 'surgery.ops', 'surgery.parallel', 'surgery.parallel.regions']",
+    ]
+
+
 def test_surgery_help_imports_no_torch() -> None:
     """``surgery --help`` and argument errors answer without importing torch (lazy public names)."""
     import subprocess

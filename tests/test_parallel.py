@@ -18,8 +18,8 @@ import surgery
 from surgery import ConfigurationError
 from surgery.checkpoint import open_checkpoint, write_checkpoint
 from surgery.examples import dense, moe
-from surgery.parallel import local_region, resolve_tp_plan, strided_shard
-from surgery.slicing import Region
+from surgery.parallel import TPSlice, local_region, resolve_tp_plan, strided_shard
+from surgery.parallel.regions import Region
 
 
 @pytest.fixture
@@ -55,8 +55,9 @@ def test_a_dry_run_plans_each_ranks_part_and_bytes(dense_ckpt):
         by_key = {e.target_keys[0]: e for e in plan.entries}
         gate_up = by_key["model.layers.0.mlp.gate_up_proj.weight"]
         assert gate_up.tp == (
-            ("_StridedShard(dim=0, sf=2)", 0, ((16 * r, 16 * r + 16), (32 + 16 * r, 48 + 16 * r))),
+            TPSlice(("_StridedShard(dim=0, sf=2)",), 0, ((16 * r, 16 * r + 16), (32 + 16 * r, 48 + 16 * r))),
         )
+        assert gate_up.tp[0].region == Region(0, ((16 * r, 16 * r + 16), (32 + 16 * r, 48 + 16 * r)))
         assert gate_up.nbytes == 64 * 16 * 4 // 2  # half of each of gate_proj and up_proj
         assert by_key["model.norm.weight"].tp == (None,)
         assert f"rank {r} of 2" in plan.render()
@@ -67,6 +68,26 @@ def test_a_parallel_plan_round_trips_through_json(dense_ckpt):
     plan = _dry(dense.build_dense_model(device="meta"), dense_ckpt, rank=1)
     again = surgery.LoadPlan.from_json(plan.to_json())
     assert again == plan
+
+
+def test_a_slice_in_the_plan_json_is_placement_dim_and_intervals(dense_ckpt):
+    """The JSON of a rank's part: ``[placement, dim, intervals]`` (``[placement, null, []]`` when whole)."""
+    plan = _dry(dense.build_dense_model(device="meta"), dense_ckpt, rank=1)
+    by_key = {e["target_keys"][0]: e for e in plan.to_dict()["entries"]}
+    assert by_key["model.layers.0.mlp.gate_up_proj.weight"]["tp"] == [
+        ["_StridedShard(dim=0, sf=2)", 0, [[16, 32], [48, 64]]]
+    ]
+    assert by_key["model.layers.0.mlp.down_proj.weight"]["tp"] == [["Shard(dim=1)", 1, [[16, 32]]]]
+    assert by_key["model.norm.weight"]["tp"] == [None]
+
+
+def test_a_slice_has_one_placement_per_mesh_dim_and_round_trips_through_json():
+    one_d = TPSlice(("Shard(dim=0)",), 0, ((0, 4),))
+    two_d = TPSlice(("Shard(dim=0)", "Shard(dim=1)"), 0, ((0, 4),))
+    assert one_d.to_json() == ["Shard(dim=0)", 0, [[0, 4]]]
+    assert two_d.to_json() == [["Shard(dim=0)", "Shard(dim=1)"], 0, [[0, 4]]]
+    assert [TPSlice.from_json(s.to_json()) for s in (one_d, two_d)] == [one_d, two_d]
+    assert TPSlice(("Replicate()",)).region is None
 
 
 def test_the_dry_run_never_changes_the_model(dense_ckpt):
@@ -160,6 +181,57 @@ def test_fused_grouped_query_qkv_under_packed_colwise_says_keep_them_unfused(tmp
     write_checkpoint(model.state_dict(), tmp_path)
     message = _error(model, tmp_path, {"qkv_proj": "packed_colwise"})
     assert "grouped-query" in message and "Keep q/k/v unfused" in message
+
+
+class _Heads(nn.Module):
+    """A config with 4 query heads and 2 key/value heads of size 4, and one Linear of ``width`` outputs."""
+
+    def __init__(self, name: str, width: int, **config) -> None:
+        super().__init__()
+        self.config = dense.ExampleDenseConfig(**config)
+        self.add_module(name, nn.Linear(16, width))
+
+
+@pytest.mark.parametrize(
+    ("name", "width", "refused"),
+    [("fused", 32, True), ("qkv_proj", 64, False), ("qkv_proj", 32, True)],
+    ids=["qkv-width-any-name", "gate-up-width-named-qkv", "qkv-width-named-qkv"],
+)
+def test_a_fused_grouped_query_qkv_is_told_by_its_width_not_its_name(tmp_path, name, width, refused):
+    """(4 + 2 x 2) heads of 4 = 32 outputs is a fused q/k/v whatever it is called; 64 is not one."""
+    model = _Heads(name, width)
+    write_checkpoint(model.state_dict(), tmp_path)
+    if refused:
+        assert "grouped-query" in _error(model, tmp_path, {name: "packed_colwise"})
+    else:
+        assert not _dry(model, tmp_path, {name: "packed_colwise"}).problems
+
+
+def test_head_counts_are_checked_on_every_linear_whose_width_is_heads(tmp_path):
+    """3 query heads do not split over 2 ranks: q (12 outputs) is refused under any name, an MLP of 24 is not."""
+    model = _Heads("proj", 12, hidden_size=12, num_attention_heads=3, num_key_value_heads=3)
+    write_checkpoint(model.state_dict(), tmp_path)
+    assert "num_attention_heads=3" in _error(model, tmp_path, {"proj": "colwise"})
+    model = _Heads("proj", 24, hidden_size=12, num_attention_heads=3, num_key_value_heads=3)
+    write_checkpoint(model.state_dict(), tmp_path)
+    assert not _dry(model, tmp_path, {"proj": "colwise"}).problems
+
+
+def test_the_styles_are_parallel_style_classes_a_plan_recognizes_by_type():
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
+    from surgery.parallel import ExpertsParallel, PackedColwiseParallel
+
+    class Packed3(PackedColwiseParallel):
+        def __init__(self) -> None:
+            super().__init__(split_factor=3)
+
+    assert isinstance(PackedColwiseParallel(), ColwiseParallel) and issubclass(ExpertsParallel, ParallelStyle)
+    model = nn.Sequential(nn.Linear(4, 12))
+    (resolved,) = resolve_tp_plan(model, {"0": Packed3()}, world_size=2)
+    assert (resolved.kind, resolved.split_factor) == ("packed_colwise", 3)
+    (resolved,) = resolve_tp_plan(model, {"0": ColwiseParallel()}, world_size=2)
+    assert (resolved.kind, resolved.split_factor) == ("colwise", 1)
 
 
 class _Tied(nn.Module):

@@ -20,8 +20,8 @@ from torch import nn
 import surgery
 from surgery.checkpoint import write_checkpoint
 from surgery.examples import moe
+from surgery.parallel.regions import Region
 from surgery.quantization import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize
-from surgery.slicing import Region
 
 B128 = (128, 128)
 

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from surgery import ConfigurationError, ops
+from surgery.load.sharding import trace_regions
 from surgery.ops import OpContext, run_chain
-from surgery.slicing import NOT_NEEDED, Region, take_slot, trace_regions
+from surgery.parallel.regions import NOT_NEEDED, Region, take_slot
 
 
 def _shapes(slots):

@@ -143,7 +143,7 @@ def _family(name: str, build, original_state_dict, work: Path, rank: int, mesh: 
         "tp": [report.tp_world_size, report.tp_rank],
         "fallbacks": [str(f) for f in report.tp_fallbacks],
         "modes": {e.target_keys[0]: e.mode for e in report.plan.entries},
-        "entry_tp": {e.target_keys[0]: e.tp for e in report.plan.entries},
+        "entry_tp": {e["target_keys"][0]: e["tp"] for e in report.plan.to_dict()["entries"]},
         "single_bytes": sum(p.stat().st_size for p in ckpt.iterdir()),
         "plan_bytes": report.plan.total_bytes,
     }

@@ -20,9 +20,9 @@ from ..checkpoint.format import SafetensorsFile
 from ..converter import Collector, expand_outputs
 from ..errors import ConversionError, SurgeryError
 from ..ops import OpContext, run_chain
-from ..parallel import dtensor_type
+from ..parallel import is_dtensor
+from ..parallel.regions import NOT_NEEDED, Region, local_shape
 from ..placement import all_contiguous, flatten_slots, placement_views
-from ..slicing import NOT_NEEDED, Region, local_shape
 from .inference import op_context
 from .planner import Prepared, Work, ordered_sources
 from .sharding import local_context
@@ -31,9 +31,8 @@ __all__ = ["execute"]
 
 
 def _usable_in_place(param: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
-    dtensor = dtensor_type()
     return (
-        (dtensor is None or not isinstance(param, dtensor))
+        not is_dtensor(param)
         and param.device.type != "meta"
         and param.device == device
         and param.dtype == dtype

@@ -37,10 +37,11 @@ from ..checkpoint import CheckpointReader, open_checkpoint
 from ..errors import ConfigurationError, LoadError, SurgeryError
 from ..fusion import fusion_config_of
 from ..model_state import meta_clone, model_device
+from ..parallel import from_local
+from ..parallel.regions import local_shape
 from ..persist import persisted_fusion_config
 from ..quantization import QUANTIZATION_METADATA_KEY
 from ..record import record_of, update_record
-from ..slicing import local_shape
 from .execute import execute
 from .plan import LoadPlan
 from .planner import Prepared, Work, prepare
@@ -125,14 +126,8 @@ def _set_tensor(
 ) -> None:
     placements = _placements(prep, key)
     if placements is not None:
-        from torch.distributed.tensor import DTensor
-
         assert prep is not None and prep.tp is not None
-        shape = tuple(old.shape)
-        stride = tuple(torch.empty(shape, device="meta").stride())
-        tensor = DTensor.from_local(
-            tensor, prep.tp.mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
-        )
+        tensor = from_local(tensor, prep.tp.mesh, placements, old.shape)
     module_path, _, name = key.rpartition(".")
     module = model.get_submodule(module_path) if module_path else model
     if name in module._parameters:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..parallel.regions import TPSlice
 
 __all__ = ["LoadPlan", "PlanEntry", "fold_indices"]
 
@@ -37,10 +38,11 @@ class PlanEntry:
             assigned without a copy), ``"convert"`` (read, run the chain, set) or ``"skip"``.
         status: ``"ok"``, ``"unexpected"``, ``"mismatch"``, ``"conflict"`` or ``"error"``.
         message: why, when the status is not ``"ok"``.
-        tp: per target under tensor parallelism, ``(placements, dim, intervals)``: the
-            placements as text, and the dim and half-open intervals of this rank's part
-            (``dim=None`` for a replicated target; ``None`` for a plain tensor). A packed
-            ``_StridedShard`` has one interval per part.
+        tp: per target under tensor parallelism, its :class:`~surgery.parallel.TPSlice`: the
+            placements as text, one per mesh dim, and the dim and half-open intervals of this
+            rank's part (``dim=None`` for a replicated target; ``None`` for a plain tensor). A
+            packed ``_StridedShard`` has one interval per part. In JSON a slice is
+            ``[placements, dim, intervals]`` (:meth:`TPSlice.to_json`).
         companions: checkpoint keys read to decode quantized sources (their block scales);
             their bytes are in ``nbytes``.
         quantized: runtime keys a quantizer produces from the targets (``X.weight``,
@@ -61,7 +63,7 @@ class PlanEntry:
     mode: str = "convert"
     status: str = "ok"
     message: str = ""
-    tp: tuple[tuple[str, int | None, tuple[tuple[int, int], ...]] | None, ...] = ()
+    tp: tuple[TPSlice | None, ...] = ()
     companions: tuple[str, ...] = ()
     quantized: tuple[str, ...] = ()
 
@@ -94,6 +96,8 @@ class LoadPlan:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for entry, e in zip(d["entries"], self.entries):
+            entry["tp"] = [None if s is None else s.to_json() for s in e.tp]
         d["total_bytes"] = self.total_bytes
         return d
 
@@ -199,11 +203,13 @@ def _entry_from_dict(data: Any) -> PlanEntry:
     names = {f.name for f in fields(PlanEntry)}
     if set(data) - names:
         raise ConfigurationError(f"LoadPlan.from_dict: unknown entry field(s) {sorted(set(data) - names)}.")
-    return PlanEntry(**{k: _tuples(v) for k, v in data.items()})
+    kwargs = {k: _tuples(v) for k, v in data.items() if k != "tp"}
+    tp = tuple(None if s is None else TPSlice.from_json(s) for s in data.get("tp", ()))
+    return PlanEntry(**kwargs, tp=tp)
 
 
 def _tuples(value: Any) -> Any:
-    """JSON lists back to the tuples a :class:`PlanEntry` holds (nested: shapes, tp slices)."""
+    """JSON lists back to the tuples a :class:`PlanEntry` holds (nested: shapes)."""
     if isinstance(value, list):
         return tuple(_tuples(v) for v in value)
     return value
@@ -216,15 +222,14 @@ def _template(key: str) -> str:
     return _NUM.sub("#", key)
 
 
-def _part(tp: Any) -> str:
-    """``Shard(dim=0) 0:32`` for a rank's part (``-`` for a plain tensor, ``whole`` if replicated)."""
+def _part(tp: TPSlice | None) -> str:
+    """``Shard(0) 0:32`` for a rank's part (``-`` for a plain tensor, ``whole`` if replicated)."""
     if tp is None:
         return "-"
-    placement, dim, intervals = tp
-    if dim is None:
+    if tp.dim is None:
         return "whole"
-    kind = placement.split("(")[0].lstrip("_")
-    return f"{kind}({dim}) " + ",".join(f"{a}:{b}" for a, b in intervals)
+    kind = ", ".join(tp.placements).split("(")[0].lstrip("_")
+    return f"{kind}({tp.dim}) " + ",".join(f"{a}:{b}" for a, b in tp.intervals)
 
 
 def _shape(shape: tuple[int, ...] | None) -> str:

@@ -45,13 +45,13 @@ from ..model_state import (
     tied_groups,
 )
 from ..ops import OpContext
+from ..parallel.regions import local_shape
 from ..persist import persisted_fusion_config, trusted_fusion_config
 from ..placement import all_contiguous, placement_views, source_slot_shapes
 from ..quantization import QuantizerHooks, quantizer_from_metadata
 from ..record import Origin
 from ..resolution import get_model_conversion_mapping
 from ..routing import Routing, route_keys
-from ..slicing import local_shape
 from ..transforms import WeightTransform, legacy_renamings
 from .inference import BUILTIN_OPS, infer_outputs, op_context
 from .plan import LoadPlan, PlanEntry
@@ -70,7 +70,6 @@ from .sharding import (
     TensorParallel,
     apply_tp_plan,
     direct_possible,
-    placement_text,
     shard_work,
     target_placements,
 )
@@ -517,12 +516,7 @@ def _plan_shard(
     )
     w.sharding = sh
     entry.nbytes = nbytes
-    entry.tp = tuple(
-        None
-        if p is None
-        else (placement_text(p), None if r is None else r.dim, () if r is None else r.intervals)
-        for p, r in zip(sh.placements, sh.regions)
-    )
+    entry.tp = sh.slices
     if not sh.sharded:
         return
     on_cpu = w.device.type == "cpu"

@@ -9,15 +9,30 @@ Planning under tensor parallelism (:func:`surgery.load_checkpoint` with ``tp_pla
 2. :func:`target_placements` gives every runtime key its placements and :func:`local_region`
    the part this rank holds;
 3. :func:`shard_work` traces each target's region back through the converter's op chain
-   (:func:`surgery.slicing.trace_regions`) to a region per checkpoint key, or marks the
-   target as a *fallback* (read whole, convert, keep the rank's part) naming the op that forced it.
+   (:func:`trace_regions`) to a region per checkpoint key, or marks the target as a
+   *fallback* (read whole, convert, keep the rank's part) naming the op that forced it.
+
+Each :class:`~surgery.ops.ConversionOp` may carry a slice rule (:meth:`ConversionOp.slice_rule`)
+that maps regions of its outputs to regions of its inputs (:mod:`surgery.parallel.regions`) and
+returns the op to run on the local pieces. :func:`trace_regions` walks a converter's chain
+backwards with those rules and the chain's stage shapes; the result says, per source slot, what
+to read. Where an op has no rule (custom ops, a RoPE permute cut across heads), the walk stops and
+names the op: the loader then reads the sources whole, runs the global chain and keeps the rank's
+region of the output (the *fallback*, which the load report lists).
 
 Every shape check stays on global shapes; only the bytes read and the tensors built are local.
+
+Example:
+    >>> from surgery import ops
+    >>> traced = trace_regions([ops.Concatenate(dim=0)], [[(4,), (4,)], [(8,)]], [Region(0, ((2, 6),))])
+    >>> traced.sources
+    [Region(dim=0, intervals=((2, 4),)), Region(dim=0, intervals=((0, 2),))]
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,30 +41,32 @@ from torch import nn
 
 from ..converter import WeightConverter
 from ..errors import ConfigurationError, SurgeryError
-from ..ops import ConversionOp, OpContext
+from ..ops import ConversionOp, OpContext, stage_contexts
 from ..parallel import (
     ResolvedStyle,
     check_mesh,
-    dtensor_type,
+    dtensors_of,
     has_dtensors,
+    is_dtensor,
     local_region,
     parallelize,
     param_placements,
     resolve_tp_plan,
 )
+from ..parallel.regions import NOT_NEEDED, Region, SlotRegion, TPSlice, local_shape
 from ..placement import all_contiguous, placement_views, stage_shapes
-from ..slicing import NOT_NEEDED, Region, SlotRegion, local_shape, trace_regions
 
 __all__ = [
     "Sharding",
     "TensorParallel",
+    "Traced",
     "apply_tp_plan",
     "direct_possible",
     "local_context",
-    "placement_text",
     "shard_work",
     "target_placements",
     "tensor_parallel",
+    "trace_regions",
 ]
 
 
@@ -104,7 +121,7 @@ def tensor_parallel(
     if parallel_model:
         if tp_plan is not None:
             raise ConfigurationError(_ALREADY)
-        meshes = {id(t.device_mesh): t.device_mesh for t in _dtensors(model)}
+        meshes = {id(t.device_mesh): t.device_mesh for t in dtensors_of(model)}
         if len(meshes) != 1:
             raise ConfigurationError(
                 f"the model's DTensors live on {len(meshes)} different device meshes; load into a model "
@@ -138,13 +155,6 @@ _ALREADY = (
 )
 
 
-def _dtensors(model: nn.Module) -> list[Any]:
-    dtensor = dtensor_type()
-    if dtensor is None:
-        return []
-    return [t for t in list(model.parameters()) + list(model.buffers()) if isinstance(t, dtensor)]
-
-
 def apply_tp_plan(model: nn.Module, tp: TensorParallel) -> None:
     """Parallelize ``model`` per ``tp.spec`` (on a mesh), or only validate it (a dry run)."""
     if tp.spec is None:
@@ -165,11 +175,10 @@ def target_placements(
     model: nn.Module, runtime: dict[str, torch.Tensor], tp: TensorParallel, tied: dict[str, list[str]]
 ) -> dict[str, tuple[Any, ...]]:
     """Per runtime key that is a DTensor (or would be, in a dry run), its placements."""
-    dtensor = dtensor_type()
     out: dict[str, tuple[Any, ...]] = {}
     if tp.mesh is not None:
         for k, t in runtime.items():
-            if dtensor is not None and isinstance(t, dtensor):
+            if is_dtensor(t):
                 out[k] = tuple(t.placements)  # type: ignore[attr-defined]
         return out
     for r in tp.resolved:
@@ -179,10 +188,6 @@ def target_placements(
             for alias in tied.get(key, [key]):
                 out[alias] = placements
     return out
-
-
-def placement_text(placements: tuple[Any, ...]) -> str:
-    return ", ".join(repr(p) for p in placements)
 
 
 def local_context(ctx: OpContext, regions: tuple[Region | None, ...], targets: tuple[str, ...]) -> OpContext:
@@ -216,6 +221,11 @@ class Sharding:
     @property
     def sharded(self) -> bool:
         return any(r is not None for r in self.regions)
+
+    @property
+    def slices(self) -> tuple[TPSlice | None, ...]:
+        """Per runtime key, what the plan entry records (``None``: a plain tensor)."""
+        return tuple(None if p is None else TPSlice.of(p, r) for p, r in zip(self.placements, self.regions))
 
 
 def _region_bytes(shape: tuple[int, ...], itemsize: int, region: SlotRegion) -> int:
@@ -323,3 +333,74 @@ def direct_possible(
     dest = torch.empty(dest_shape, dtype=dtype, device="meta")
     views = placement_views(converter, dest, sh.local_slot_shapes, ctx, operations=sh.operations)
     return views is not None and all_contiguous(views)
+
+
+@dataclass
+class Traced:
+    """The result of :func:`trace_regions`.
+
+    Attributes:
+        sources: per source slot, what the rank reads (see :data:`SlotRegion`).
+        operations: the chain to run on the local pieces.
+        blocked_by: when the walk stopped, the op without a rule for its regions (then
+            ``sources`` and ``operations`` are empty and the caller takes the fallback).
+    """
+
+    sources: list[SlotRegion]
+    operations: list[ConversionOp]
+    blocked_by: ConversionOp | None = None
+
+
+def trace_regions(
+    operations: Sequence[ConversionOp],
+    stages: list[list[Any]],
+    targets: list[SlotRegion],
+    ctx: OpContext | None = None,
+) -> Traced:
+    """Walk ``operations`` backwards from the target slots' regions to the source slots' regions.
+
+    Args:
+        operations: the converter's op chain.
+        stages: slot shapes before each op and after the last (``len(operations) + 1`` stages;
+            :func:`surgery.placement.stage_shapes`).
+        targets: per output slot of the chain, the rank's region.
+        ctx: the global op context (``PermuteForRope`` reads its head count from it).
+
+    Raises:
+        ConfigurationError: ``stages`` or ``targets`` do not fit the chain (a bug in the caller).
+    """
+    if len(stages) != len(operations) + 1 or len(targets) != len(stages[-1]):
+        raise ConfigurationError(
+            f"trace_regions: {len(operations)} ops need {len(operations) + 1} stages and one region per "
+            f"output slot; got {len(stages)} stages and {len(targets)} regions for {len(stages[-1])} slots."
+        )
+    contexts = stage_contexts(operations, ctx or OpContext(n_targets=len(targets)))
+    regions = [_normalized(r, s) for r, s in zip(targets, stages[-1])]
+    local: list[ConversionOp] = []
+    for k in range(len(operations) - 1, -1, -1):
+        op = operations[k]
+        if all(r is None for r in regions):
+            local.append(op)  # nothing sharded from here back: the op runs as it is
+            regions = [None] * len(stages[k])
+            continue
+        rule = op.slice_rule(regions, stages[k], stages[k + 1], contexts[k])
+        if rule is None:
+            return Traced([], [], blocked_by=op)
+        regions, local_op = rule
+        regions = [_normalized(r, s) for r, s in zip(regions, stages[k])]
+        local.append(local_op)
+    return Traced(regions, local[::-1])
+
+
+def _normalized(region: Any, shape: Any) -> Any:
+    """Non-negative dims; a region that is the whole tensor becomes ``None``."""
+    if region is None or region is NOT_NEEDED:
+        return region
+    if isinstance(region, list):
+        items = shape if isinstance(shape, list) else [shape] * len(region)
+        out = [_normalized(r, s) for r, s in zip(region, items)]
+        return None if all(r is None for r in out) else out
+    ndim = len(shape)
+    dim = region.dim % ndim if ndim else 0
+    region = Region(dim, region.intervals)
+    return None if region.covers(shape[dim]) else region

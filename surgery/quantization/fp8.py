@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 from ..checkpoint import TensorInfo
 from ..errors import ConfigurationError, ConversionError
+from ..parallel.regions import Region
 from ..persist import read_json_file
-from ..slicing import Region
 from .protocol import bounded_repr, first_bad_scale
 
 __all__ = ["FP8BlockQuantizer", "blockwise_dequantize", "blockwise_quantize", "expand_block_scales"]

@@ -14,7 +14,7 @@ A quantizer is any object; the loader looks up each hook by name and uses the on
   decoding needs (``X.weight_scale_inv``); they are taken out of routing and read with ``key``.
   ``decode`` turns the stored values into floats **per source tensor, before the op chain**, so
   plain weights, expert merges and tensor-parallel slices all decode the same way. ``region``
-  is the part of ``key`` that was read (a :class:`~surgery.slicing.Region`), ``None`` for all.
+  is the part of ``key`` that was read (a :class:`~surgery.parallel.regions.Region`), ``None`` for all.
 * ``companion_of(key) -> str | None``: the key ``key`` would be a companion of (``X.weight`` for
   ``X.weight_scale_inv``). A key that names an owner but that no stored-quantized owner claims
   (the owner is absent, or stored in float) is an error naming it, never an unexpected key that
@@ -54,8 +54,8 @@ from torch import nn
 
 from ..checkpoint import TensorInfo
 from ..errors import ConfigurationError, ConversionError, SurgeryError
+from ..parallel.regions import Region
 from ..record import update_record
-from ..slicing import Region
 from ..transforms import WeightTransform
 
 __all__ = [

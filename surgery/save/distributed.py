@@ -1,9 +1,9 @@
 """A tensor-parallel save: every DTensor gathered whole, rank 0 writes, the other ranks follow.
 
-Everything a save does across ranks is here, so that the tensor-parallel package can take it
-over as one piece: :func:`gathered` (a DTensor's ``full_tensor()``, collective: every rank asks in
-the same order) and :func:`write_on_rank_zero` (rank 0 writes the files while the others compute
-the same groups with it, for the gathers; a failure on any rank is raised on every rank).
+What a save does across ranks: :func:`write_on_rank_zero` (rank 0 writes the files while the
+others compute the same groups with it, each DTensor gathered with
+:func:`surgery.parallel.full_tensor`, collective: every rank asks in the same order; a failure on
+any rank is raised on every rank).
 """
 
 from __future__ import annotations
@@ -12,27 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..casting import SavedFiles
 from ..collective import Collective
-from ..parallel import dtensor_type
 
-__all__ = [
-    "gathered",
-    "is_dtensor",
-    "write_on_rank_zero",
-]
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    dtensor = dtensor_type()
-    return dtensor is not None and isinstance(t, dtensor)
-
-
-def gathered(t: Any) -> Any:
-    """A DTensor gathered whole (collective: every rank asks, in the same order); anything else as is."""
-    return t.full_tensor() if is_dtensor(t) else t
+__all__ = ["write_on_rank_zero"]
 
 
 def write_on_rank_zero(collective: Collective, state: Any, write: Callable[[], list[Path]]) -> SavedFiles:

@@ -33,10 +33,10 @@ from ..errors import CheckpointError, ConfigurationError, ConversionError
 from ..load.plan import fold_indices
 from ..model_state import config_lookup, tied_groups
 from ..ops import OpContext, run_chain
+from ..parallel import full_tensor, is_dtensor
 from ..placement import all_contiguous, flatten_slots, placement_views, shape_of
 from ..quantization import QuantizerHooks
 from ..record import record_of
-from .distributed import gathered, is_dtensor
 from .inverse import (
     RecordedShapes,
     inverse_renamer,
@@ -398,7 +398,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
         writes the last values and commits only once every rank has computed everything.
         """
         self._collective.agree()
-        sources = {k: gathered(self._state[k]) for k in g.sources}
+        sources = {k: full_tensor(self._state[k]) for k in g.sources}
         with self._collective.step():
             out = self._compute(g, sources)
         if last:

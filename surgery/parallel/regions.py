@@ -1,51 +1,42 @@
-"""Shard on read: which part of each checkpoint tensor a tensor-parallel rank needs.
+"""Regions: which part of a tensor a tensor-parallel rank holds, as plain values.
 
 A :class:`Region` is one dim and a sorted list of disjoint half-open intervals on it; the *local*
 part of a tensor for a region is the concatenation of those intervals along the dim (a plain
-``Shard`` has one interval, a packed ``_StridedShard(dim, 2)`` has two). A rank's target region
-comes from its parameter's placements (:func:`surgery.parallel.local_region`).
+``Shard`` has one interval, a packed ``_StridedShard(dim, 2)`` has two). A rank's region of a
+parameter comes from its placements (:func:`surgery.parallel.local_region`); the slice rules of
+:mod:`surgery.ops` map regions of an op's outputs to regions of its inputs, and
+:func:`surgery.load.sharding.trace_regions` walks a converter's chain with them.
 
-Each :class:`~surgery.ops.ConversionOp` may carry a slice rule (:meth:`ConversionOp.slice_rule`)
-that maps regions of its outputs to regions of its inputs and returns the op to run on the
-local pieces. :func:`trace_regions` walks a converter's chain backwards with those rules and the
-chain's stage shapes; the result says, per source slot, what to read. Where an op has no rule
-(custom ops, a RoPE permute cut across heads), the walk stops and names the op: the loader then
-reads the sources whole, runs the global chain and keeps the rank's region of the output (the
-*fallback*, which the load report lists).
+:class:`TPSlice` is what a :class:`~surgery.load.plan.PlanEntry` records of one target: its
+placements, one per mesh dim, and the rank's part.
+
+This module is a leaf: it imports torch and nothing of ``surgery``.
 
 Example:
     >>> import torch
-    >>> from surgery import ops
     >>> r = Region(0, ((1, 3),))
     >>> r.take(torch.arange(6)).tolist()
     [1, 2]
-    >>> traced = trace_regions([ops.Concatenate(dim=0)], [[(4,), (4,)], [(8,)]], [Region(0, ((2, 6),))])
-    >>> traced.sources
-    [Region(dim=0, intervals=((2, 4),)), Region(dim=0, intervals=((0, 2),))]
+    >>> intersect(Region(0, ((2, 6),)), 4, 8)
+    Region(dim=0, intervals=((0, 2),))
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, TypeAlias
 
 import torch
-
-from .errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from .ops import ConversionOp, OpContext
 
 __all__ = [
     "NOT_NEEDED",
     "Region",
     "SlotRegion",
-    "Traced",
+    "TPSlice",
     "intersect",
     "local_shape",
     "take_slot",
-    "trace_regions",
 ]
 
 
@@ -152,74 +143,48 @@ def take_slot(slot: Any, region: SlotRegion) -> Any:
     return region.take(slot)
 
 
-@dataclass
-class Traced:
-    """The result of :func:`trace_regions`.
+@dataclass(frozen=True)
+class TPSlice:
+    """One target of a plan entry under tensor parallelism: its placements and this rank's part.
 
     Attributes:
-        sources: per source slot, what the rank reads (see :data:`SlotRegion`).
-        operations: the chain to run on the local pieces.
-        blocked_by: when the walk stopped, the op without a rule for its regions (then
-            ``sources`` and ``operations`` are empty and the caller takes the fallback).
+        placements: per mesh dim, the placement as text (``"Shard(dim=0)"``,
+            ``"_StridedShard(dim=0, sf=2)"``); one entry on today's 1-D meshes.
+        dim: the tensor dim of this rank's part, ``None`` when the rank holds all of it.
+        intervals: the half-open intervals on ``dim`` this rank holds, in order (a packed
+            ``_StridedShard`` has one per part); ``()`` when ``dim`` is ``None``.
+
+    Example:
+        >>> s = TPSlice(("_StridedShard(dim=0, sf=2)",), 0, ((0, 16), (32, 48)))
+        >>> s.to_json()
+        ['_StridedShard(dim=0, sf=2)', 0, [[0, 16], [32, 48]]]
+        >>> TPSlice.from_json(s.to_json()) == s
+        True
     """
 
-    sources: list[SlotRegion]
-    operations: list[ConversionOp]
-    blocked_by: ConversionOp | None = None
+    placements: tuple[str, ...]
+    dim: int | None = None
+    intervals: tuple[tuple[int, int], ...] = ()
 
+    @classmethod
+    def of(cls, placements: Sequence[Any], region: Region | None) -> TPSlice:
+        """The slice of a target with ``placements`` (torch placement objects) and rank ``region``."""
+        text = tuple(repr(p) for p in placements)
+        return cls(text) if region is None else cls(text, region.dim, region.intervals)
 
-def trace_regions(
-    operations: Sequence[ConversionOp],
-    stages: list[list[Any]],
-    targets: list[SlotRegion],
-    ctx: OpContext | None = None,
-) -> Traced:
-    """Walk ``operations`` backwards from the target slots' regions to the source slots' regions.
+    @property
+    def region(self) -> Region | None:
+        """This rank's part as a :class:`Region` (``None``: all of it)."""
+        return None if self.dim is None else Region(self.dim, self.intervals)
 
-    Args:
-        operations: the converter's op chain.
-        stages: slot shapes before each op and after the last (``len(operations) + 1`` stages;
-            :func:`surgery.placement.stage_shapes`).
-        targets: per output slot of the chain, the rank's region.
-        ctx: the global op context (``PermuteForRope`` reads its head count from it).
+    def to_json(self) -> list[Any]:
+        """``[placements, dim, intervals]``; on a 1-D mesh ``placements`` is the one placement's text."""
+        placements: Any = self.placements[0] if len(self.placements) == 1 else list(self.placements)
+        return [placements, self.dim, [list(i) for i in self.intervals]]
 
-    Raises:
-        ConfigurationError: ``stages`` or ``targets`` do not fit the chain (a bug in the caller).
-    """
-    from .ops import OpContext, stage_contexts
-
-    if len(stages) != len(operations) + 1 or len(targets) != len(stages[-1]):
-        raise ConfigurationError(
-            f"trace_regions: {len(operations)} ops need {len(operations) + 1} stages and one region per "
-            f"output slot; got {len(stages)} stages and {len(targets)} regions for {len(stages[-1])} slots."
-        )
-    contexts = stage_contexts(operations, ctx or OpContext(n_targets=len(targets)))
-    regions = [_normalized(r, s) for r, s in zip(targets, stages[-1])]
-    local: list[ConversionOp] = []
-    for k in range(len(operations) - 1, -1, -1):
-        op = operations[k]
-        if all(r is None for r in regions):
-            local.append(op)  # nothing sharded from here back: the op runs as it is
-            regions = [None] * len(stages[k])
-            continue
-        rule = op.slice_rule(regions, stages[k], stages[k + 1], contexts[k])
-        if rule is None:
-            return Traced([], [], blocked_by=op)
-        regions, local_op = rule
-        regions = [_normalized(r, s) for r, s in zip(regions, stages[k])]
-        local.append(local_op)
-    return Traced(regions, local[::-1])
-
-
-def _normalized(region: Any, shape: Any) -> Any:
-    """Non-negative dims; a region that is the whole tensor becomes ``None``."""
-    if region is None or region is NOT_NEEDED:
-        return region
-    if isinstance(region, list):
-        items = shape if isinstance(shape, list) else [shape] * len(region)
-        out = [_normalized(r, s) for r, s in zip(region, items)]
-        return None if all(r is None for r in out) else out
-    ndim = len(shape)
-    dim = region.dim % ndim if ndim else 0
-    region = Region(dim, region.intervals)
-    return None if region.covers(shape[dim]) else region
+    @classmethod
+    def from_json(cls, value: Any) -> TPSlice:
+        """The inverse of :meth:`to_json` (a JSON list or the tuple it was made from)."""
+        placements, dim, intervals = value
+        text = (placements,) if isinstance(placements, str) else tuple(placements)
+        return cls(text, dim, tuple((int(a), int(b)) for a, b in intervals))

@@ -1,0 +1,93 @@
+"""Tensor parallelism on ``torch.distributed``: plans, styles, regions, DTensors.
+
+* :mod:`~surgery.parallel.plan`: :func:`resolve_tp_plan` (a ``tp_plan`` validated against a
+  model) and placement arithmetic (:func:`param_placements`, :func:`local_region`,
+  :func:`local_split_sizes`).
+* :mod:`~surgery.parallel.styles`: :class:`PackedColwiseParallel` and :class:`ExpertsParallel`,
+  ``ParallelStyle`` subclasses (importing it imports ``torch.distributed.tensor``).
+* :mod:`~surgery.parallel.apply`: :func:`parallelize`, a plan applied to a model.
+* :mod:`~surgery.parallel.regions`: :class:`Region` (a rank's part of a tensor) and
+  :class:`TPSlice` (what a load plan records of it); a leaf module.
+* :mod:`~surgery.parallel.dtensors`: DTensors recognized, gathered and built at run time.
+
+What one rank reads of a checkpoint is planned in :mod:`surgery.load.sharding`. Every name is
+imported on first use, so ``import surgery.parallel`` imports no ``torch.distributed.tensor``.
+"""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .apply import parallelize
+    from .dtensors import dtensor_type, dtensors_of, from_local, full_tensor, has_dtensors, is_dtensor
+    from .plan import (
+        STYLE_NAMES,
+        ResolvedStyle,
+        check_mesh,
+        local_region,
+        local_split_sizes,
+        param_placements,
+        resolve_tp_plan,
+        strided_shard,
+    )
+    from .regions import Region, TPSlice
+    from .styles import ExpertsParallel, PackedColwiseParallel
+
+_LAZY = {
+    "parallelize": ".apply",
+    "dtensor_type": ".dtensors",
+    "dtensors_of": ".dtensors",
+    "from_local": ".dtensors",
+    "full_tensor": ".dtensors",
+    "has_dtensors": ".dtensors",
+    "is_dtensor": ".dtensors",
+    "STYLE_NAMES": ".plan",
+    "ResolvedStyle": ".plan",
+    "check_mesh": ".plan",
+    "local_region": ".plan",
+    "local_split_sizes": ".plan",
+    "param_placements": ".plan",
+    "resolve_tp_plan": ".plan",
+    "strided_shard": ".plan",
+    "Region": ".regions",
+    "TPSlice": ".regions",
+    "ExpertsParallel": ".styles",
+    "PackedColwiseParallel": ".styles",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'surgery.parallel' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+__all__ = [
+    "STYLE_NAMES",
+    "ExpertsParallel",
+    "PackedColwiseParallel",
+    "Region",
+    "ResolvedStyle",
+    "TPSlice",
+    "check_mesh",
+    "dtensor_type",
+    "dtensors_of",
+    "from_local",
+    "full_tensor",
+    "has_dtensors",
+    "is_dtensor",
+    "local_region",
+    "local_split_sizes",
+    "parallelize",
+    "param_placements",
+    "resolve_tp_plan",
+    "strided_shard",
+]

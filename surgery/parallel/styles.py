@@ -1,0 +1,167 @@
+"""The parallel styles this package adds to torch's, as ``ParallelStyle`` subclasses.
+
+:class:`PackedColwiseParallel` is a ``ColwiseParallel`` for a fused projection of equal parts
+(``gate_up_proj``, a ``qkv_proj`` of equal heads); :class:`ExpertsParallel` shards 3-D expert
+tensors on their intermediate dim. :func:`style_for` turns a style name of a plan
+(:data:`~surgery.parallel.STYLE_NAMES`) into the style instance that applies it.
+
+Importing this module imports ``torch.distributed.tensor`` (about a second);
+:mod:`surgery.parallel` imports it on first use of a style or of
+:func:`~surgery.parallel.parallelize`.
+
+Example:
+    >>> from torch.distributed.tensor.parallel import ColwiseParallel
+    >>> style = PackedColwiseParallel(split_factor=3)
+    >>> isinstance(style, ColwiseParallel), style
+    (True, PackedColwiseParallel(split_factor=3))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from ..errors import ConfigurationError
+from .plan import expert_placements, strided_shard
+
+__all__ = ["ExpertsParallel", "PackedColwiseParallel", "style_for"]
+
+
+class PackedColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for a fused projection of ``split_factor`` equal parts.
+
+    Weight and bias are ``_StridedShard(0, split_factor)``: each rank holds its share of every
+    part, side by side (``[G_r | U_r]`` for a ``gate_up_proj``). The output stays local: the
+    inherited output hook would redistribute ``_StridedShard(-1)`` to ``Shard(-1)`` and
+    reorder the features, which gives silently wrong results.
+
+    Args:
+        split_factor: the number of equal parts (2 for ``gate_up_proj``, 3 for ``qkv_proj``).
+        **kwargs: ``ColwiseParallel``'s options.
+    """
+
+    def __init__(self, *, split_factor: int = 2, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.split_factor = split_factor
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placement = strided_shard(0, self.split_factor)
+            dist_param = nn.Parameter(
+                distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            )
+            module.register_parameter(pname, dist_param)
+
+    @staticmethod
+    def _prepare_output_fn(
+        output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any
+    ) -> Any:
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise ConfigurationError(f"packed_colwise applies to nn.Linear, not {type(module).__name__}.")
+        return super()._apply(module, device_mesh)
+
+    def __repr__(self) -> str:
+        return f"PackedColwiseParallel(split_factor={self.split_factor})"
+
+
+class ExpertsParallel(ParallelStyle):
+    """Expert tensors sharded on their intermediate dim; the output is all-reduced.
+
+    ``gate_up_proj (E, 2I, H)`` is ``_StridedShard(1, 2)`` (each rank holds its share of the
+    gate and the up rows of every expert) and ``down_proj (E, H, I)`` is ``Shard(2)``. A
+    forward pre-hook swaps in the local shards so the module's own forward runs unchanged on
+    them, and a forward hook puts the DTensors back and sums the partial outputs (an in-place
+    ``all_reduce``: for loading and inference; it does not carry gradients).
+
+    Args:
+        split_factor: the parts of ``gate_up_proj``'s intermediate dim (2: gate and up).
+    """
+
+    def __init__(self, *, split_factor: int = 2) -> None:
+        super().__init__()
+        self.split_factor = split_factor
+
+    def _partition(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placements = expert_placements(pname, self.split_factor)
+            module.register_parameter(
+                pname,
+                nn.Parameter(
+                    distribute_tensor(param, device_mesh, placements, src_data_rank=self.src_data_rank),
+                    requires_grad=param.requires_grad,
+                ),
+            )
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        distribute_module(module, device_mesh, self._partition)
+        _LocalExperts(module, device_mesh.get_group()).attach()
+        return module
+
+    def __repr__(self) -> str:
+        return f"ExpertsParallel(split_factor={self.split_factor})"
+
+
+class _LocalExperts:
+    """The hooks that run an experts module on its local shards and all-reduce its output.
+
+    The DTensors a forward swaps out are kept here, by the hooks' owner, not on the module.
+    """
+
+    def __init__(self, module: nn.Module, group: Any) -> None:
+        self.module = module
+        self.group = group
+        self.names = [n for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
+        self.stash: dict[str, Any] = {}
+
+    def attach(self) -> None:
+        self.module.register_forward_pre_hook(self.swap_in)
+        self.module.register_forward_hook(self.swap_out)
+
+    def swap_in(self, mod: nn.Module, args: Any) -> None:
+        self.stash = {n: mod._parameters[n] for n in self.names}
+        for n, p in self.stash.items():
+            mod._parameters[n] = p.to_local()  # type: ignore[assignment, union-attr]
+
+    def swap_out(self, mod: nn.Module, args: Any, output: Any) -> Any:
+        stash, self.stash = self.stash, {}
+        for n, p in stash.items():
+            mod._parameters[n] = p
+        if isinstance(output, torch.Tensor):
+            dist.all_reduce(output, group=self.group)
+        return output
+
+
+def style_for(kind: str, module: nn.Module) -> ParallelStyle:
+    """The style instance that applies the plan's style name ``kind`` to ``module``.
+
+    Raises:
+        ConfigurationError: ``kind`` is not one of the names a plan applies (``replicate`` applies
+            nothing, so it has no style).
+    """
+    if kind == "colwise":
+        return ColwiseParallel()
+    if kind == "rowwise":  # an embedding takes whole token ids; a Linear the colwise output's shards
+        return (
+            RowwiseParallel(input_layouts=Replicate())
+            if isinstance(module, nn.Embedding)
+            else RowwiseParallel()
+        )
+    if kind == "colwise_gather":
+        return ColwiseParallel(output_layouts=Replicate())
+    if kind == "packed_colwise":
+        return PackedColwiseParallel()
+    if kind == "experts":
+        return ExpertsParallel()
+    raise ConfigurationError(
+        f"style {kind!r} has no ParallelStyle to apply; use one of colwise, rowwise, colwise_gather, "
+        "packed_colwise, experts."
+    )
