@@ -50,7 +50,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import fx, nn
 
-from surgery import WeightConverter, ops
+from surgery import WeightConverter, meta, ops
 from surgery.fusion import (
     NOTHING_HERE,
     FusionMatch,
@@ -516,13 +516,13 @@ def _fused_linear(siblings: list[nn.Linear], m: SiblingGroup, *, materialize: bo
     """One Linear holding the siblings' rows in order, on their device and dtype (``meta`` in a preview)."""
     weight = siblings[0].weight
     linear = nn.Linear(m.in_features, sum(m.out_features), bias=m.bias, device="meta", dtype=weight.dtype)
-    # On meta there is nothing to copy (and torch.cat on meta tensors imports torch._dynamo: ~1 s).
-    if materialize and not weight.is_meta:
+    # A preview copies nothing; on meta, the shapes come from surgery.meta (no torch._dynamo).
+    if materialize and not meta.is_meta(weight):
         new_w = torch.cat([s.weight.detach() for s in siblings], dim=0)
         new_b = torch.cat([s.bias.detach() for s in siblings if s.bias is not None]) if m.bias else None
     else:
-        new_w = torch.empty((sum(m.out_features), m.in_features), dtype=weight.dtype, device="meta")
-        new_b = torch.empty((sum(m.out_features),), dtype=weight.dtype, device="meta") if m.bias else None
+        new_w = meta.empty((sum(m.out_features), m.in_features), weight.dtype)
+        new_b = meta.empty((sum(m.out_features),), weight.dtype) if m.bias else None
     linear.weight = nn.Parameter(new_w, requires_grad=weight.requires_grad)
     if new_b is not None:
         linear.bias = nn.Parameter(new_b, requires_grad=cast(torch.Tensor, siblings[0].bias).requires_grad)

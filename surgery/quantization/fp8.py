@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .. import meta
 from ..checkpoint import TensorInfo
 from ..errors import ConfigurationError, ConversionError
 from ..slicing import Region
@@ -108,8 +109,8 @@ def blockwise_dequantize(
     region: Region | None = None,
 ) -> torch.Tensor:
     """``q * scale`` per block, in float32 (``region``: ``q`` is that part of the weight)."""
-    if q.device.type == "meta":  # planning: shapes only (torch's meta math imports torch._dynamo, ~1 s)
-        return torch.empty(q.shape, dtype=torch.float32, device="meta")
+    if meta.is_meta(q):  # planning: shapes only (see surgery.meta)
+        return meta.empty(q.shape, torch.float32)
     out = q.to(torch.float32, copy=True)  # the region's dim is indexed by its intervals, the others are whole
     b0, b1 = block_size
     *lead, n, k = q.shape
