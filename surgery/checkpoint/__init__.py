@@ -14,7 +14,7 @@
 """
 
 from .commit import LEFTOVER_NAME, write_file_atomically
-from .format import TensorInfo
+from .format import StoredTensor
 from .reader import CheckpointReader, open_checkpoint
 from .writer import (
     SAFE_WEIGHTS_INDEX_NAME,
@@ -31,7 +31,7 @@ __all__ = [
     "SAFE_WEIGHTS_NAME",
     "SHARD_NAME",
     "CheckpointReader",
-    "TensorInfo",
+    "StoredTensor",
     "check_write_arguments",
     "open_checkpoint",
     "parse_size",

@@ -35,7 +35,7 @@ import torch
 
 from ..errors import CheckpointError
 from .commit import LEFTOVER_NAME, Interrupted, interrupted_save, save_in_progress
-from .format import SafetensorsFile, TensorInfo, unique_pairs
+from .format import SafetensorsFile, StoredTensor, unique_pairs
 from .writer import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 __all__ = ["CheckpointReader", "open_checkpoint"]
@@ -89,7 +89,7 @@ class _PickleFile:
             self.tensors[key] = value
         self.metadata: dict[str, str] = {}
         self.infos = {
-            k: TensorInfo(k, t.dtype, tuple(t.shape), path, -1, t.numel() * t.element_size())
+            k: StoredTensor(k, t.dtype, tuple(t.shape), path, -1, t.numel() * t.element_size())
             for k, t in self.tensors.items()
         }
 
@@ -141,7 +141,7 @@ class CheckpointReader:
         self._files = files
         self.files = [f.path for f in files]
         self.index_metadata = dict(index_metadata or {})
-        self._where: dict[str, tuple[TensorInfo, _File]] = {}
+        self._where: dict[str, tuple[StoredTensor, _File]] = {}
         self.metadata: dict[str, str] = {}
         for f in files:
             for info in f.infos.values():
@@ -190,7 +190,7 @@ class CheckpointReader:
     def __len__(self) -> int:
         return len(self._where)
 
-    def locate(self, key: str) -> tuple[TensorInfo, _File]:
+    def locate(self, key: str) -> tuple[StoredTensor, _File]:
         """The header entry of ``key`` and the open file that holds it.
 
         Raises:
@@ -209,7 +209,7 @@ class CheckpointReader:
                 "spelling, or list the stored keys with reader.keys()."
             ) from None
 
-    def info(self, key: str) -> TensorInfo:
+    def info(self, key: str) -> StoredTensor:
         """Where ``key`` is stored, its dtype and shape; reads no tensor data.
 
         Raises:

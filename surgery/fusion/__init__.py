@@ -30,7 +30,16 @@ from .apply import (
     trusted_fusion_config,
 )
 from .config import EnabledFusion, FusionConfig, validate_fusion_config
-from .plan import EXCLUDED, FUSED, SKIPPED, WOULD_FUSE, FusionCandidate, FusionPlan, GraphSnapshot, TensorInfo
+from .plan import (
+    EXCLUDED,
+    FUSED,
+    SKIPPED,
+    WOULD_FUSE,
+    FusionCandidate,
+    FusionPlan,
+    GraphSnapshot,
+    TensorSummary,
+)
 from .registry import find_fusion, fusion_registry_snapshot, get_fusion, list_fusions, register_fusion
 from .rewrite import NOTHING_HERE, FusedModule
 from .spec import COMMON_OPTIONS, FusionMatch, FusionOption, FusionSpec, GraphRewrite
@@ -57,7 +66,7 @@ __all__ = [
     "FusionTracer",
     "GraphRewrite",
     "GraphSnapshot",
-    "TensorInfo",
+    "TensorSummary",
     "apply_fusions",
     "check_fusion_conflicts",
     "find_fusion",

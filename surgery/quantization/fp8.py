@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import meta
-from ..checkpoint import TensorInfo
+from ..checkpoint import StoredTensor
 from ..errors import ConfigurationError, ConversionError
 from ..slicing import Region
 from .protocol import bounded_repr, first_bad_scale
@@ -328,7 +328,7 @@ class FP8BlockQuantizer:
         return config
 
     # ------------------------------------------------------------------ hooks
-    def companions(self, key: str, info: TensorInfo) -> tuple[str, ...]:
+    def companions(self, key: str, info: StoredTensor) -> tuple[str, ...]:
         if key.endswith(self.scale_suffix):
             return ()
         if key.rpartition(".")[2] == "activation_scale":
@@ -342,7 +342,7 @@ class FP8BlockQuantizer:
         """``X.weight`` for ``X.weight_scale_inv``: a scale no FP8 weight claims is an error naming it."""
         return key.removesuffix(self.scale_suffix) if key.endswith(self.scale_suffix) else None
 
-    def checks(self, key: str, info: TensorInfo) -> bool:
+    def checks(self, key: str, info: StoredTensor) -> bool:
         return key.endswith(self.scale_suffix)
 
     def check(self, key: str, tensor: torch.Tensor) -> None:

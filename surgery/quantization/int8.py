@@ -41,7 +41,7 @@ from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .. import meta
-from ..checkpoint import TensorInfo
+from ..checkpoint import StoredTensor
 from ..errors import ConfigurationError, ConversionError
 from ..graph import match_modules, swap_module
 from .protocol import QUANTIZER_ATTRIBUTE, bounded_repr, config_metadata, first_bad_scale
@@ -416,7 +416,7 @@ class Int8WeightOnlyQuantizer:
                 swap_module(model, path, Int8WeightOnlyLinear.from_linear(module))
         model.__dict__[QUANTIZER_ATTRIBUTE] = self
 
-    def checks(self, key: str, info: TensorInfo) -> bool:
+    def checks(self, key: str, info: StoredTensor) -> bool:
         """A runtime-layout ``X.weight_scale`` is read during planning and checked (:meth:`check`)."""
         return key.rpartition(".")[2] == "weight_scale"
 
