@@ -10,6 +10,8 @@ Map of the package:
 * ``tracing``: :func:`trace_module` and what lets real model code trace (leaf functions, ...).
 * ``variants``: one traced graph per case a forward branches on (train/eval, a cache given or
   ``None``), and the choice among them at each call.
+* ``matching``: small matchers and dataflow analyses over fx nodes (reshapes, casts,
+  elementwise calls, aliasing, in-place writes) for specs whose patterns call modules.
 * ``rewrite``: the on-the-side rewrite and :class:`FusedModule`.
 * ``plan``: :class:`FusionPlan`, rendered as text, dict, Mermaid or DOT.
 * ``apply``: :func:`preview_fusions`, :func:`apply_fusions` and the record the loader and saver
