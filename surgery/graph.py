@@ -217,7 +217,7 @@ class ModuleGraph:
     def __init__(self, model: nn.Module) -> None:
         _check_module(model)
         self.model = model
-        import networkx  # here, not at module level: it costs ~0.3 s and `import surgery` stays fast
+        import networkx  # here, not at module level: `import surgery` stays fast (docs/benchmarks.md)
 
         self.graph: nx.DiGraph = networkx.DiGraph()
         self._modules: dict[str, nn.Module] = {}  # canonical path -> module

@@ -348,8 +348,8 @@ class CheckpointReader:
         one per part) and to reading straight into ``out``. When every dim before ``dim`` has size
         1 (always for ``dim=0``) each interval is one contiguous byte range, read with one
         ``preadv``; on a later dim the region is copied out of a mapping of that tensor's pages
-        that lives only for the copy (2-70x faster than one ``preadv`` per row run, measured in
-        docs/benchmarks.md, and the touched pages leave the process with the mapping).
+        that lives only for the copy (faster than one ``preadv`` per row run, see
+        docs/benchmarks.md; and the touched pages leave the process with the mapping).
 
         Args:
             key: the checkpoint key.
