@@ -50,7 +50,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import fx, nn
 
-from surgery import WeightConverter, ops
+from surgery import WeightConverter, meta, ops
 from surgery.fusion import (
     NOTHING_HERE,
     FusionMatch,
@@ -61,32 +61,21 @@ from surgery.fusion import (
     trace_module,
 )
 from surgery.fusion.matching import (
+    aliases_and_users,
     child_problem,
     child_reads,
+    depends_on_layout,
+    descendants,
     is_elementwise,
     is_passthrough,
     reads_only_metadata,
+    writes_in_place,
 )
 from surgery.parallel import local_split_sizes
 from surgery.transforms import WeightTransform
 
 __all__ = ["FUSIONS", "GateUpFusion", "QkvFusion", "SiblingGroup", "SiblingLinearsFusion", "register"]
 
-_LAYOUT_METHODS = frozenset(
-    {
-        "data_ptr",
-        "stride",
-        "storage",
-        "untyped_storage",
-        "storage_offset",
-        "is_contiguous",
-        "set_",
-        "as_strided",
-    }
-)
-_INPLACE_OPERATORS = frozenset(
-    {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv}
-)
 _MUL = frozenset({operator.mul, torch.mul})
 
 
@@ -130,82 +119,6 @@ def _joined_name(names: Sequence[str]) -> str:
         if suffix.startswith("_") and all(n.endswith(suffix) and len(n) > len(suffix) for n in names):
             return "_".join(n[: -len(suffix)] for n in names) + suffix
     return "_".join(names)
-
-
-_ALIASING_METHODS = frozenset(
-    {
-        "view",
-        "reshape",
-        "transpose",
-        "permute",
-        "unsqueeze",
-        "squeeze",
-        "expand",
-        "flatten",
-        "unflatten",
-        "narrow",
-        "contiguous",
-        "to",
-        "float",
-        "half",
-        "bfloat16",
-        "type",
-        "detach",
-        "view_as",
-        "t",
-    }
-)
-_ALIASING_FUNCTIONS = frozenset(
-    {operator.getitem, torch.transpose, torch.reshape, torch.flatten, torch.narrow}
-)
-
-
-def _writes_in_place(node: fx.Node, module: nn.Module) -> bool:
-    """``x.add_(...)``, ``torch.relu_(x)``, ``x += 1``, ``F.relu(x, inplace=True)``, ``ReLU(inplace=True)``."""
-    if node.kwargs.get("inplace") is True:
-        return True
-    if node.op == "call_method":
-        name = str(node.target)
-        return name.endswith("_") and not name.endswith("__")
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
-        return node.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
-    if node.op == "call_module":
-        return getattr(module.get_submodule(str(node.target)), "inplace", False) is True
-    return False
-
-
-def _aliases_and_users(node: fx.Node) -> list[fx.Node]:
-    """Every user of ``node`` and of the views made from it (``view``, ``transpose``, slicing ...).
-
-    An in-place write through any of them reaches the projection's output; on a slice of the
-    fused output, where ``.view`` became ``.reshape`` (a copy when no view exists), it might not.
-    """
-    out: list[fx.Node] = []
-    stack, seen = [node], {node}
-    while stack:
-        for user in stack.pop().users:
-            if user in seen:
-                continue
-            seen.add(user)
-            out.append(user)
-            aliasing = (user.op == "call_method" and user.target in _ALIASING_METHODS) or (
-                user.op == "call_function" and user.target in _ALIASING_FUNCTIONS
-            )
-            if aliasing and user.args and user.args[0] in seen:
-                stack.append(user)
-    return out
-
-
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        for user in stack.pop().users:
-            if user not in seen:
-                seen.add(user)
-                stack.append(user)
-    return seen
 
 
 class SiblingLinearsFusion(FusionSpec):
@@ -300,10 +213,8 @@ class SiblingLinearsFusion(FusionSpec):
             if not (attr in ("weight", "bias") and reads_only_metadata(node)):
                 users = ", ".join(u.format_node() or u.name for u in node.users) or "nothing"
                 return f"forward reads {node.target!r} in {users}; it does not exist in the fused layout"
-        for user in _aliases_and_users(call):
-            if (user.op == "call_method" and user.target in _LAYOUT_METHODS) or _writes_in_place(
-                user, module
-            ):
+        for user in aliases_and_users(call):
+            if depends_on_layout(user, module):
                 return (
                     f"the output of {name!r} goes to {user.format_node()}, which depends on its memory or writes "
                     "it in place; a slice of the fused output would behave differently"
@@ -357,7 +268,7 @@ class SiblingLinearsFusion(FusionSpec):
         names = names_or_why
         order = list(graph.nodes)
         start, stop = (order.index(nodes[n]) for n in (names[0], names[-1]))
-        between = [n for n in order[start + 1 : stop] if _writes_in_place(n, module)]
+        between = [n for n in order[start + 1 : stop] if writes_in_place(n, module)]
         if between:
             return (
                 f"{between[0].format_node()} writes in place between the calls of {names}; the fused call "
@@ -396,7 +307,7 @@ class SiblingLinearsFusion(FusionSpec):
     def _as_qkv(names: list[str], nodes: dict[str, fx.Node]) -> list[str] | str:
         if len(names) != 3:
             return _Quiet(f"qkv needs three siblings; {names} are {len(names)}")
-        reach = [_descendants(nodes[n]) for n in names]
+        reach = [descendants(nodes[n]) for n in names]
         common = reach[0] & reach[1] & reach[2]
         if not common:
             return _Quiet(f"the outputs of {names} never meet in one node, so they do not feed one attention")
@@ -516,13 +427,13 @@ def _fused_linear(siblings: list[nn.Linear], m: SiblingGroup, *, materialize: bo
     """One Linear holding the siblings' rows in order, on their device and dtype (``meta`` in a preview)."""
     weight = siblings[0].weight
     linear = nn.Linear(m.in_features, sum(m.out_features), bias=m.bias, device="meta", dtype=weight.dtype)
-    # On meta there is nothing to copy (and torch.cat on meta tensors imports torch._dynamo: ~1 s).
-    if materialize and not weight.is_meta:
+    # A preview copies nothing; on meta, the shapes come from surgery.meta (no torch._dynamo).
+    if materialize and not meta.is_meta(weight):
         new_w = torch.cat([s.weight.detach() for s in siblings], dim=0)
         new_b = torch.cat([s.bias.detach() for s in siblings if s.bias is not None]) if m.bias else None
     else:
-        new_w = torch.empty((sum(m.out_features), m.in_features), dtype=weight.dtype, device="meta")
-        new_b = torch.empty((sum(m.out_features),), dtype=weight.dtype, device="meta") if m.bias else None
+        new_w = meta.empty((sum(m.out_features), m.in_features), weight.dtype)
+        new_b = meta.empty((sum(m.out_features),), weight.dtype) if m.bias else None
     linear.weight = nn.Parameter(new_w, requires_grad=weight.requires_grad)
     if new_b is not None:
         linear.bias = nn.Parameter(new_b, requires_grad=cast(torch.Tensor, siblings[0].bias).requires_grad)

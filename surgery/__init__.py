@@ -9,6 +9,7 @@ Map of the package (one concept per module; ``docs/concepts.md`` has the path of
 * ``registry``, ``graph``, ``resolution``: which conversion mapping applies where.
 * ``checkpoint``: the safetensors format, validated lazy reads, atomic streaming writes.
 * ``empty``: :func:`init_empty`, build a model with parameters on ``meta`` and real buffers.
+* ``meta``: results on ``meta`` by shape arithmetic, so that planning never imports ``torch._dynamo``.
 * ``record``: what happened to a model (fusions, the last load's fired transforms with their
   origins, the quantizer), one typed record read with :func:`~surgery.record.record_of`.
 * ``model_state``, ``placement``: runtime tensors and ties, placement views (load and save).
@@ -16,42 +17,77 @@ Map of the package (one concept per module; ``docs/concepts.md`` has the path of
 * ``save``: export back to the original (or the runtime) layout; ``saved_config``: the
   ``config.json`` it writes, describing the tensors written; ``persist``: the fusion and
   quantizer configs persisted with a checkpoint (one reader, one writer).
+* ``casting``: the dtype a save writes and whether each cast changed values.
+* ``collective``: agreement points of a collective call, so one rank's failure fails them all.
+* ``parallel``: tensor parallelism on ``torch.distributed`` (plans, styles, placements, the
+  regions of a target that one rank reads).
+* ``quantization``: quantizers on the load and save paths, one module per format.
 * ``fusion``: torch.fx rewrites of module instances, with preview.
 * ``verification``: :func:`verify`, the audit card of a load → save round trip.
-* ``cli``, ``demo``, ``examples``, ``bench``: the command line, the demo, example models, benchmarks.
+* ``cli``, ``demo``, ``examples``, ``bench``, ``auto_model``: the command line, the demo, example
+  models, benchmarks, and a transformers model built from a checkpoint's config for the CLI.
 """
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the names below are imported on first use: ``surgery --help`` needs no torch
-    from . import ops
-    from .checkpoint import CheckpointReader, open_checkpoint, write_checkpoint
-    from .converter import WeightConverter
-    from .empty import init_empty
+    # ``X as X`` is an explicit re-export: type checkers see every name without a literal __all__
+    # (isort would put each ``as`` on a line of its own).
+    # isort: off
+    from . import ops as ops
+    from .checkpoint import (
+        CheckpointReader as CheckpointReader,
+        open_checkpoint as open_checkpoint,
+        write_checkpoint as write_checkpoint,
+    )
+    from .converter import WeightConverter as WeightConverter
+    from .empty import init_empty as init_empty
     from .errors import (
-        CheckpointError,
-        ConfigurationError,
-        ConversionError,
-        FusionConflictError,
-        FusionError,
-        LoadError,
-        PatternError,
-        RegistryError,
-        SurgeryError,
+        CheckpointError as CheckpointError,
+        ConfigurationError as ConfigurationError,
+        ConversionError as ConversionError,
+        FusionConflictError as FusionConflictError,
+        FusionError as FusionError,
+        LoadError as LoadError,
+        PatternError as PatternError,
+        RegistryError as RegistryError,
+        SurgeryError as SurgeryError,
     )
-    from .fusion import FusionPlan, FusionSpec, apply_fusions, preview_fusions, register_fusion
-    from .graph import ModuleGraph
-    from .load import ConversionFailure, LoadPlan, LoadReport, Mismatch, PlanEntry, load_checkpoint, plan_load
+    from .fusion import (
+        FusionPlan as FusionPlan,
+        FusionSpec as FusionSpec,
+        apply_fusions as apply_fusions,
+        preview_fusions as preview_fusions,
+        register_fusion as register_fusion,
+    )
+    from .graph import ModuleGraph as ModuleGraph
+    from .load import (
+        ConversionFailure as ConversionFailure,
+        LoadPlan as LoadPlan,
+        LoadReport as LoadReport,
+        Mismatch as Mismatch,
+        PlanEntry as PlanEntry,
+        load_checkpoint as load_checkpoint,
+        plan_load as plan_load,
+    )
     from .registry import (
-        get_checkpoint_conversion_mapping,
-        register_catalog_modules,
-        register_checkpoint_conversion_mapping,
-        registry_snapshot,
+        get_checkpoint_conversion_mapping as get_checkpoint_conversion_mapping,
+        register_catalog_modules as register_catalog_modules,
+        register_checkpoint_conversion_mapping as register_checkpoint_conversion_mapping,
+        registry_snapshot as registry_snapshot,
     )
-    from .resolution import explain_model_conversion_mapping, get_model_conversion_mapping
-    from .save import revert_state_dict, save_checkpoint
-    from .transforms import PrefixChange, WeightRenaming, WeightTransform
-    from .verification import VerifyCard, verify
+    from .resolution import (
+        explain_model_conversion_mapping as explain_model_conversion_mapping,
+        get_model_conversion_mapping as get_model_conversion_mapping,
+    )
+    from .save import revert_state_dict as revert_state_dict, save_checkpoint as save_checkpoint
+    from .transforms import (
+        PrefixChange as PrefixChange,
+        WeightRenaming as WeightRenaming,
+        WeightTransform as WeightTransform,
+    )
+    from .verification import VerifyCard as VerifyCard, verify as verify
+    # isort: on
 
 _LAZY = {
     "CheckpointError": ".errors",
@@ -116,48 +152,7 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
 
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointReader",
-    "ConfigurationError",
-    "ConversionError",
-    "ConversionFailure",
-    "FusionConflictError",
-    "FusionError",
-    "FusionPlan",
-    "FusionSpec",
-    "LoadError",
-    "LoadPlan",
-    "LoadReport",
-    "Mismatch",
-    "ModuleGraph",
-    "PatternError",
-    "PlanEntry",
-    "PrefixChange",
-    "RegistryError",
-    "SurgeryError",
-    "VerifyCard",
-    "WeightConverter",
-    "WeightRenaming",
-    "WeightTransform",
-    "apply_fusions",
-    "explain_model_conversion_mapping",
-    "get_checkpoint_conversion_mapping",
-    "get_model_conversion_mapping",
-    "init_empty",
-    "load_checkpoint",
-    "open_checkpoint",
-    "ops",
-    "plan_load",
-    "preview_fusions",
-    "register_catalog_modules",
-    "register_checkpoint_conversion_mapping",
-    "register_fusion",
-    "registry_snapshot",
-    "revert_state_dict",
-    "save_checkpoint",
-    "verify",
-    "write_checkpoint",
-]
+__all__: list[str] = sorted(_LAZY)
+"""Every public name, from :data:`_LAZY` (each one also imported under ``TYPE_CHECKING`` above)."""
 
 __version__ = "0.1.0"

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import meta
+
 __all__ = ["init_empty"]
 
 _lock = threading.Lock()
@@ -46,8 +48,8 @@ _INITS = (
 )
 """``torch.nn.init`` functions that do nothing on a ``meta`` parameter while :func:`init_empty` is open.
 
-A first random init of a meta tensor makes torch import ``torch._dynamo`` for its meta
-reference (about 1 s, once per process); with nothing to fill there is no reason to pay it."""
+A first random init of a meta tensor runs torch's Python meta reference, which imports
+``torch._dynamo`` (see :mod:`surgery.meta`); with nothing to fill there is no reason to pay it."""
 
 
 @contextlib.contextmanager
@@ -72,18 +74,18 @@ def init_empty(*, include_buffers: bool = False) -> Iterator[None]:
             original(self, name, param)
             if param is not None and param.device.type != "meta":
                 kwargs = dict(param.__dict__)  # subclasses keep their attributes
-                meta = param.detach().to("meta")
+                on_meta = param.detach().to("meta")
                 try:
-                    new = type(param)(meta, requires_grad=param.requires_grad)
+                    new = type(param)(on_meta, requires_grad=param.requires_grad)
                 except TypeError:  # a Parameter subclass with another constructor
-                    new = nn.Parameter(meta, requires_grad=param.requires_grad)
+                    new = nn.Parameter(on_meta, requires_grad=param.requires_grad)
                 new.__dict__.update(kwargs)
                 self._parameters[name] = new
 
         def skipping(init: Callable[..., Any]) -> Callable[..., Any]:
             def run(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
-                    return tensor  # nothing to fill; and it spares torch's one-off import of its meta refs
+                if isinstance(tensor, torch.Tensor) and meta.is_meta(tensor):
+                    return tensor  # nothing to fill, and no meta reference to import (surgery.meta)
                 return init(tensor, *args, **kwargs)
 
             return run

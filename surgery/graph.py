@@ -14,7 +14,7 @@ Node attributes (``graph.nodes[path]``):
 * ``is_submodel``: see below.
 * ``aliases``: the other paths of the same module instance, in visiting order.
 * ``parameters``, ``buffers``: the module's *own* tensors (``recurse=False``), name →
-  :class:`TensorInfo` (shape, dtype, device; tensor data is never touched).
+  :class:`ModuleTensor` (shape, dtype, device; tensor data is never touched).
 
 A module is a *sub-model* when its class name is registered in the conversion registry, or it
 has a ``config.model_type`` and is a model rather than a layer holding its model's config: the
@@ -49,11 +49,11 @@ from .registry import registered_keys
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["ModuleGraph", "TensorInfo", "match_modules", "submodels_of", "swap_module"]
+__all__ = ["ModuleGraph", "ModuleTensor", "match_modules", "submodels_of", "swap_module"]
 
 
 @dataclass(frozen=True, slots=True)
-class TensorInfo:
+class ModuleTensor:
     """What the graph records about one parameter or buffer.
 
     Attributes:
@@ -217,7 +217,7 @@ class ModuleGraph:
     def __init__(self, model: nn.Module) -> None:
         _check_module(model)
         self.model = model
-        import networkx  # here, not at module level: it costs ~0.3 s and `import surgery` stays fast
+        import networkx  # here, not at module level: `import surgery` stays fast (docs/benchmarks.md)
 
         self.graph: nx.DiGraph = networkx.DiGraph()
         self._modules: dict[str, nn.Module] = {}  # canonical path -> module
@@ -265,22 +265,22 @@ class ModuleGraph:
         for canonical, others in aliases.items():
             self.graph.nodes[canonical]["aliases"] = tuple(others)
 
-    def _own_parameters(self, path: str, module: nn.Module) -> dict[str, TensorInfo]:
-        out: dict[str, TensorInfo] = {}
+    def _own_parameters(self, path: str, module: nn.Module) -> dict[str, ModuleTensor]:
+        out: dict[str, ModuleTensor] = {}
         for name, p in module._parameters.items():
             if p is None:
                 continue
             keys = self._tensor_keys.setdefault(id(p), [])
             key = _join(path, name)
-            out[name] = TensorInfo(tuple(p.shape), p.dtype, p.device, keys[0] if keys else None)
+            out[name] = ModuleTensor(tuple(p.shape), p.dtype, p.device, keys[0] if keys else None)
             keys.append(key)
         return out
 
     @staticmethod
-    def _own_buffers(path: str, module: nn.Module) -> dict[str, TensorInfo]:
+    def _own_buffers(path: str, module: nn.Module) -> dict[str, ModuleTensor]:
         skip = module._non_persistent_buffers_set
         return {
-            name: TensorInfo(tuple(b.shape), b.dtype, b.device, None, name not in skip)
+            name: ModuleTensor(tuple(b.shape), b.dtype, b.device, None, name not in skip)
             for name, b in module._buffers.items()
             if b is not None
         }

@@ -34,6 +34,7 @@ from typing import Any, ClassVar, TypeAlias
 
 import torch
 
+from . import meta
 from .errors import ConversionError
 from .parallel.regions import NOT_NEEDED, Region, SlotRegion, intersect
 
@@ -395,7 +396,7 @@ class Concatenate(ConversionOp):
                 raise self._fail(
                     ctx, f"expected inputs of sizes {self.sizes} along dim {self.dim}, got {got}."
                 )
-        return [_cat(tensors, self.dim)]
+        return [meta.cat(tensors, self.dim)]
 
     @property
     def reverse_op(self) -> ConversionOp:
@@ -417,34 +418,6 @@ class Concatenate(ConversionOp):
         return out, self
 
 
-def _all_meta(tensors: list[torch.Tensor]) -> bool:
-    return all(t.device.type == "meta" for t in tensors)
-
-
-def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """``torch.cat``; on ``meta`` by shape arithmetic (checked inputs).
-
-    torch computes a meta ``cat``/``stack`` with a Python reference whose first call imports
-    ``torch._dynamo`` (about 1 s per process); planning runs chains on ``meta`` for every load.
-    """
-    if not _all_meta(tensors):
-        return torch.cat(tensors, dim=dim)
-    first = tensors[0]
-    shape = list(first.shape)
-    d = dim % first.ndim
-    shape[d] = sum(t.shape[d] for t in tensors)
-    return torch.empty(shape, dtype=first.dtype, device="meta")
-
-
-def _stack(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """``torch.stack``; on ``meta`` by shape arithmetic (see :func:`_cat`)."""
-    if not _all_meta(tensors):
-        return torch.stack(tensors, dim=dim)
-    shape = list(tensors[0].shape)
-    shape.insert(dim % (len(shape) + 1), len(tensors))
-    return torch.empty(shape, dtype=tensors[0].dtype, device="meta")
-
-
 @dataclass(frozen=True)
 class MergeModulelist(ConversionOp):
     """Stack each gathered list (``experts.*``) into one tensor along a new ``dim``."""
@@ -463,7 +436,7 @@ class MergeModulelist(ConversionOp):
             ndim = items[0].ndim
             if not -(ndim + 1) <= self.dim <= ndim:
                 raise self._fail(ctx, f"dim {self.dim} is out of range for stacking {ndim}-d tensors.")
-            out.append(_stack(items, self.dim))
+            out.append(meta.stack(items, self.dim))
         return out
 
     @property

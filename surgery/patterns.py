@@ -25,8 +25,11 @@ inverse mechanically instead of having it written twice.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -39,6 +42,7 @@ __all__ = [
     "compile_source",
     "escape_dots",
     "is_digit_blind",
+    "lazy_compilation",
     "parse_target",
     "reverse_pair",
 ]
@@ -47,12 +51,13 @@ STAR_GROUP_PREFIX = "_star"
 _NAME_BOUNDARY = r"(?![A-Za-z0-9_])"
 _DIGITS = r"(?:0|[1-9][0-9]*)"  # canonical indices only (ASCII, no leading zero)
 _BRACE_QUANT = re.compile(r"\{(?:\d+(?:,\d*)?|,\d+)\}\??")
+_LAZY: ContextVar[bool] = ContextVar("surgery_lazy_regex_compilation", default=False)
 
 
 # --------------------------------------------------------------------------- tokenizer
 
 
-class _Tok(NamedTuple):  # a tuple: a catalog tokenizes tens of thousands of characters at start-up
+class _Tok(NamedTuple):  # a tuple, cheap to build: the catalog is tokenized at start-up (docs/benchmarks.md)
     kind: str  # literal, any, escape, class, open, close, quant, alt, anchor, star, backref
     text: str  # the source text of the token
     value: str = ""  # literal: the character; open: "capture" | "noncapture" | "look" | "named"
@@ -211,8 +216,17 @@ class SourcePattern:
 
     @functools.cached_property
     def regex(self) -> re.Pattern[str]:
-        """The compiled regex, compiled on first use (:func:`compile_source` has checked it compiles)."""
-        return re.compile(self.regex_text)
+        """The compiled regex (compiled on first use; :func:`compile_source` uses it at once).
+
+        Raises:
+            PatternError: the pattern is not a valid regex.
+        """
+        try:
+            return re.compile(self.regex_text)
+        except re.error as exc:
+            raise PatternError(
+                f"Source pattern {self.text!r} is not a valid regex: {exc}. Fix the pattern."
+            ) from exc
 
     @property
     def has_star(self) -> bool:
@@ -223,14 +237,13 @@ class SourcePattern:
         return self.regex_text
 
 
-@functools.lru_cache(maxsize=4096)
 def compile_source(pattern: str) -> SourcePattern:
     """Compile a source pattern, or raise :class:`PatternError` naming it.
 
-    Every error is raised here, but the regex itself is compiled on first use when the tokens
-    prove that it compiles (:func:`_surely_compiles`): a catalog of a thousand patterns, most of
-    which a given model never meets, registers without compiling them. Results are shared per
-    pattern text (a :class:`SourcePattern` is immutable).
+    The regex is compiled here, except inside :func:`lazy_compilation` (the installed catalogs
+    load in it): there it is compiled on first use, so a catalog of a thousand patterns, most of
+    which a given model never meets, registers without compiling them (a test compiles every
+    catalog pattern). Results are shared per pattern text (a :class:`SourcePattern` is immutable).
 
     Example:
         >>> sp = compile_source("mlp.experts.*.w1.weight")
@@ -240,6 +253,14 @@ def compile_source(pattern: str) -> SourcePattern:
     """
     if not isinstance(pattern, str) or not pattern:
         raise PatternError(f"A source pattern must be a non-empty string, got {pattern!r}.")
+    source = _parse_source(pattern)
+    if not _LAZY.get():
+        source.regex  # noqa: B018 (compiled now: an invalid regex is refused where it is written)
+    return source
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_source(pattern: str) -> SourcePattern:
     toks = _tokenize(pattern)
     parts: list[str] = []
     star_groups: list[int] = []
@@ -267,71 +288,27 @@ def compile_source(pattern: str) -> SourcePattern:
     if toks and toks[-1].kind in ("literal", "any") and re.search(r"[A-Za-z0-9]$", pattern):
         text += _NAME_BOUNDARY
     anchored = bool(toks) and toks[0].kind == "anchor" and toks[0].text == "^"
-    source = SourcePattern(
-        pattern, text, tuple(star_groups), tuple(user_groups), anchored, _digit_blind(toks)
-    )
-    if not _surely_compiles(toks):
-        try:
-            source.__dict__["regex"] = re.compile(text)  # what the cached property would compute
-        except re.error as exc:
-            raise PatternError(
-                f"Source pattern {pattern!r} is not a valid regex: {exc}. Fix the pattern."
-            ) from exc
-    return source
+    return SourcePattern(pattern, text, tuple(star_groups), tuple(user_groups), anchored, _digit_blind(toks))
 
 
-_QUANTIFIABLE = frozenset(("literal", "any", "escape", "group"))
-_SAFE_ESCAPES = frozenset(("\\d", "\\D", "\\w", "\\W", "\\s", "\\S"))
-_SAFE_ANCHORS = frozenset(("^", "$", "\\A", "\\Z", "\\b", "\\B"))
-_SAFE_QUANTIFIERS = frozenset(("*", "+", "?", "*?", "+?", "??"))  # possessive ones need Python 3.11
-_SAFE_OPENS = {
-    "(": "group",
-    "(?:": "group",
-    "(?=": "ahead",
-    "(?!": "ahead",
-    "(?<=": "behind",
-    "(?<!": "behind",
-}
+@contextlib.contextmanager
+def lazy_compilation() -> Iterator[None]:
+    """Within the block (in this thread or task), :func:`compile_source` leaves the regex to its first use.
 
+    The registry loads the installed catalogs inside it. A pattern that turns out not to be a
+    valid regex then raises :class:`PatternError`, naming it, where it is first matched.
 
-def _surely_compiles(toks: list[_Tok]) -> bool:
-    """Whether ``re.compile`` cannot fail on a source built from these tokens.
-
-    True only for the plain part of the language: literals, ``.``, the wildcard, the class
-    escapes ``\\d \\w \\s`` (and their negations), anchors, alternation, balanced groups
-    (capturing, non-capturing, look-aheads), ``* + ?`` (optionally lazy) right after something
-    repeatable, and look-behinds of single characters only (fixed width). Anything else
-    (character classes, braces, named groups, other escapes) answers ``False`` and is compiled on
-    the spot: this only decides *when* a regex is compiled, never whether it is accepted (a
-    property test holds it to ``re.compile``).
+    Example:
+        >>> with lazy_compilation():
+        ...     sp = compile_source("layers.*.mlp")
+        >>> sp.regex.search("layers.3.mlp") is not None
+        True
     """
-    groups: list[str] = []  # the kinds of the open groups, innermost last
-    previous = "start"  # nothing to repeat at the start
-    for tok in toks:
-        kind = tok.kind
-        if "behind" in groups and kind not in ("literal", "any", "escape", "close"):
-            return False  # a look-behind must have a fixed width: one character per token
-        if kind == "quant":
-            if previous not in _QUANTIFIABLE or tok.text not in _SAFE_QUANTIFIERS:
-                return False
-        elif kind == "open":
-            if tok.text not in _SAFE_OPENS:
-                return False
-            groups.append(_SAFE_OPENS[tok.text])
-        elif kind == "close":
-            if not groups:
-                return False
-            kind = groups.pop()  # only a plain group may be repeated
-        elif kind == "escape":
-            if tok.text not in _SAFE_ESCAPES:
-                return False
-        elif kind == "anchor":
-            if tok.text not in _SAFE_ANCHORS:
-                return False
-        elif kind not in ("literal", "any", "star", "alt"):
-            return False  # character classes, back-references
-        previous = kind
-    return not groups
+    token = _LAZY.set(True)
+    try:
+        yield
+    finally:
+        _LAZY.reset(token)
 
 
 def is_digit_blind(pattern: str) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,10 +24,16 @@ from torch import nn
 from .errors import ConfigurationError
 from .transforms import WeightTransform
 
-if TYPE_CHECKING:
-    from .fusion.apply import FusionRecord
-
-__all__ = ["Fired", "LoadRecord", "ModelRecord", "Origin", "record_of", "update_record"]
+__all__ = [
+    "Fired",
+    "FusionEntry",
+    "FusionRecord",
+    "LoadRecord",
+    "ModelRecord",
+    "Origin",
+    "record_of",
+    "update_record",
+]
 
 _ATTRIBUTE = "_surgery_record"  # the one attribute written on a model; read it with record_of
 
@@ -102,6 +108,34 @@ class LoadRecord:
     def of(self, *origins: Origin) -> list[WeightTransform]:
         """The transforms that fired with one of ``origins``, in order."""
         return [f.transform for f in self.fired if f.origin in origins]
+
+
+@dataclass(frozen=True)
+class FusionEntry:
+    """One applied rewrite.
+
+    Attributes:
+        fusion: the fusion name.
+        path: the dotted path of the fused module.
+        original_class / fused_class: class names before and after.
+        transforms: the transform prototypes (original → fused layout), scoped to ``path``.
+        source_keys: the model-level keys (original layout) the transforms consume.
+    """
+
+    fusion: str
+    path: str
+    original_class: str
+    fused_class: str
+    transforms: tuple[WeightTransform, ...]
+    source_keys: tuple[str, ...]
+
+
+@dataclass
+class FusionRecord:
+    """What :func:`apply_fusions` did to one model: the config in force and every rewrite."""
+
+    config: dict[str, Any]
+    entries: list[FusionEntry] = field(default_factory=list)
 
 
 @dataclass

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
 from .errors import RegistryError
+from .patterns import lazy_compilation
 from .transforms import WeightTransform
 
 __all__ = [
@@ -141,8 +142,9 @@ class _Registry:
             before = _State(dict(self.state.entries), dict(self.state.modules), False)
             self.loading = True
             try:
-                for ep in _catalog_entry_points():
-                    self._run_entry_point(ep)
+                with lazy_compilation():  # most catalog patterns never meet a given model
+                    for ep in _catalog_entry_points():
+                        self._run_entry_point(ep)
             except BaseException:
                 self.state = before  # all or nothing: the next access retries (and fails) loudly
                 raise

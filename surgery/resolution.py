@@ -155,8 +155,8 @@ def explain_model_conversion_mapping(
     Raises:
         RegistryError: a matched alias chain is broken (cycle, unknown target).
     """
-    # Without a graph, walk the modules directly: building one imports networkx (~0.2 s on the
-    # first load of a process) for nothing more than this list.
+    # Without a graph, walk the modules directly: building one imports networkx (a start-up cost
+    # on the first load of a process, docs/benchmarks.md) for nothing more than this list.
     walk: list[tuple[str, nn.Module, str | None]] = (
         submodels_of(model)
         if graph is None

@@ -167,3 +167,24 @@ def test_parallel_exports_exactly_its_public_names_and_each_resolves() -> None:
 
     assert sorted(surgery.parallel.__all__) == PARALLEL
     assert all(getattr(surgery.parallel, name) is not None for name in PARALLEL)
+
+
+TENSOR_RECORDS = [
+    ("surgery.checkpoint", "StoredTensor", ("key", "dtype", "shape", "file", "offset", "nbytes")),
+    ("surgery.graph", "ModuleTensor", ("shape", "dtype", "device", "tied_to", "persistent")),
+    ("surgery.fusion", "TensorSummary", ("shape", "dtype")),
+]
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "fields"), TENSOR_RECORDS, ids=[name for _, name, _ in TENSOR_RECORDS]
+)
+def test_each_record_about_a_tensor_is_named_for_what_it_describes(
+    module: str, name: str, fields: tuple[str, ...]
+) -> None:
+    import dataclasses
+    import importlib
+
+    namespace = importlib.import_module(module)
+    assert name in namespace.__all__ and "TensorInfo" not in namespace.__all__
+    assert tuple(f.name for f in dataclasses.fields(getattr(namespace, name))) == fields

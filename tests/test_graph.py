@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from surgery.errors import ConfigurationError
-from surgery.graph import ModuleGraph, TensorInfo
+from surgery.graph import ModuleGraph, ModuleTensor
 from surgery.registry import register_checkpoint_conversion_mapping, registry_snapshot
 
 
@@ -78,8 +78,8 @@ def test_node_records_own_parameters_with_shape_dtype_and_device_only():
     graph = ModuleGraph(CausalLM(hidden=4))
     attn = graph.nodes["model.layers.0.attn"]["parameters"]
     assert attn == {
-        "weight": TensorInfo((4, 4), torch.float32, torch.device("cpu")),
-        "bias": TensorInfo((4,), torch.float32, torch.device("cpu")),
+        "weight": ModuleTensor((4, 4), torch.float32, torch.device("cpu")),
+        "bias": ModuleTensor((4,), torch.float32, torch.device("cpu")),
     }
     assert graph.nodes["model.layers.0"]["parameters"] == {}  # own only: recurse=False
 
@@ -94,7 +94,7 @@ def test_node_records_buffers_and_whether_they_are_persistent():
     module.register_buffer("kept", torch.zeros(2, dtype=torch.int64))
     module.register_buffer("scratch", torch.zeros(3), persistent=False)
     buffers = ModuleGraph(module).nodes[""]["buffers"]
-    assert buffers["kept"] == TensorInfo((2,), torch.int64, torch.device("cpu"), None, True)
+    assert buffers["kept"] == ModuleTensor((2,), torch.int64, torch.device("cpu"), None, True)
     assert buffers["scratch"].persistent is False
 
 

@@ -3,13 +3,15 @@ r"""Specification of the pattern language: source regexes, target templates and 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from surgery.errors import PatternError, SurgeryError
-from surgery.patterns import compile_source, parse_target, reverse_pair
+from surgery.patterns import compile_source, lazy_compilation, parse_target, reverse_pair
+from surgery.registry import get_checkpoint_conversion_mapping, list_checkpoint_conversion_keys
 
 # --------------------------------------------------------------------------- source patterns
 
@@ -153,17 +155,47 @@ _REGEX_PIECES = [
 ]
 
 
+def _outcome(compile: Callable[[], re.Pattern[str]]) -> str:
+    try:
+        return compile().pattern
+    except PatternError as exc:
+        return f"PatternError: {exc}"
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.sampled_from(_REGEX_PIECES), min_size=1, max_size=8))
-def test_a_source_accepted_when_written_compiles_when_first_used(pieces):
-    # Plain sources compile on first use; every error must still come when they are written.
+def test_a_source_compiled_lazily_is_accepted_or_refused_as_when_compiled_at_once(pieces):
     pattern = "".join(pieces)
-    try:
-        sp = compile_source(pattern)
-    except PatternError:
-        return
-    compiled = sp.regex  # never a late re.error
-    assert compiled.pattern == sp.body()
+    with lazy_compilation():
+        lazily = _outcome(lambda: compile_source(pattern).regex)  # a refusal may come at first use
+    at_once = _outcome(lambda: compile_source(pattern).regex)
+    assert lazily == at_once  # the same regex, or the same PatternError naming the pattern
+    assert at_once.startswith("PatternError") or re.compile(at_once).pattern == compile_source(pattern).body()
+
+
+def test_a_user_source_that_is_no_regex_is_refused_where_it_is_written():
+    pattern = r"layers.\d{2,1}"
+    with pytest.raises(PatternError, match=re.escape(f"{pattern!r} is not a valid regex")):
+        compile_source(pattern)
+
+
+def test_inside_lazy_compilation_a_source_that_is_no_regex_is_refused_at_first_use():
+    with lazy_compilation():
+        sp = compile_source(r"experts.*.w{2,1}")  # it tokenizes; the regex is compiled later
+    with pytest.raises(PatternError, match=re.escape("'experts.*.w{2,1}' is not a valid regex")):
+        sp.regex.search("experts.0.w1")
+
+
+def test_every_catalog_source_pattern_and_its_reversal_is_a_valid_regex():
+    """The catalogs load under lazy compilation; this is where one of their regexes could fail."""
+    checked = 0
+    for key in list_checkpoint_conversion_keys():
+        for transform in get_checkpoint_conversion_mapping(key):
+            for t in (transform, transform.reverse_transform()):
+                for source in t.compiled_sources:
+                    assert isinstance(source.regex, re.Pattern), (key, source.text)
+                    checked += 1
+    assert checked > 1000  # the whole built-in catalog, forward and back
 
 
 def test_a_back_reference_inside_a_source_is_refused():

@@ -2,9 +2,11 @@
 
 * :mod:`~surgery.checkpoint.format`: the safetensors header (parsed and validated before any
   tensor byte is read) and :class:`~surgery.checkpoint.format.SafetensorsFile`, one open file.
-* :mod:`~surgery.checkpoint.reader`: :func:`open_checkpoint` over a file, a directory or a
-  sharded checkpoint (index validated, shard paths confined to its directory); pickle files only
-  with ``allow_pickle=True``, then with ``weights_only=True``.
+* :mod:`~surgery.checkpoint.layout`: :func:`open_checkpoint` finds the files of a file, a
+  directory or a sharded checkpoint (index validated, shard paths confined to its directory);
+  pickle files only with ``allow_pickle=True``, then with ``weights_only=True``.
+* :mod:`~surgery.checkpoint.reader`: :class:`CheckpointReader`, reads tensors, slices and
+  regions of those files on demand (zero-copy, ``preadv`` into place).
 * :mod:`~surgery.checkpoint.writer`: :func:`write_checkpoint`, streaming, sharded, atomic
   (temporary files, fsync, rename); a failed save undoes itself and removes its files.
   :func:`check_write_arguments` checks its arguments without touching the disk (every rank of
@@ -14,8 +16,9 @@
 """
 
 from .commit import LEFTOVER_NAME, write_file_atomically
-from .format import TensorInfo
-from .reader import CheckpointReader, open_checkpoint
+from .format import StoredTensor
+from .layout import open_checkpoint
+from .reader import CheckpointReader
 from .writer import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
@@ -31,7 +34,7 @@ __all__ = [
     "SAFE_WEIGHTS_NAME",
     "SHARD_NAME",
     "CheckpointReader",
-    "TensorInfo",
+    "StoredTensor",
     "check_write_arguments",
     "open_checkpoint",
     "parse_size",

@@ -37,7 +37,7 @@ __all__ = [
     "DTYPE_NAMES",
     "PACKED",
     "SafetensorsFile",
-    "TensorInfo",
+    "StoredTensor",
     "parse_header",
     "tensor_memory",
     "unique_pairs",
@@ -90,7 +90,7 @@ def tensor_memory(tensor: torch.Tensor, *, writable: bool) -> memoryview:
 
 
 @dataclass(frozen=True, slots=True)
-class TensorInfo:
+class StoredTensor:
     """Where one stored tensor lives; known from the header alone.
 
     Attributes:
@@ -146,8 +146,8 @@ def _pread_exact(fd: int, nbytes: int, offset: int) -> bytes:
     return data
 
 
-def _parse_entry(path: Path, key: str, entry: object, data_start: int, size: int) -> TensorInfo:
-    """Validate one header entry and turn it into a :class:`TensorInfo`."""
+def _parse_entry(path: Path, key: str, entry: object, data_start: int, size: int) -> StoredTensor:
+    """Validate one header entry and turn it into a :class:`StoredTensor`."""
     if not isinstance(entry, dict):
         raise _corrupt(path, f"the header entry of tensor {key!r} is not an object")
     name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
@@ -193,7 +193,7 @@ def _parse_entry(path: Path, key: str, entry: object, data_start: int, size: int
             f"tensor {key!r} ends at byte {data_start + end} but the file has only {size} bytes",
         )
     torch_shape = (*shape[:-1], shape[-1] // pack) if pack > 1 else tuple(shape)
-    return TensorInfo(key, dtype, torch_shape, path, data_start + begin, end - begin)
+    return StoredTensor(key, dtype, torch_shape, path, data_start + begin, end - begin)
 
 
 def _loads_plain(raw: bytes) -> dict[str, Any] | None:
@@ -217,13 +217,13 @@ def _loads_plain(raw: bytes) -> dict[str, Any] | None:
     return header if raw.count(b":") == pairs else None
 
 
-def _parse_entries(path: Path, header: dict[str, Any], data_start: int, size: int) -> list[TensorInfo]:
+def _parse_entries(path: Path, header: dict[str, Any], data_start: int, size: int) -> list[StoredTensor]:
     """:func:`_parse_entry` over every entry, with a lean path for well-formed unpacked entries.
 
     An entry that fails any check of the lean path goes through :func:`_parse_entry`, which
     raises the precise error (or accepts it exactly as it always did).
     """
-    infos: list[TensorInfo] = []
+    infos: list[StoredTensor] = []
     append = infos.append
     dtypes, packed = DTYPES, PACKED
     prod = math.prod
@@ -246,18 +246,18 @@ def _parse_entries(path: Path, header: dict[str, Any], data_start: int, size: in
                     and end - begin == prod(shape) * dtype.itemsize
                     and data_start + end <= size
                 ):
-                    append(TensorInfo(key, dtype, tuple(shape), path, data_start + begin, end - begin))
+                    append(StoredTensor(key, dtype, tuple(shape), path, data_start + begin, end - begin))
                     continue
         append(_parse_entry(path, key, entry, data_start, size))
     return infos
 
 
-def parse_header(path: Path, fd: int, size: int) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+def parse_header(path: Path, fd: int, size: int) -> tuple[dict[str, str], dict[str, StoredTensor]]:
     """Read and validate the header of the open file ``fd`` (``size`` bytes long).
 
     Returns:
         ``(metadata, infos)``: the ``__metadata__`` strings, and every tensor's
-        :class:`TensorInfo` keyed by name, in data-offset order.
+        :class:`StoredTensor` keyed by name, in data-offset order.
 
     Raises:
         CheckpointError: the header is truncated, not JSON, repeats a key, names an unknown
@@ -276,7 +276,7 @@ def parse_header(path: Path, fd: int, size: int) -> tuple[dict[str, str], dict[s
 
 def _parse_header_text(
     path: Path, raw: bytes, data_start: int, size: int
-) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+) -> tuple[dict[str, str], dict[str, StoredTensor]]:
     header = _loads_plain(raw)
     if header is None:  # the careful parse: it names the duplicate key or the JSON error
         try:
@@ -324,7 +324,7 @@ class SafetensorsFile:
     Attributes:
         path: the file.
         metadata: its ``__metadata__`` strings.
-        infos: every tensor's :class:`TensorInfo`, in data-offset order.
+        infos: every tensor's :class:`StoredTensor`, in data-offset order.
 
     Raises:
         CheckpointError: the path is not a regular file, cannot be opened, or its header is corrupt.

@@ -4,6 +4,7 @@
 * ``decoder``: a plain Llama-style decoder (separate q/k/v and gate/up: the sibling fusions' example).
 * ``moe``: a Mixtral-style mixture-of-experts decoder in the fused-experts runtime layout.
 * ``vision``: a Qwen2-VL-shaped vision tower (Conv3d patch embedding + transformer blocks).
+* ``layers``: the blocks the decoders share (RMSNorm, grouped-query attention, the decoder stack).
 """
 
 from .decoder import ExampleDecoderConfig, ExampleDecoderForCausalLM, build_decoder_model

@@ -10,15 +10,16 @@ Map of the package:
 * ``tracing``: :func:`trace_module` and what lets real model code trace (leaf functions, ...).
 * ``variants``: one traced graph per case a forward branches on (train/eval, a cache given or
   ``None``), and the choice among them at each call.
+* ``matching``: small matchers and dataflow analyses over fx nodes (reshapes, casts,
+  elementwise calls, aliasing, in-place writes) for specs whose patterns call modules.
 * ``rewrite``: the on-the-side rewrite and :class:`FusedModule`.
 * ``plan``: :class:`FusionPlan`, rendered as text, dict, Mermaid or DOT.
 * ``apply``: :func:`preview_fusions`, :func:`apply_fusions` and the record the loader and saver
   read (:func:`fusion_transforms`, :func:`fusion_config_of`, :func:`check_fusion_conflicts`).
 """
 
+from ..record import FusionEntry, FusionRecord
 from .apply import (
-    FusionEntry,
-    FusionRecord,
     apply_fusions,
     check_fusion_conflicts,
     fusion_config_of,
@@ -26,7 +27,16 @@ from .apply import (
     preview_fusions,
 )
 from .config import EnabledFusion, FusionConfig, validate_fusion_config
-from .plan import EXCLUDED, FUSED, SKIPPED, WOULD_FUSE, FusionCandidate, FusionPlan, GraphSnapshot, TensorInfo
+from .plan import (
+    EXCLUDED,
+    FUSED,
+    SKIPPED,
+    WOULD_FUSE,
+    FusionCandidate,
+    FusionPlan,
+    GraphSnapshot,
+    TensorSummary,
+)
 from .registry import find_fusion, fusion_registry_snapshot, get_fusion, list_fusions, register_fusion
 from .rewrite import NOTHING_HERE, FusedModule
 from .spec import COMMON_OPTIONS, FusionMatch, FusionOption, FusionSpec, GraphRewrite
@@ -52,7 +62,7 @@ __all__ = [
     "FusionTracer",
     "GraphRewrite",
     "GraphSnapshot",
-    "TensorInfo",
+    "TensorSummary",
     "apply_fusions",
     "check_fusion_conflicts",
     "find_fusion",

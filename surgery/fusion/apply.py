@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -30,49 +29,19 @@ from torch import nn
 from ..converter import WeightConverter
 from ..errors import FusionConflictError, FusionError
 from ..graph import swap_module
-from ..record import record_of, update_record
+from ..record import FusionEntry, FusionRecord, record_of, update_record
 from ..transforms import WeightTransform
 from .config import EnabledFusion, FusionConfig, exact_module_pattern, validate_fusion_config
 from .plan import EXCLUDED, FUSED, SKIPPED, FusionCandidate, FusionPlan
 from .rewrite import NO_MATCH, NOTHING_HERE, FusedModule, examine_candidate
 
 __all__ = [
-    "FusionEntry",
-    "FusionRecord",
     "apply_fusions",
     "check_fusion_conflicts",
     "fusion_config_of",
     "fusion_transforms",
     "preview_fusions",
 ]
-
-
-@dataclass(frozen=True)
-class FusionEntry:
-    """One applied rewrite.
-
-    Attributes:
-        fusion: the fusion name.
-        path: the dotted path of the fused module.
-        original_class / fused_class: class names before and after.
-        transforms: the transform prototypes (original → fused layout), scoped to ``path``.
-        source_keys: the model-level keys (original layout) the transforms consume.
-    """
-
-    fusion: str
-    path: str
-    original_class: str
-    fused_class: str
-    transforms: tuple[WeightTransform, ...]
-    source_keys: tuple[str, ...]
-
-
-@dataclass
-class FusionRecord:
-    """What :func:`apply_fusions` did to one model: the config in force and every rewrite."""
-
-    config: dict[str, Any]
-    entries: list[FusionEntry] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------- public API

@@ -4,12 +4,16 @@
 issue #139163), so a spec walks the dataflow around a module call itself with these helpers:
 recognise reshapes (``x.view(...)``, ``x.reshape(...)``, ``torch.reshape``), flattens, and the
 shape-preserving casts a forward often puts in between (``.to(dtype)``, ``.contiguous()``), and
-calls that apply a function element by element (:func:`is_elementwise`: an activation).
+calls that apply a function element by element (:func:`is_elementwise`: an activation). For
+the memory a rewrite may change, the dataflow analyses: which values may share a node's memory
+(:func:`aliases_and_users`), which calls write in place (:func:`writes_in_place`) or depend on the
+layout (:func:`depends_on_layout`), and everything downstream of a node (:func:`descendants`).
 """
 
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Any
 
 import torch
@@ -17,9 +21,17 @@ from torch import fx, nn
 from torch.nn.utils import parametrize
 
 __all__ = [
+    "ALIASING_FUNCTIONS",
+    "ALIASING_METHODS",
+    "INPLACE_OPERATORS",
+    "LAYOUT_METHODS",
     "PARAMETER_METADATA",
+    "PASSTHROUGH_METHODS",
+    "aliases_and_users",
     "child_problem",
     "child_reads",
+    "depends_on_layout",
+    "descendants",
     "flattens_to_width",
     "is_elementwise",
     "is_passthrough",
@@ -29,10 +41,43 @@ __all__ = [
     "skip_passthrough_back",
     "skip_passthrough_forward",
     "with_reshape_shape",
+    "writes_in_place",
 ]
 
 _RESHAPE_METHODS = frozenset({"view", "reshape"})
-_PASSTHROUGH_METHODS = frozenset({"to", "contiguous", "float", "half", "bfloat16", "double", "type"})
+PASSTHROUGH_METHODS = frozenset({"to", "contiguous", "float", "half", "bfloat16", "double", "type"})
+"""Tensor methods that keep the shape and work the same on any rank: casts and ``contiguous``
+(:func:`is_passthrough`). Each may return its input itself, so each is also in :data:`ALIASING_METHODS`."""
+ALIASING_METHODS = (
+    _RESHAPE_METHODS
+    | PASSTHROUGH_METHODS
+    | frozenset(
+        {"transpose", "permute", "unsqueeze", "squeeze", "expand", "flatten", "unflatten", "narrow"}
+        | {"detach", "view_as", "t"}
+    )
+)
+"""Tensor methods whose result may share memory with their input (views, and casts that can be no-ops)."""
+ALIASING_FUNCTIONS = frozenset(
+    {operator.getitem, torch.transpose, torch.reshape, torch.flatten, torch.narrow}
+)
+"""Functions whose result may share memory with their first argument (indexing and views)."""
+LAYOUT_METHODS = frozenset(
+    {
+        "data_ptr",
+        "stride",
+        "storage",
+        "untyped_storage",
+        "storage_offset",
+        "is_contiguous",
+        "set_",
+        "as_strided",
+    }
+)
+"""Tensor methods whose result depends on (or changes) the memory layout, not only the values."""
+INPLACE_OPERATORS = frozenset(
+    {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv}
+)
+"""The augmented assignments fx records as calls (``x += 1``); they write their left operand."""
 
 
 def reshape_shape(node: fx.Node) -> tuple[Any, ...] | None:
@@ -78,7 +123,7 @@ def is_passthrough(node: fx.Node) -> bool:
     """A cast or layout call that keeps the shape and works the same on any rank."""
     return (
         node.op == "call_method"
-        and node.target in _PASSTHROUGH_METHODS
+        and node.target in PASSTHROUGH_METHODS
         and "memory_format" not in node.kwargs
         and not any(isinstance(a, torch.memory_format) for a in node.args[1:])
     )
@@ -119,6 +164,70 @@ def skip_passthrough_forward(node: fx.Node) -> fx.Node | None:
         if not is_passthrough(user):
             return user
         current = user
+
+
+def writes_in_place(node: fx.Node, module: nn.Module) -> bool:
+    """Whether ``node`` writes one of its inputs in place.
+
+    ``x.add_(...)``, ``torch.relu_(x)``, ``x += 1``, ``F.relu(x, inplace=True)`` and a child
+    module with ``inplace=True`` (``nn.ReLU(inplace=True)``) do; ``module`` is the traced module
+    (for ``call_module`` nodes).
+    """
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return node.target in INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+    if node.op == "call_module":
+        return getattr(module.get_submodule(str(node.target)), "inplace", False) is True
+    return False
+
+
+def depends_on_layout(node: fx.Node, module: nn.Module) -> bool:
+    """Whether ``node`` reads or changes the memory of its input, not only its values.
+
+    A call of a :data:`LAYOUT_METHODS` method (``stride``, ``data_ptr`` ...) or an in-place write
+    (:func:`writes_in_place`): replacing its input by a slice of a larger tensor could change it.
+    """
+    return (node.op == "call_method" and node.target in LAYOUT_METHODS) or writes_in_place(node, module)
+
+
+def aliases_and_users(node: fx.Node) -> list[fx.Node]:
+    """Every user of ``node`` and of the values that may share its memory (views made from it).
+
+    A value shares ``node``'s memory when it is made from it by a :data:`ALIASING_METHODS` method
+    or a :data:`ALIASING_FUNCTIONS` function (``view``, ``transpose``, slicing ...): an in-place
+    write through any of them reaches ``node``'s output.
+    """
+    out: list[fx.Node] = []
+    stack, seen = [node], {node}
+    while stack:
+        for user in stack.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            out.append(user)
+            aliasing = (user.op == "call_method" and user.target in ALIASING_METHODS) or (
+                user.op == "call_function" and user.target in ALIASING_FUNCTIONS
+            )
+            if aliasing and user.args and user.args[0] in seen:
+                stack.append(user)
+    return out
+
+
+def descendants(node: fx.Node) -> set[fx.Node]:
+    """Every node that uses ``node``'s value, directly or through other nodes."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return seen
 
 
 PARAMETER_METADATA = frozenset({"dtype", "device", "is_cuda", "is_meta", "requires_grad"})

@@ -27,7 +27,8 @@ __all__ = [
     "FusionPlan",
     "GraphNode",
     "GraphSnapshot",
-    "TensorInfo",
+    "TensorSummary",
+    "tensor_summaries",
 ]
 
 FUSED = "fused"
@@ -41,24 +42,24 @@ EXCLUDED = "excluded"
 
 
 @dataclass(frozen=True)
-class TensorInfo:
+class TensorSummary:
     """Shape and dtype of one parameter or buffer."""
 
     shape: tuple[int, ...]
     dtype: str
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorInfo:
+    def of(cls, tensor: torch.Tensor) -> TensorSummary:
         return cls(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
 
     def __str__(self) -> str:
         return f"{list(self.shape)} {self.dtype}"
 
 
-def tensor_infos(module: nn.Module) -> dict[str, TensorInfo]:
-    """``{state_dict key: TensorInfo}`` of ``module`` (keys relative to the module)."""
+def tensor_summaries(module: nn.Module) -> dict[str, TensorSummary]:
+    """``{state_dict key: TensorSummary}`` of ``module`` (keys relative to the module)."""
     return {
-        k: TensorInfo.of(v)
+        k: TensorSummary.of(v)
         for k, v in module.state_dict(keep_vars=True).items()
         if isinstance(v, torch.Tensor)
     }
@@ -125,8 +126,8 @@ class FusionCandidate:
     fused_class_name: str | None = None
     before: GraphSnapshot | None = None
     after: GraphSnapshot | None = None
-    params_before: dict[str, TensorInfo] = field(default_factory=dict)
-    params_after: dict[str, TensorInfo] = field(default_factory=dict)
+    params_before: dict[str, TensorSummary] = field(default_factory=dict)
+    params_after: dict[str, TensorSummary] = field(default_factory=dict)
     transforms: tuple[WeightTransform, ...] = ()
 
     @property

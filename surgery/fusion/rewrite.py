@@ -20,7 +20,7 @@ from typing import Any
 from torch import fx, nn
 
 from ..errors import FusionError
-from .plan import SKIPPED, WOULD_FUSE, FusionCandidate, GraphSnapshot, tensor_infos
+from .plan import SKIPPED, WOULD_FUSE, FusionCandidate, GraphSnapshot, tensor_summaries
 from .spec import FusionSpec, GraphRewrite
 from .tracing import SELF_ATTRIBUTE, optional_arguments, reads_training, trace_module
 from .variants import Variant, VariantTable, every_variant
@@ -285,7 +285,7 @@ def examine_candidate(
             the path and the fusion).
     """
     cls = type(module).__name__
-    entry = FusionCandidate(fusion, path, cls, SKIPPED, "", params_before=tensor_infos(module))
+    entry = FusionCandidate(fusion, path, cls, SKIPPED, "", params_before=tensor_summaries(module))
     ok, why = spec.is_fusable(module)
     if not ok:
         entry.reason = f"not fusable: {why}"
@@ -350,6 +350,6 @@ def examine_candidate(
     entry.reason = "; ".join(m.description for m in matches)
     entry.fused_class_name = type(fused).__name__
     entry.after = GraphSnapshot.of(fused.graph, code=fused.code)
-    entry.params_after = tensor_infos(fused)
+    entry.params_after = tensor_summaries(fused)
     entry.transforms = tuple(transforms)
     return entry, fused

@@ -4,8 +4,8 @@
 * :mod:`~surgery.load.planner`: phase 1, from checkpoint headers to the work list; with
   :mod:`~surgery.model_state` (tensors, ties, configs, dtypes), :mod:`~surgery.load.inference`
   (converter outputs on meta), :mod:`~surgery.load.sharding` (a tensor-parallel rank's part) and
-  :mod:`~surgery.load.quantized` (a quantizer's steps).
-* :mod:`~surgery.placement` (shared with saving): destination views that sources are read into.
+  :mod:`~surgery.load.quantized` (a quantizer's steps); sources are read into destination views
+  (:mod:`surgery.placement`, shared with saving).
 * :mod:`~surgery.load.execute`: one entry of the work list, read and converted.
 * :mod:`~surgery.load.loader`: :func:`plan_load` and :func:`load_checkpoint` (phase 2).
 * :mod:`~surgery.load.record`: what a load leaves in the model's record (:mod:`surgery.record`) for the save.

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointReader, TensorInfo
+from ..checkpoint import CheckpointReader, StoredTensor
 from ..converter import WeightConverter
 from ..errors import ConfigurationError, ConversionError, SurgeryError
 from ..fusion import (
@@ -495,7 +495,7 @@ def _plan_shard(
     tp: TensorParallel,
     runtime: dict[str, torch.Tensor],
     placements_of: dict[str, tuple[Any, ...]],
-    infos: dict[str, TensorInfo],
+    infos: dict[str, StoredTensor],
     cast: bool,
 ) -> None:
     """Fill ``w``'s sharding, ``entry.tp`` and this rank's bytes; pick the mode for a sharded target."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointReader, TensorInfo
+from ..checkpoint import CheckpointReader, StoredTensor
 from ..errors import ConversionError
 from ..model_state import dtype_name
 from ..quantization import QuantizerHooks
@@ -36,7 +36,7 @@ __all__ = [
 
 
 def prequantized_sources(
-    infos: list[TensorInfo], reader: CheckpointReader, hooks: QuantizerHooks | None
+    infos: list[StoredTensor], reader: CheckpointReader, hooks: QuantizerHooks | None
 ) -> str:
     """Why these sources cannot be cast as they are (``""`` when they can).
 
@@ -167,11 +167,11 @@ def broken_units(model: nn.Module, filled: set[str]) -> dict[str, str]:
 
 def decoded_info(
     hooks: QuantizerHooks,
-    info: TensorInfo,
+    info: StoredTensor,
     decoded: dict[str, tuple[str, ...]],
     reader: CheckpointReader,
     cache: dict[Any, torch.dtype],
-) -> TensorInfo:
+) -> StoredTensor:
     """``info`` as the op chain sees it after decoding (checked by a ``meta`` run of ``decode``)."""
     names = decoded.get(info.key)
     if not names:

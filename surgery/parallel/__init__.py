@@ -27,10 +27,9 @@ if TYPE_CHECKING:
         local_split_sizes,
         param_placements,
         resolve_tp_plan,
-        strided_shard,
     )
     from .regions import Region, TPSlice
-    from .styles import ExpertsParallel, PackedColwiseParallel
+    from .styles import ExpertsParallel, PackedColwiseParallel, strided_shard
 
 _LAZY = {
     "parallelize": ".apply",
@@ -47,7 +46,7 @@ _LAZY = {
     "local_split_sizes": ".plan",
     "param_placements": ".plan",
     "resolve_tp_plan": ".plan",
-    "strided_shard": ".plan",
+    "strided_shard": ".styles",
     "Region": ".regions",
     "TPSlice": ".regions",
     "ExpertsParallel": ".styles",

@@ -48,38 +48,15 @@ __all__ = [
     "STYLE_NAMES",
     "ResolvedStyle",
     "check_mesh",
-    "expert_placements",
     "local_region",
     "local_split_sizes",
     "param_placements",
     "resolve_tp_plan",
     "sharded_dim",
-    "strided_shard",
     "tied_names",
 ]
 
 STYLE_NAMES = ("colwise", "rowwise", "colwise_gather", "replicate", "packed_colwise", "experts")
-
-
-def strided_shard(dim: int, split_factor: int) -> Any:
-    """torch's private ``_StridedShard(dim, split_factor=...)`` (imported here, and only here)."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    return _StridedShard(dim, split_factor=split_factor)
-
-
-def expert_placements(name: str, split_factor: int) -> list[Any]:
-    """The placements the ``experts`` style gives its parameter ``name`` (one per mesh dim)."""
-    from torch.distributed.tensor import Shard
-
-    if name == "gate_up_proj":
-        return [strided_shard(1, split_factor)]
-    if name == "down_proj":
-        return [Shard(2)]
-    raise ConfigurationError(
-        f"the experts style shards 'gate_up_proj' (E, 2I, H) and 'down_proj' (E, H, I); {name!r} has no "
-        "placement. Keep this module replicated, or give it a style of its own."
-    )
 
 
 # --------------------------------------------------------------------------- resolving a plan
@@ -323,6 +300,8 @@ def param_placements(module: nn.Module, r: ResolvedStyle) -> dict[str, tuple[Any
     if r.kind in ("replicate", "custom"):
         return {}
     from torch.distributed.tensor import Shard
+
+    from .styles import expert_placements, strided_shard
 
     out: dict[str, tuple[Any, ...]] = {}
     embedding = isinstance(module, nn.Embedding)

@@ -27,9 +27,29 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module, dist
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from ..errors import ConfigurationError
-from .plan import expert_placements, strided_shard
 
-__all__ = ["ExpertsParallel", "PackedColwiseParallel", "style_for"]
+__all__ = ["ExpertsParallel", "PackedColwiseParallel", "expert_placements", "strided_shard", "style_for"]
+
+
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """torch's private ``_StridedShard(dim, split_factor=...)``, the placement of a packed tensor's parts."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def expert_placements(name: str, split_factor: int) -> list[Any]:
+    """The placements the ``experts`` style gives its parameter ``name`` (one per mesh dim)."""
+    from torch.distributed.tensor import Shard
+
+    if name == "gate_up_proj":
+        return [strided_shard(1, split_factor)]
+    if name == "down_proj":
+        return [Shard(2)]
+    raise ConfigurationError(
+        f"the experts style shards 'gate_up_proj' (E, 2I, H) and 'down_proj' (E, H, I); {name!r} has no "
+        "placement. Keep this module replicated, or give it a style of its own."
+    )
 
 
 class PackedColwiseParallel(ColwiseParallel):

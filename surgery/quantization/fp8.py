@@ -33,7 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import TensorInfo
+from .. import meta
+from ..checkpoint import StoredTensor
 from ..errors import ConfigurationError, ConversionError
 from ..parallel.regions import Region
 from ..persist import read_json_file
@@ -108,8 +109,8 @@ def blockwise_dequantize(
     region: Region | None = None,
 ) -> torch.Tensor:
     """``q * scale`` per block, in float32 (``region``: ``q`` is that part of the weight)."""
-    if q.device.type == "meta":  # planning: shapes only (torch's meta math imports torch._dynamo, ~1 s)
-        return torch.empty(q.shape, dtype=torch.float32, device="meta")
+    if meta.is_meta(q):  # planning: shapes only (see surgery.meta)
+        return meta.empty(q.shape, torch.float32)
     out = q.to(torch.float32, copy=True)  # the region's dim is indexed by its intervals, the others are whole
     b0, b1 = block_size
     *lead, n, k = q.shape
@@ -322,7 +323,7 @@ class FP8BlockQuantizer:
         return config
 
     # ------------------------------------------------------------------ hooks
-    def companions(self, key: str, info: TensorInfo) -> tuple[str, ...]:
+    def companions(self, key: str, info: StoredTensor) -> tuple[str, ...]:
         if key.endswith(self.scale_suffix):
             return ()
         if key.rpartition(".")[2] == "activation_scale":
@@ -336,7 +337,7 @@ class FP8BlockQuantizer:
         """``X.weight`` for ``X.weight_scale_inv``: a scale no FP8 weight claims is an error naming it."""
         return key.removesuffix(self.scale_suffix) if key.endswith(self.scale_suffix) else None
 
-    def checks(self, key: str, info: TensorInfo) -> bool:
+    def checks(self, key: str, info: StoredTensor) -> bool:
         return key.endswith(self.scale_suffix)
 
     def check(self, key: str, tensor: torch.Tensor) -> None:

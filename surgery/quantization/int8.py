@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from ..checkpoint import TensorInfo
+from .. import meta
+from ..checkpoint import StoredTensor
 from ..errors import ConfigurationError, ConversionError
 from ..graph import match_modules, swap_module
 from ..record import update_record
@@ -73,9 +74,8 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         raise ConversionError(
             f"int8 weight-only quantization takes a 2-D weight, got shape {tuple(weight.shape)}."
         )
-    if weight.device.type == "meta":  # planning: shapes only (torch's meta math imports torch._dynamo, ~1 s)
-        q = torch.empty(weight.shape, dtype=torch.int8, device="meta")
-        return q, torch.empty(weight.shape[0], dtype=torch.float32, device="meta")
+    if meta.is_meta(weight):  # planning: shapes only (see surgery.meta)
+        return meta.empty(weight.shape, torch.int8), meta.empty((weight.shape[0],), torch.float32)
     x = weight.to(torch.float32)
     scale = x.abs().amax(dim=1) / 127
     q = torch.div(x, scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
@@ -417,7 +417,7 @@ class Int8WeightOnlyQuantizer:
                 swap_module(model, path, Int8WeightOnlyLinear.from_linear(module))
         update_record(model, quantizer=self)
 
-    def checks(self, key: str, info: TensorInfo) -> bool:
+    def checks(self, key: str, info: StoredTensor) -> bool:
         """A runtime-layout ``X.weight_scale`` is read during planning and checked (:meth:`check`)."""
         return key.rpartition(".")[2] == "weight_scale"
 

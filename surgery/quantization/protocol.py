@@ -52,7 +52,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..checkpoint import TensorInfo
+from ..checkpoint import StoredTensor
 from ..errors import ConfigurationError, ConversionError, SurgeryError
 from ..parallel.regions import Region
 from ..record import update_record
@@ -84,11 +84,11 @@ class Quantizer(Protocol):
 
     def get_weight_conversions(self) -> list[WeightTransform]: ...
 
-    def companions(self, key: str, info: TensorInfo) -> tuple[str, ...]: ...
+    def companions(self, key: str, info: StoredTensor) -> tuple[str, ...]: ...
 
     def companion_of(self, key: str) -> str | None: ...
 
-    def checks(self, key: str, info: TensorInfo) -> bool: ...
+    def checks(self, key: str, info: StoredTensor) -> bool: ...
 
     def check(self, key: str, tensor: torch.Tensor) -> None: ...
 
@@ -262,7 +262,7 @@ class QuantizerHooks:
         return list(result)
 
     # ------------------------------------------------------------------ quantized on disk
-    def companions(self, key: str, info: TensorInfo) -> tuple[str, ...]:
+    def companions(self, key: str, info: StoredTensor) -> tuple[str, ...]:
         if "companions" not in self._hooks:
             return ()
         result = self._call("companions", key, key, info)
@@ -288,7 +288,7 @@ class QuantizerHooks:
             )
         return result
 
-    def checks(self, key: str, info: TensorInfo) -> bool:
+    def checks(self, key: str, info: StoredTensor) -> bool:
         return self._predicate("checks", key, info)
 
     def check(self, key: str, tensor: torch.Tensor) -> None:
@@ -323,7 +323,9 @@ class QuantizerHooks:
             )
         return result
 
-    def decode_meta(self, key: str, info: TensorInfo, companions: Mapping[str, TensorInfo]) -> torch.dtype:
+    def decode_meta(
+        self, key: str, info: StoredTensor, companions: Mapping[str, StoredTensor]
+    ) -> torch.dtype:
         """Run ``decode`` on ``meta`` tensors of the stored shapes: checks it, returns the decoded dtype."""
         metas = {k: torch.empty(i.shape, dtype=i.dtype, device="meta") for k, i in companions.items()}
         return self.decode(key, torch.empty(info.shape, dtype=info.dtype, device="meta"), metas).dtype
