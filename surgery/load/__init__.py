@@ -1,10 +1,11 @@
 """Loading: plan from headers, then read every tensor straight into place.
 
-* :mod:`~surgery.load.plan`: :class:`LoadPlan` and :class:`PlanEntry`, what a load will do.
-* :mod:`~surgery.load.planner`: phase 1, from checkpoint headers to the work list; with
-  :mod:`~surgery.load.model` (tensors, ties, configs, dtypes), :mod:`~surgery.load.inference`
-  (converter outputs on meta), :mod:`~surgery.load.sharding` (a tensor-parallel rank's part) and
-  :mod:`~surgery.load.quantized` (a quantizer's steps).
+* :mod:`~surgery.load.plan`: :class:`LoadPlan` and :class:`PlanEntry` (with their :class:`Mode`
+  and :class:`Status`), what a load will do.
+* :mod:`~surgery.load.planner`: phase 1, from checkpoint headers to the work list, by the named
+  steps of :mod:`~surgery.load.passes`; with :mod:`~surgery.load.model` (tensors, ties, configs,
+  dtypes), :mod:`~surgery.load.shapes` (converter outputs on meta), :mod:`~surgery.load.sharding`
+  (a tensor-parallel rank's part) and :mod:`~surgery.load.quantized` (a quantizer's steps).
 * :mod:`~surgery.load.placement`: destination views that sources are read into.
 * :mod:`~surgery.load.execute`: one entry of the work list, read and converted.
 * :mod:`~surgery.load.loader`: :func:`plan_load` and :func:`load_checkpoint` (phase 2).
@@ -13,7 +14,7 @@
 """
 
 from .loader import DEFAULT_WORKERS, SYNC_ENV, load_checkpoint, plan_load
-from .plan import LoadPlan, PlanEntry
+from .plan import LoadPlan, Mode, PlanEntry, Status
 from .record import LoadRecord, load_record
 from .report import ConversionFailure, LoadReport, Mismatch
 
@@ -25,7 +26,9 @@ __all__ = [
     "LoadRecord",
     "LoadReport",
     "Mismatch",
+    "Mode",
     "PlanEntry",
+    "Status",
     "load_checkpoint",
     "load_record",
     "plan_load",
