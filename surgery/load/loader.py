@@ -1,11 +1,12 @@
 """Loading a checkpoint into a (possibly rewritten) module tree.
 
-A load has two phases. Phase 1 (:func:`plan_load`, built in :mod:`surgery.load.planner`) reads only
-headers: it resolves the model's transforms, routes every checkpoint key once, infers every
-converter's outputs on ``meta`` tensors and decides, per target, whether it is memory-mapped
-(``mmap``), read straight into place (``direct``), or read and converted (``convert``).
+A load has two phases. Phase 1 (:func:`plan_load`, built in :mod:`surgery.load.planner` by the
+passes of :mod:`surgery.load.passes`) reads only headers: it resolves the model's transforms,
+routes every checkpoint key once, infers every converter's outputs on ``meta`` tensors and
+decides, per target, whether it is memory-mapped (``mmap``), read straight into place
+(``direct``), or read and converted (``convert``).
 
-Phase 2 (:func:`load_checkpoint`) executes exactly that plan (each entry by
+Phase 2 (:func:`load_checkpoint`: prepare, execute, report) executes exactly that plan (each entry by
 :func:`surgery.load.execute.execute`) on a thread pool (4 workers by
 default; ``SURGERY_SYNC_LOAD=1`` or ``sync=True`` for sequential loading) with bounded read-ahead,
 sets each parameter as soon as its tensors are ready and frees the temporaries at once. Entries

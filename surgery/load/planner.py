@@ -1,9 +1,12 @@
 """Planning a load: from checkpoint headers to the exact list of work the loader executes.
 
-:func:`prepare` resolves the model's transforms (and fusions), routes every checkpoint key once,
-infers every converter's output shapes (arithmetic shape rules for built-in chains, a ``meta`` run
-otherwise), settles conflicts, checks everything against the model, and chooses per target how
-it is filled:
+:func:`prepare` is three steps, the shape of DCP's planner and of fx passes:
+:func:`plan_context` makes the model ready (fusions, a quantizer's module swaps, the tp plan),
+resolves its transforms and routes every checkpoint key once; the named passes of
+:mod:`surgery.load.passes` then decide each entry (decode, infer shapes, check targets, plan
+quantization, check quantized values, choose dtypes, choose mode, shard); a finish step settles
+what only the whole plan shows (conflicts, quantized modules loaded in part, missing keys, notes).
+Per target the plan chooses how it is filled (a :class:`~surgery.load.plan.Mode`):
 
 * ``mmap``: a runtime-layout tensor of matching dtype going into a ``meta`` model on CPU is
   memory-mapped from the file and assigned without a copy;
