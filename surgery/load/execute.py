@@ -79,7 +79,7 @@ def execute(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, bool]]:
             return [(key, dest, fresh)]
         return _targets(prep, w, key, _source(prep, w, src))
     conv = chain.converter
-    ctx = _keeping(prep, w, op_context(conv, chain.group_key, prep.runtime, chain.config))
+    ctx = _keeping(prep, w, conv, op_context(conv, chain.group_key, prep.runtime, chain.config))
     if entry.mode == Mode.DIRECT:
         key = w.dest_keys[0]
         dest, fresh = _alloc(prep.runtime[key], prep.target_dtype[key], w.device)
@@ -101,7 +101,7 @@ def execute(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, bool]]:
     return result
 
 
-def _keeping(prep: Prepared, w: Work, ctx: OpContext) -> OpContext:
+def _keeping(prep: Prepared, w: Work, conv: WeightConverter, ctx: OpContext) -> OpContext:
     """``ctx`` with a ``keep_residue`` that files what an op drops under the group's first runtime key.
 
     The key is the smallest runtime key of the group, the one a save finds it under. Under tensor
@@ -109,7 +109,6 @@ def _keeping(prep: Prepared, w: Work, ctx: OpContext) -> OpContext:
     rank keeps the whole residue: an op that keeps a residue must not define a slice rule.
     """
     key = min(w.dest_keys)
-    conv = None if w.chain is None else w.chain.converter
 
     def keep(residue: torch.Tensor) -> None:
         if key in prep.residues:
@@ -173,7 +172,7 @@ def _execute_shard(prep: Prepared, w: Work, sh: Sharding) -> list[tuple[str, tor
             return [(key, _read(reader, src, sh.sources[src], dest), True)]
         return [(key, _source(prep, w, src, sh.sources[src]).to(dtype).to(w.device), True)]
     conv = chain.converter
-    ctx = _keeping(prep, w, op_context(conv, chain.group_key, prep.runtime, chain.config))
+    ctx = _keeping(prep, w, conv, op_context(conv, chain.group_key, prep.runtime, chain.config))
     targets = conv.expand_target_keys(chain.group_key)
     if sh.fallback is not None:  # read whole, run the global chain, keep this rank's part
         for src in entry.source_keys:

@@ -57,6 +57,7 @@ __all__ = [
     "PASSES",
     "Candidate",
     "Chain",
+    "Memo",
     "Planning",
     "check_quantized",
     "check_targets",
@@ -68,6 +69,23 @@ __all__ = [
     "plan_quantization",
     "shard",
 ]
+
+
+@dataclass(frozen=True)
+class Memo:
+    """What passes remember within one load, so that 32 alike layers are decided once.
+
+    Attributes:
+        shapes: a converter's output slots per look of its sources (:func:`infer_shapes`).
+        views: whether a destination's placement views are contiguous (:func:`choose_mode`).
+        decoded: the dtype a quantizer decodes a stored look to (:func:`decode`).
+        quantized: a quantizer's outputs per module type, name, shape and dtype (:func:`plan_quantization`).
+    """
+
+    shapes: dict[Any, list[Any]] = field(default_factory=dict)
+    views: dict[Any, bool] = field(default_factory=dict)
+    decoded: dict[Any, torch.dtype] = field(default_factory=dict)
+    quantized: dict[Any, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -97,7 +115,7 @@ class Planning:
             and dtype mismatches, failed entries (with their plan index), the runtime keys some
             entry fills or reports, every target's dtype, and the companions read and checked.
         targeted: the candidates whose targets the model has (conflicts are settled among them).
-        caches: per planning pass, memo tables of the steps (shapes, modes, decoding, quantizing).
+        memo: what the passes remember within one load (see :class:`Memo`).
     """
 
     model: nn.Module
@@ -124,9 +142,7 @@ class Planning:
     target_dtype: dict[str, torch.dtype] = field(default_factory=dict)
     checked: dict[str, torch.Tensor] = field(default_factory=dict)
     targeted: list[Candidate] = field(default_factory=list)
-    caches: dict[str, dict[Any, Any]] = field(
-        default_factory=lambda: {"shapes": {}, "mode": {}, "decode": {}, "quantize": {}}
-    )
+    memo: Memo = field(default_factory=Memo)
 
     def device_of(self, t: torch.Tensor) -> torch.device:
         """Where ``t`` lives, for planning (the stand-in device for a ``meta`` tensor of a dry run)."""
@@ -156,7 +172,7 @@ _UNDECIDED = torch.device("meta")
 
 @dataclass(eq=False)
 class Candidate:
-    """One plan entry while the passes decide it (:func:`prepare` turns the ones left ``ok`` into work).
+    """One plan entry while the passes decide it (the ones left ``ok`` become the loader's work).
 
     Attributes:
         index: the entry's position in the plan.
@@ -227,7 +243,7 @@ def decode(ctx: Planning, c: Candidate) -> None:
             entry.companions = tuple(x for k in entry.source_keys for x in decoded.get(k, ()))
             entry.nbytes += sum(ctx.reader.info(x).nbytes for x in entry.companions)
             try:
-                c.infos = [decoded_info(hooks, i, decoded, ctx.reader, ctx.caches["decode"]) for i in c.infos]
+                c.infos = [decoded_info(hooks, i, decoded, ctx.reader, ctx.memo.decoded) for i in c.infos]
             except ConversionError as exc:
                 fail(ctx, c, f"{hooks.name}.decode", str(exc))
                 return
@@ -258,7 +274,7 @@ def infer_shapes(ctx: Planning, c: Candidate) -> None:
     c.chain = Chain(converter, c.group_key, config, slot_shapes)
     try:
         outputs = infer_outputs(
-            converter, c.group_key, c.infos, c.pattern_of, ctx.runtime, config, ctx.caches["shapes"]
+            converter, c.group_key, c.infos, c.pattern_of, ctx.runtime, config, ctx.memo.shapes
         )
     except SurgeryError as exc:
         fail(ctx, c, repr(converter), str(exc))
@@ -312,7 +328,7 @@ def plan_quantization(ctx: Planning, c: Candidate) -> None:
             c.out_shapes,
             c.out_dtypes,
             ctx.runtime,
-            ctx.caches["quantize"],
+            ctx.memo.quantized,
         )
     except ConversionError as exc:  # a ConfigurationError (a broken quantizer) fails the load
         fail(ctx, c, f"{hooks.name}.quantize", str(exc))
@@ -483,7 +499,7 @@ def _views_fit(ctx: Planning, chain: Chain, slot_shapes: list[Any], param: torch
     the 32 layers of a model decide once.
     """
     op_ctx = op_context(chain.converter, chain.group_key, ctx.runtime, chain.config)
-    cache = ctx.caches["mode"]
+    cache = ctx.memo.views
     key = None
     if all(type(op) in BUILTIN_OPS for op in chain.converter.operations):
         try:

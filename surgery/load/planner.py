@@ -283,7 +283,7 @@ def prepare(
     for c in candidates(ctx):
         for step in PASSES:
             step(ctx, c)
-            if c.entry.status != Status.OK:
+            if not c.ok:
                 break  # settled: reported, not loaded
     return _finish(ctx)
 
@@ -303,28 +303,15 @@ def plan_context(
 ) -> Planning:
     """Everything the passes share: ``model`` made ready (fusions, quantizer, tp plan), and routed.
 
-    This is where a load changes the model before any tensor is read: it applies the fusions,
-    lets the quantizer swap its modules and parallelizes per ``tp``. The options are
-    :func:`prepare`'s.
+    This is where a load changes the model before any tensor is read (:func:`_make_ready`). The
+    options are :func:`prepare`'s.
     """
     want_dtype = _normalize_dtype(dtype)
     dev = _normalize_device(device)
-    if quantizer is None:
-        quantizer = quantizer_from_metadata(reader.metadata, source=str(path))
-    hooks = QuantizerHooks(quantizer) if quantizer is not None else None
     notes: list[str] = []
-    fusions = _apply_fusions(
-        model, fusion_config, reader, notes=notes, parallel=tp is not None and tp.spec is None
+    fusions, hooks = _make_ready(
+        model, path, reader, fusion_config=fusion_config, tp=tp, quantizer=quantizer, notes=notes
     )
-    if hooks is not None:
-        if tp is not None and hooks.quantizes_on_the_fly:
-            raise ConfigurationError(
-                f"{hooks.name} quantizes on the fly, which tensor parallelism does not support: the parallel "
-                "styles shard float weights. Load with tp_plan or with the quantizer, not both."
-            )
-        hooks.prepare(model)
-    if tp is not None:
-        apply_tp_plan(model, tp)
     transforms = _resolve_transforms(model, hooks)
     runtime = runtime_tensors(model)
     tied = tied_groups(runtime)
@@ -363,6 +350,35 @@ def plan_context(
         tp=tp,
         placements=placements_of,
     )
+
+
+def _make_ready(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    reader: CheckpointReader,
+    *,
+    fusion_config: dict[str, Any] | None,
+    tp: TensorParallel | None,
+    quantizer: object | None,
+    notes: list[str],
+) -> tuple[dict | None, QuantizerHooks | None]:
+    """Apply the fusions, let the quantizer swap its modules, parallelize: return the fusions and the quantizer."""
+    if quantizer is None:
+        quantizer = quantizer_from_metadata(reader.metadata, source=str(path))
+    hooks = QuantizerHooks(quantizer) if quantizer is not None else None
+    fusions = _apply_fusions(
+        model, fusion_config, reader, notes=notes, parallel=tp is not None and tp.spec is None
+    )
+    if hooks is not None:
+        if tp is not None and hooks.quantizes_on_the_fly:
+            raise ConfigurationError(
+                f"{hooks.name} quantizes on the fly, which tensor parallelism does not support: the parallel "
+                "styles shard float weights. Load with tp_plan or with the quantizer, not both."
+            )
+        hooks.prepare(model)
+    if tp is not None:
+        apply_tp_plan(model, tp)
+    return fusions, hooks
 
 
 def candidates(ctx: Planning) -> Iterator[Candidate]:
