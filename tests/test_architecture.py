@@ -328,12 +328,7 @@ def _long_functions() -> dict[str, int]:
     return found
 
 
-KNOWN_LONG_FUNCTIONS = {
-    # Step 4 of issue 26 (branch fix/passes): prepare as named passes (275 lines today),
-    # load_checkpoint as prepare -> execute -> report (145 lines).
-    "surgery/load/loader.py:load_checkpoint",
-    "surgery/load/planner.py:prepare",
-}
+KNOWN_LONG_FUNCTIONS: set[str] = set()  # prepare and load_checkpoint are named passes (issue 26)
 
 
 def test_no_function_in_load_save_or_parallel_is_longer_than_80_lines() -> None:

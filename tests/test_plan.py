@@ -16,7 +16,7 @@ from surgery import WeightConverter, ops
 from surgery.checkpoint import SAFE_WEIGHTS_NAME, write_checkpoint
 from surgery.examples.moe import ExampleMoEConfig, build_moe_model, original_state_dict
 from surgery.examples.vision import build_vision_tower
-from surgery.load.plan import LoadPlan, PlanEntry, fold_indices
+from surgery.load.plan import LoadPlan, Mode, PlanEntry, Status, fold_indices
 from surgery.ops import OpContext
 from surgery.record import record_of
 
@@ -186,6 +186,26 @@ def test_plan_round_trips_through_json(tmp_path: Path, write_original: WriteOrig
     text = plan.to_json()
     assert json.loads(text)["total_bytes"] == plan.total_bytes
     assert LoadPlan.from_json(text) == plan
+
+
+def test_modes_and_statuses_are_enums_written_as_their_plain_text(
+    tmp_path: Path, write_original: WriteOriginal
+) -> None:
+    write_original(tmp_path, extra=torch.ones(1))
+    plan = surgery.plan_load(build_moe_model(CFG), tmp_path)
+    data = json.loads(plan.to_json())
+    assert {(e["mode"], e["status"]) for e in data["entries"]} == {("direct", "ok"), ("skip", "unexpected")}
+    again = LoadPlan.from_json(plan.to_json())
+    assert {(type(e.mode), type(e.status)) for e in again.entries} == {(Mode, Status)}
+    assert f"{Mode.DIRECT:<8}|" == "direct  |" and str(Status.OK) == "ok"
+
+
+def test_plan_from_dict_rejects_an_unknown_mode_naming_the_valid_ones() -> None:
+    entry = {"target_keys": ["a"], "source_keys": ["a"], "mode": "teleport"}
+    with pytest.raises(
+        surgery.ConfigurationError, match=r"mode is 'teleport'; it is one of \['mmap', 'direct'"
+    ):
+        LoadPlan.from_dict({"checkpoint": "x", "entries": [entry]})
 
 
 def test_plan_from_dict_rejects_unknown_fields() -> None:

@@ -17,15 +17,16 @@ import torch
 
 from ..checkpoint import CheckpointReader
 from ..checkpoint.format import SafetensorsFile
-from ..converter import Collector, expand_outputs
+from ..converter import Collector, WeightConverter, expand_outputs
 from ..errors import ConversionError, SurgeryError
 from ..ops import OpContext, run_chain
 from ..parallel import is_dtensor
 from ..parallel.regions import NOT_NEEDED, Region, local_shape
 from ..placement import all_contiguous, flatten_slots, placement_views
-from .inference import op_context
-from .planner import Prepared, Work, ordered_sources
-from .sharding import local_context
+from .plan import Mode
+from .planner import Prepared, Work
+from .shapes import op_context
+from .sharding import Sharding, local_context
 
 __all__ = ["execute"]
 
@@ -61,45 +62,46 @@ def execute(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, bool]]:
     reader = prep.reader
     entry = w.entry
     if w.sharding is not None and w.sharding.sharded:
-        return _execute_shard(prep, w)
-    if entry.mode == "mmap":
+        return _execute_shard(prep, w, w.sharding)
+    if entry.mode == Mode.MMAP:
         (src,) = entry.source_keys
         return [(w.dest_keys[0], reader.get_tensor(src, copy=False), True)]
-    if w.converter is None:
+    chain = w.chain
+    if chain is None:
         (src,) = entry.source_keys
         key = w.dest_keys[0]
         param = prep.runtime[key]
         dtype = prep.target_dtype[key]
-        if entry.mode == "direct":
+        if entry.mode == Mode.DIRECT:
             dest, fresh = _alloc(param, dtype, w.device)
             reader.read_into(src, dest)
             return [(key, dest, fresh)]
         return _targets(prep, w, key, _source(prep, w, src))
-    conv = w.converter
-    ctx = _keeping(prep, w, op_context(conv, w.group_key, prep.runtime, w.config))
-    if entry.mode == "direct":
+    conv = chain.converter
+    ctx = _keeping(prep, w, conv, op_context(conv, chain.group_key, prep.runtime, chain.config))
+    if entry.mode == Mode.DIRECT:
         key = w.dest_keys[0]
         dest, fresh = _alloc(prep.runtime[key], prep.target_dtype[key], w.device)
-        views = placement_views(conv, dest, w.slot_shapes or [], ctx)
+        views = placement_views(conv, dest, chain.slot_shapes or [], ctx)
         if views is None or not all_contiguous(views):
             raise ConversionError(
                 f"{conv!r}: the planned direct placement of {key!r} is not possible; this is a bug, "
                 "please report it (loading with the default plan of another version avoids it)."
             )
-        _read_placed(reader, list(zip(ordered_sources(conv, w), flatten_slots(views))), dest)
+        _read_placed(reader, list(zip(_ordered_sources(conv, w), flatten_slots(views))), dest)
         return [(key, dest, fresh)]
     collector = Collector(conv)
     for src in entry.source_keys:
         pat, idx = w.pattern_of[src]
-        collector.add_tensor(w.group_key, src, pat, _source(prep, w, src), index=idx)
-    outputs = collector.convert(w.group_key, ctx)
+        collector.add_tensor(chain.group_key, src, pat, _source(prep, w, src), index=idx)
+    outputs = collector.convert(chain.group_key, ctx)
     result = []
     for key in w.dest_keys:
         result.extend(_targets(prep, w, key, outputs.pop(key)))
     return result
 
 
-def _keeping(prep: Prepared, w: Work, ctx: OpContext) -> OpContext:
+def _keeping(prep: Prepared, w: Work, conv: WeightConverter, ctx: OpContext) -> OpContext:
     """``ctx`` with a ``keep_residue`` that files what an op drops under the group's first runtime key.
 
     The key is the smallest runtime key of the group, the one a save finds it under. Under tensor
@@ -111,7 +113,7 @@ def _keeping(prep: Prepared, w: Work, ctx: OpContext) -> OpContext:
     def keep(residue: torch.Tensor) -> None:
         if key in prep.residues:
             raise ConversionError(
-                f"{w.converter!r}: two ops of its chain dropped data for {key!r}; one op per chain may "
+                f"{conv!r}: two ops of its chain dropped data for {key!r}; one op per chain may "
                 "keep a residue. Split the chain into two converters."
             )
         prep.residues[key] = residue
@@ -122,26 +124,26 @@ def _keeping(prep: Prepared, w: Work, ctx: OpContext) -> OpContext:
 def _source(prep: Prepared, w: Work, key: str, region: Any = None) -> torch.Tensor:
     """``key`` (its ``region``) as the op chain takes it: read, and decoded if stored quantized."""
     t = _read(prep.reader, key, region)
-    names = w.companions.get(key)
-    if not names:
+    q = w.quantizing
+    names = None if q is None else q.companions.get(key)
+    if q is None or not names:
         return t
-    assert prep.quantizer is not None
     companions = {c: prep.checked[c] if c in prep.checked else prep.reader.get_tensor(c) for c in names}
     prep.companion_values[key] = companions
-    return prep.quantizer.decode(key, t, companions, region if isinstance(region, Region) else None)
+    return q.hooks.decode(key, t, companions, region if isinstance(region, Region) else None)
 
 
 def _targets(prep: Prepared, w: Work, key: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor, bool]]:
     """What to set for the chain output ``t`` of ``key``: cast, or quantized into its runtime keys."""
-    produced = w.quantized.get(key)
-    if produced is None:
+    q = w.quantizing
+    produced = None if q is None else q.produced.get(key)
+    if q is None or produced is None:
         return [(key, *_place(prep.runtime[key], t.to(prep.target_dtype[key]), w.device))]
-    assert prep.quantizer is not None
-    out = prep.quantizer.quantize(key, t)
+    out = q.hooks.quantize(key, t)
     missing = [k for k in produced if k not in out]
     if missing:
         raise ConversionError(
-            f"{prep.quantizer.name}.quantize({key!r}) returned {sorted(out)}; planning on meta tensors gave "
+            f"{q.hooks.name}.quantize({key!r}) returned {sorted(out)}; planning on meta tensors gave "
             f"{list(produced)} (missing {missing})."
         )
     return [(k, *_place(prep.runtime[k], out[k].to(prep.target_dtype[k]), w.device)) for k in produced]
@@ -156,28 +158,28 @@ def _read(reader: CheckpointReader, key: str, region: Any, out: torch.Tensor | N
     return reader.get_tensor(key)
 
 
-def _execute_shard(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, bool]]:
+def _execute_shard(prep: Prepared, w: Work, sh: Sharding) -> list[tuple[str, torch.Tensor, bool]]:
     """Run one entry of a tensor-parallel load: read this rank's regions, build the local tensors."""
-    reader, entry, sh = prep.reader, w.entry, w.sharding
-    assert sh is not None
+    reader, entry = prep.reader, w.entry
     local_shapes = [local_shape(tuple(prep.runtime[k].shape), r) for k, r in zip(w.dest_keys, sh.regions)]
-    if w.converter is None:
+    chain = w.chain
+    if chain is None:
         (src,) = entry.source_keys
         key = w.dest_keys[0]
         dtype = prep.target_dtype[key]
-        if entry.mode == "direct":
+        if entry.mode == Mode.DIRECT:
             dest = torch.empty(local_shapes[0], dtype=dtype, device=w.device)
             return [(key, _read(reader, src, sh.sources[src], dest), True)]
         return [(key, _source(prep, w, src, sh.sources[src]).to(dtype).to(w.device), True)]
-    conv = w.converter
-    ctx = _keeping(prep, w, op_context(conv, w.group_key, prep.runtime, w.config))
-    targets = conv.expand_target_keys(w.group_key)
+    conv = chain.converter
+    ctx = _keeping(prep, w, conv, op_context(conv, chain.group_key, prep.runtime, chain.config))
+    targets = conv.expand_target_keys(chain.group_key)
     if sh.fallback is not None:  # read whole, run the global chain, keep this rank's part
         collector = Collector(conv)
         for src in entry.source_keys:
             pat, idx = w.pattern_of[src]
-            collector.add_tensor(w.group_key, src, pat, _source(prep, w, src), index=idx)
-        outputs = collector.convert(w.group_key, ctx)
+            collector.add_tensor(chain.group_key, src, pat, _source(prep, w, src), index=idx)
+        outputs = collector.convert(chain.group_key, ctx)
         result = []
         for key, region in zip(w.dest_keys, sh.regions):
             t = outputs.pop(key)
@@ -185,8 +187,8 @@ def _execute_shard(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, boo
             result.append((key, t.to(prep.target_dtype[key]).to(w.device), True))
         return result
     local_ctx = local_context(ctx, sh.regions, w.dest_keys)
-    keys = [k for k in ordered_sources(conv, w) if sh.sources.get(k) is not NOT_NEEDED]
-    if entry.mode == "direct":
+    keys = [k for k in _ordered_sources(conv, w) if sh.sources.get(k) is not NOT_NEEDED]
+    if entry.mode == Mode.DIRECT:
         key = w.dest_keys[0]
         dest = torch.empty(local_shapes[0], dtype=prep.target_dtype[key], device=w.device)
         views = placement_views(conv, dest, sh.local_slot_shapes or [], local_ctx, operations=sh.operations)
@@ -211,6 +213,17 @@ def _execute_shard(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, boo
         raise ConversionError(f"{conv!r} on this rank's part of {w.dest_keys[0]!r}: {exc}") from exc
     outputs = expand_outputs(targets, out, conv)
     return [(key, outputs.pop(key).to(prep.target_dtype[key]).to(w.device), True) for key in w.dest_keys]
+
+
+def _ordered_sources(conv: WeightConverter, w: Work) -> list[str]:
+    """``w``'s source keys in the order of :func:`~surgery.placement.flatten_slots` of its views."""
+    by_pattern: dict[int, dict[tuple[int, ...], str]] = {}
+    for src in w.entry.source_keys:
+        pat, idx = w.pattern_of[src]
+        by_pattern.setdefault(pat, {})[idx] = src
+    return [
+        by_pattern[i][ix] for i in range(len(conv.source_patterns)) for ix in sorted(by_pattern.get(i, {}))
+    ]
 
 
 def _read_placed(reader: CheckpointReader, pairs: list[tuple[str, torch.Tensor]], dest: torch.Tensor) -> None:

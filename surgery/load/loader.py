@@ -1,11 +1,12 @@
 """Loading a checkpoint into a (possibly rewritten) module tree.
 
-A load has two phases. Phase 1 (:func:`plan_load`, built in :mod:`surgery.load.planner`) reads only
-headers: it resolves the model's transforms, routes every checkpoint key once, infers every
-converter's outputs on ``meta`` tensors and decides, per target, whether it is memory-mapped
-(``mmap``), read straight into place (``direct``), or read and converted (``convert``).
+A load has two phases. Phase 1 (:func:`plan_load`, built in :mod:`surgery.load.planner` by the
+passes of :mod:`surgery.load.passes`) reads only headers: it resolves the model's transforms,
+routes every checkpoint key once, infers every converter's outputs on ``meta`` tensors and
+decides, per target, whether it is memory-mapped (``mmap``), read straight into place
+(``direct``), or read and converted (``convert``).
 
-Phase 2 (:func:`load_checkpoint`) executes exactly that plan (each entry by
+Phase 2 (:func:`load_checkpoint`: prepare, execute, report) executes exactly that plan (each entry by
 :func:`surgery.load.execute.execute`) on a thread pool (4 workers by
 default; ``SURGERY_SYNC_LOAD=1`` or ``sync=True`` for sequential loading) with bounded read-ahead,
 sets each parameter as soon as its tensors are ready and frees the temporaries at once. Entries
@@ -28,6 +29,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,11 +45,11 @@ from ..persist import persisted_fusion_config
 from ..quantization import QUANTIZATION_METADATA_KEY
 from ..record import record_of, update_record
 from .execute import execute
-from .plan import LoadPlan
+from .plan import LoadPlan, Mode
 from .planner import Prepared, Work, prepare
 from .record import clear_record, record_load
 from .report import ConversionFailure, LoadReport, TPFallback
-from .sharding import tensor_parallel
+from .sharding import Sharding, tensor_parallel
 
 __all__ = ["DEFAULT_WORKERS", "SYNC_ENV", "load_checkpoint", "plan_load"]
 
@@ -121,13 +123,16 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _set_tensor(
-    model: nn.Module, key: str, tensor: torch.Tensor, old: torch.Tensor, prep: Prepared | None = None
-) -> None:
-    placements = _placements(prep, key)
-    if placements is not None:
-        assert prep is not None and prep.tp is not None
-        tensor = from_local(tensor, prep.tp.mesh, placements, old.shape)
+def _distributed(prep: Prepared, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (this rank's part of ``key``) as the DTensor the model holds, under tensor parallelism."""
+    tp = prep.tp
+    placements = None if tp is None else prep.placements.get(key)
+    if tp is None or placements is None:
+        return tensor
+    return from_local(tensor, tp.mesh, placements, prep.runtime[key].shape)
+
+
+def _set_tensor(model: nn.Module, key: str, tensor: torch.Tensor, old: torch.Tensor) -> None:
     module_path, _, name = key.rpartition(".")
     module = model.get_submodule(module_path) if module_path else model
     if name in module._parameters:
@@ -136,11 +141,6 @@ def _set_tensor(
         module._buffers[name] = tensor
     else:
         raise LoadError(f"{key!r} is neither a parameter nor a buffer of {type(module).__name__}.")
-
-
-def _placements(prep: Prepared | None, key: str) -> tuple[Any, ...] | None:
-    """The placements of ``key`` under tensor parallelism (``None``: a plain tensor)."""
-    return None if prep is None or prep.tp is None else prep.placements.get(key)
 
 
 def _retie(model: nn.Module, key: str, tied: dict[str, list[str]]) -> None:
@@ -167,8 +167,7 @@ def _collector_paused() -> Iterator[None]:
 
     Parsing a 100k-entry header, routing and planning allocate hundreds of thousands of dicts,
     lists and tuples and build no reference cycles; every collector pass would rescan all of
-    them: the pause takes a 98,531-key load from 2.48 s to 1.46 s (``surgery bench load --only B``,
-    docs/benchmarks.md).
+    them (docs/benchmarks.md, *The cycle collector during a load*, measures what the pause saves).
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -355,57 +354,83 @@ def load_checkpoint(
                 quantizer=quantizer,
             )
             if strict:  # what planning already shows fails the load before a parameter is set
-                early = _report(path, prep, [], [], list(prep.failures))
-                early.left_on_meta = _left_on_meta(model, _planned(prep))
-                if not early.ok:
-                    early.seconds = time.perf_counter() - start
-                    raise LoadError(
-                        f"strict load of {path} refused before setting any parameter (the model is "
-                        f"unchanged):\n{early}",
-                        early,
-                    )
-        failures = list(prep.failures)
-        done: dict[int, Work] = {}
-        loaded: list[str] = []
-        mapped: list[str] = []
-        progress_bar = _Progress(sum(w.entry.nbytes for w in prep.work), progress)
-
-        def finish(w: Work, results: list[tuple[str, torch.Tensor, bool]]) -> None:
-            for key, tensor, fresh in results:
-                if fresh:
-                    _set_tensor(model, key, tensor, prep.runtime[key], prep)
-                    _retie(model, key, prep.tied)
-                loaded.append(key)
-                if w.entry.mode == "mmap":
-                    mapped.append(key)
-            done[w.index] = w
-            progress_bar.advance(w.entry.nbytes)
-
-        def fail(w: Work, exc: BaseException) -> None:
-            transform = w.entry.transform or "read"
-            failures.append(
-                (w.index, ConversionFailure(transform, w.entry.source_keys, w.entry.target_keys, str(exc)))
-            )
-
-        if _sync_requested(sync) or any(w.quantized for w in prep.work):
-            for w in prep.work:
-                try:
-                    results = execute(prep, w)
-                except SurgeryError as exc:
-                    fail(w, exc)
-                    continue
-                finish(w, results)
-        else:
-            _run_pool(prep, num_workers or DEFAULT_WORKERS, finish, fail)
-
-        report = _report(path, prep, loaded, mapped, failures)
+                _refuse_planned_problems(model, path, prep, start)
+        sequential = _sync_requested(sync)
+        done = _execute(
+            model, prep, workers=num_workers or DEFAULT_WORKERS, sequential=sequential, progress=progress
+        )
+        report = _report(path, prep, done.loaded, done.mapped, done.failures)
         report.left_on_meta = _left_on_meta(model)
         report.bytes_read = reader.bytes_read
-        report.transforms_used = record_load(model, prep, [done[i] for i in sorted(done)], path)
+        report.transforms_used = record_load(model, prep, [done.work[i] for i in sorted(done.work)], path)
         report.seconds = time.perf_counter() - start
     if strict and not report.ok:
         raise LoadError(f"strict load of {path} failed:\n{report}", report)
     return report
+
+
+def _refuse_planned_problems(
+    model: nn.Module, path: str | os.PathLike[str], prep: Prepared, start: float
+) -> None:
+    """A strict load refuses what the plan already shows (the model is still unchanged)."""
+    early = _report(path, prep, [], [], list(prep.failures))
+    early.left_on_meta = _left_on_meta(model, _planned(prep))
+    if not early.ok:
+        early.seconds = time.perf_counter() - start
+        raise LoadError(
+            f"strict load of {path} refused before setting any parameter (the model is unchanged):\n{early}",
+            early,
+        )
+
+
+@dataclass
+class _Executed:
+    """What running the work list did: the keys set (and memory-mapped), the failures, the work done."""
+
+    failures: list[tuple[int, ConversionFailure]]
+    loaded: list[str] = field(default_factory=list)
+    mapped: list[str] = field(default_factory=list)
+    work: dict[int, Work] = field(default_factory=dict)
+
+
+def _execute(
+    model: nn.Module, prep: Prepared, *, workers: int, sequential: bool, progress: bool | None
+) -> _Executed:
+    """Run the work list, setting each target in the model as soon as its tensors are ready.
+
+    Sequential when asked, or when a quantizer quantizes on the fly; else on a thread pool.
+    """
+    done = _Executed(failures=list(prep.failures))
+    progress_bar = _Progress(sum(w.entry.nbytes for w in prep.work), progress)
+
+    def finish(w: Work, results: list[tuple[str, torch.Tensor, bool]]) -> None:
+        for key, tensor, fresh in results:
+            if fresh:
+                _set_tensor(model, key, _distributed(prep, key, tensor), prep.runtime[key])
+                _retie(model, key, prep.tied)
+            done.loaded.append(key)
+            if w.entry.mode == Mode.MMAP:
+                done.mapped.append(key)
+        done.work[w.index] = w
+        progress_bar.advance(w.entry.nbytes)
+
+    def fail(w: Work, exc: BaseException) -> None:
+        transform = w.entry.transform or "read"
+        done.failures.append(
+            (w.index, ConversionFailure(transform, w.entry.source_keys, w.entry.target_keys, str(exc)))
+        )
+
+    if sequential or any(w.quantizing is not None and w.quantizing.produced for w in prep.work):
+        for w in prep.work:
+            try:
+                results = execute(prep, w)
+            except SurgeryError as exc:
+                fail(w, exc)
+                continue
+            finish(w, results)
+    else:
+        _run_pool(prep, workers, finish, fail)
+    return done
 
 
 def _report(
@@ -429,7 +454,7 @@ def _report(
         tp_world_size=prep.plan.tp_world_size,
         tp_rank=prep.plan.tp_rank,
         tp_fallbacks=[
-            TPFallback(w.dest_keys, w.sharding.fallback, _fallback_extra(prep, w))
+            TPFallback(w.dest_keys, w.sharding.fallback, _fallback_extra(prep, w, w.sharding))
             for w in prep.work
             if w.sharding is not None and w.sharding.fallback is not None
         ],
@@ -455,10 +480,8 @@ def _planned(prep: Prepared) -> set[str]:
     return keys | {alias for k in keys for alias in prep.tied.get(k, ())}
 
 
-def _fallback_extra(prep: Prepared, w: Work) -> int:
+def _fallback_extra(prep: Prepared, w: Work, sh: Sharding) -> int:
     """Bytes a fallback reads beyond the rank's part of its targets."""
-    sh = w.sharding
-    assert sh is not None
     kept = 0
     for key, region in zip(w.dest_keys, sh.regions):
         t = prep.runtime[key]
@@ -523,14 +546,14 @@ def _run_pool(prep: Prepared, workers: int, finish, fail) -> None:
                     else:
                         finish(w, results)
                     continue
-                cost = w.entry.nbytes if w.entry.mode == "convert" else 0
+                cost = w.entry.nbytes if w.entry.mode == Mode.CONVERT else 0
                 while pending and (
                     len(pending) >= 2 * workers or in_flight + cost > max(_READ_AHEAD_BYTES, cost)
                 ):
                     done, _ = wait(pending, return_when=FIRST_COMPLETED)
                     for f in done:
                         fw = pending.pop(f)
-                        in_flight -= fw.entry.nbytes if fw.entry.mode == "convert" else 0
+                        in_flight -= fw.entry.nbytes if fw.entry.mode == Mode.CONVERT else 0
                         _collect(f, fw, finish, fail)
                 pending[pool.submit(execute, prep, w)] = w
                 in_flight += cost
@@ -548,7 +571,7 @@ def _run_pool(prep: Prepared, workers: int, finish, fail) -> None:
 def _runs_inline(w: Work) -> bool:
     """Memory-mapped entries (no I/O) and entries of small tensors are not worth a thread hand-off."""
     entry = w.entry
-    return entry.mode == "mmap" or entry.nbytes < _INLINE_BYTES_PER_TENSOR * max(1, len(entry.source_keys))
+    return entry.mode == Mode.MMAP or entry.nbytes < _INLINE_BYTES_PER_TENSOR * max(1, len(entry.source_keys))
 
 
 def _collect(f: Future, w: Work, finish, fail) -> None:

@@ -13,12 +13,50 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
 from typing import Any
 
 from ..errors import ConfigurationError
 from ..parallel.regions import TPSlice
 
-__all__ = ["LoadPlan", "PlanEntry", "fold_indices"]
+__all__ = ["LoadPlan", "Mode", "PlanEntry", "Status", "fold_indices"]
+
+
+class _TextEnum(str, Enum):
+    """A string enum whose text is its value, as ``enum.StrEnum`` (Python 3.11) is; 3.10 is supported."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
+
+
+class Mode(_TextEnum):
+    """How a target is filled; the value is the text a plan's JSON and table show."""
+
+    MMAP = "mmap"
+    """memory-mapped from the file and assigned without a copy"""
+    DIRECT = "direct"
+    """read straight into the destination (for a converter: into views cut by the inverse chain)"""
+    CONVERT = "convert"
+    """read, run the op chain, cast or quantize, set"""
+    SKIP = "skip"
+    """not loaded; the entry's :class:`Status` says why"""
+
+
+class Status(_TextEnum):
+    """Whether an entry loads (``ok``) or why not; the value is the text a plan's JSON shows."""
+
+    OK = "ok"
+    UNEXPECTED = "unexpected"
+    """a target the model does not have"""
+    MISMATCH = "mismatch"
+    """the checkpoint's shape differs from the model's"""
+    CONFLICT = "conflict"
+    """another entry lands on the same parameter"""
+    ERROR = "error"
+    """the conversion (or a quantizer's check) fails"""
 
 
 @dataclass
@@ -34,9 +72,10 @@ class PlanEntry:
         nbytes: bytes read from disk.
         source_shapes / source_dtypes: per source key, from the headers.
         target_shapes / target_dtype / device: where the tensors go.
-        mode: ``"direct"`` (read straight into the destination), ``"mmap"`` (memory-mapped,
-            assigned without a copy), ``"convert"`` (read, run the chain, set) or ``"skip"``.
-        status: ``"ok"``, ``"unexpected"``, ``"mismatch"``, ``"conflict"`` or ``"error"``.
+        mode: a :class:`Mode`: ``direct`` (read straight into the destination), ``mmap``
+            (memory-mapped, assigned without a copy), ``convert`` (read, run the chain, set) or
+            ``skip``.
+        status: a :class:`Status`: ``ok``, ``unexpected``, ``mismatch``, ``conflict`` or ``error``.
         message: why, when the status is not ``"ok"``.
         tp: per target under tensor parallelism, its :class:`~surgery.parallel.TPSlice`: the
             placements as text, one per mesh dim, and the dim and half-open intervals of this
@@ -60,8 +99,8 @@ class PlanEntry:
     target_shapes: tuple[tuple[int, ...] | None, ...] = ()
     target_dtype: str | None = None
     device: str | None = None
-    mode: str = "convert"
-    status: str = "ok"
+    mode: Mode = Mode.CONVERT
+    status: Status = Status.OK
     message: str = ""
     tp: tuple[TPSlice | None, ...] = ()
     companions: tuple[str, ...] = ()
@@ -88,11 +127,11 @@ class LoadPlan:
 
     @property
     def total_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries if e.status in ("ok", "mismatch"))
+        return sum(e.nbytes for e in self.entries if e.status in (Status.OK, Status.MISMATCH))
 
     @property
     def problems(self) -> list[PlanEntry]:
-        return [e for e in self.entries if e.status not in ("ok",)]
+        return [e for e in self.entries if e.status != Status.OK]
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -171,7 +210,7 @@ class LoadPlan:
                 what = f"{what} +dequantize".lstrip()
             if e.quantized:
                 what = f"{what} +quantize".lstrip()
-            status = "" if e.status == "ok" else f"  [{e.status}: {e.message}]"
+            status = "" if e.status == Status.OK else f"  [{e.status}: {e.message}]"
             tp = f"{_part(e.tp[0] if e.tp else None):<28} " if parallel else ""
             lines.append(
                 f"{_row_name(group):<{width}} {e.mode:<8} {shape:<18} {tp}{len(e.source_keys):<8} {what}{status}"
@@ -203,9 +242,19 @@ def _entry_from_dict(data: Any) -> PlanEntry:
     names = {f.name for f in fields(PlanEntry)}
     if set(data) - names:
         raise ConfigurationError(f"LoadPlan.from_dict: unknown entry field(s) {sorted(set(data) - names)}.")
-    kwargs = {k: _tuples(v) for k, v in data.items() if k != "tp"}
+    values = {k: _tuples(v) for k, v in data.items() if k != "tp"}
+    kinds: dict[str, type[_TextEnum]] = {"mode": Mode, "status": Status}
+    for name, kind in kinds.items():
+        if name in values:
+            try:
+                values[name] = kind(values[name])
+            except ValueError:
+                raise ConfigurationError(
+                    f"LoadPlan.from_dict: an entry's {name} is {values[name]!r}; it is one of "
+                    f"{[m.value for m in kind]}."
+                ) from None
     tp = tuple(None if s is None else TPSlice.from_json(s) for s in data.get("tp", ()))
-    return PlanEntry(**kwargs, tp=tp)
+    return PlanEntry(**values, tp=tp)
 
 
 def _tuples(value: Any) -> Any:
