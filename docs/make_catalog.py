@@ -91,16 +91,20 @@ notes: dict[str, str] = {}
 """Filled by :func:`_measure`: what the outcome table says about families that load and save exactly."""
 
 
-def _measure() -> tuple[dict[str, str | None], dict[str, list[str]]]:
+def _measure(round_trips: Any) -> tuple[dict[str, str | None], dict[str, list[str]]]:
     """Catalog key → ``None`` (round trip exact), else why it is not checked or fails; and for each
-    registry key, the cases whose model resolved it for one of its sub-models."""
+    registry key, the cases whose model resolved it for one of its sub-models.
+
+    ``round_trips`` is a ``round_trip.RoundTrips``: the doc test passes the one its session shares
+    with the every-family test, so each family is measured once.
+    """
     sys.path.insert(0, str(ROOT / "tests" / "interop"))
     warnings.filterwarnings("ignore")
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    from round_trip import NotBuilt, Outcome, round_trip
+    from round_trip import NotBuilt, Outcome
     from test_every_family_interop import (
         CASES,
         HUB_LAYOUT,
@@ -109,37 +113,30 @@ def _measure() -> tuple[dict[str, str | None], dict[str, list[str]]]:
         UNRELIABLE_SAVE,
     )
     from test_every_family_interop import NEVER_LOADED_SAVES_OTHERWISE as NEVER_LOADED
-    from tiny import build
 
     from surgery.registry import load_catalogs
-    from surgery.resolution import explain_model_conversion_mapping
 
     load_catalogs()
     out: dict[str, str | None] = {}
     inside: dict[str, list[str]] = {}
     notes.clear()
     for case in CASES:
+        measured = round_trips.measured(
+            case, hub_layout=HUB_LAYOUT.get(case.key), check_never_loaded=case.key not in NEVER_LOADED
+        )
         if case.key not in NOT_BUILT:
-            for r in explain_model_conversion_mapping(build(case)):
-                if r.key is not None and r.outcome in ("class_name", "model_type"):
-                    inside.setdefault(r.key, []).append(case.key)
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                note = round_trip(
-                    case,
-                    Path(tmp),
-                    hub_layout=HUB_LAYOUT.get(case.key),
-                    check_never_loaded=case.key not in NEVER_LOADED,
-                )
-            except NotBuilt as e:
-                if case.key not in NOT_BUILT:  # an unlisted build failure is a failure, not an exclusion
-                    out[case.key] = f"FAILS: not built: {str(e)[:100]}"
-                else:
-                    out[case.key] = f"not built: {NOT_BUILT[case.key]}"
-                continue
-            except Outcome as e:
-                out[case.key] = f"FAILS: {str(e)[:120]}"
-                continue
+            for key in measured.resolved:
+                inside.setdefault(key, []).append(case.key)
+        note = measured.note
+        if isinstance(measured.stopped, NotBuilt):
+            if case.key not in NOT_BUILT:  # an unlisted build failure is a failure, not an exclusion
+                out[case.key] = f"FAILS: not built: {str(measured.stopped)[:100]}"
+            else:
+                out[case.key] = f"not built: {NOT_BUILT[case.key]}"
+            continue
+        if isinstance(measured.stopped, Outcome):
+            out[case.key] = f"FAILS: {str(measured.stopped)[:120]}"
+            continue
         if case.key in UNRELIABLE_SAVE and (note is None or "gives another model" in note):
             out[case.key] = None  # exact against what the file holds, whichever way the save went
             notes[case.key] = f"transformers' save is unreliable: {UNRELIABLE_SAVE[case.key]}"
@@ -155,7 +152,9 @@ def _measure() -> tuple[dict[str, str | None], dict[str, list[str]]]:
     return out, inside
 
 
-def render() -> str:
+def render(round_trips: Any = None) -> str:
+    """The page under the installed release; ``round_trips`` (a ``round_trip.RoundTrips``) holds the
+    families measured so far (a fresh one when ``None``: every family is measured here)."""
     import transformers
     from transformers.conversion_mapping import (
         _MODEL_TO_CONVERSION_PATTERN,
@@ -169,8 +168,11 @@ def render() -> str:
             f"docs/catalog.md is counted against transformers {PINNED} and {NEWEST}; {release} is installed"
         )
     existing = OUT.read_text() if OUT.exists() else ""
+    if round_trips is None:
+        round_trips = _round_trips()
     block = _release_block(
         release,
+        round_trips,
         theirs=_build_checkpoint_conversion_mapping(),
         aliases=_MODEL_TO_CONVERSION_PATTERN,
         config_types=CONFIG_MAPPING_NAMES,
@@ -236,7 +238,20 @@ def _replace_block(text: str, release: str, block: str) -> str:
     return text.replace(old, block, 1)
 
 
-def _release_block(release: str, *, theirs: dict, aliases: dict, config_types: Any) -> str:
+def _round_trips() -> Any:
+    """A ``round_trip.RoundTrips`` of this run, writing under a temporary directory removed at exit."""
+    import atexit
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "tests" / "interop"))
+    from round_trip import RoundTrips
+
+    root = Path(tempfile.mkdtemp(prefix="make-catalog-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return RoundTrips(root)
+
+
+def _release_block(release: str, round_trips: Any, *, theirs: dict, aliases: dict, config_types: Any) -> str:
     """Coverage and the measured round trip against the installed release."""
     families = _families()
     their_entries = [k for k in theirs if k != "legacy" and (k not in aliases or aliases[k] == k)]
@@ -249,7 +264,7 @@ def _release_block(release: str, *, theirs: dict, aliases: dict, config_types: A
     ours_aliases = {k for fam in families for k in fam.ALIASES}
     covered_entries = [k for k in their_entries if k in ours_entries]
     covered_aliases = [k for k in their_aliases if k in ours_aliases or k in ours_entries]
-    measured, inside = _measure()
+    measured, inside = _measure(round_trips)
     types = {k: v for k, v in measured.items() if k in config_types}
     checkable = [k for k, v in types.items() if v is None or v.startswith("FAILS")]
     exact = [k for k in checkable if types[k] is None]

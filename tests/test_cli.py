@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -141,26 +143,65 @@ def test_python_dash_m_surgery_exits_with_code_2_on_a_bad_model(moe_checkpoint: 
 # --------------------------------------------------------------------------- a CLI that fits a shell
 
 
-def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "surgery", *args], capture_output=True, text=True, timeout=300, cwd=cwd
-    )
+class Done(NamedTuple):
+    """What one command printed and its exit status, as a shell sees them."""
+
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def test_version_and_help_name_the_examples_and_the_factory_form() -> None:
-    version = _run("--version")
+Cli = Callable[..., Done]
+
+
+@pytest.fixture
+def cli(capsys) -> Cli:
+    """``cli(*args)``: ``surgery ARGS`` run in this process through :func:`surgery.cli.main`; argparse's
+    own exits (``--help``, usage errors) count with their status, as the process would exit.
+
+    The tests that are about the process itself (``python -m surgery``, a closed pipe) start one.
+    """
+
+    def run(*args: str) -> Done:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        out, err = capsys.readouterr()
+        return Done(code, out, err)
+
+    return run
+
+
+@pytest.fixture
+def in_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """``tmp_path`` as the current directory, as a shell there starts ``surgery``; the modules the
+    command imports from it are forgotten afterwards, and ``sys.path`` is restored."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield tmp_path
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
+
+
+def test_version_and_help_name_the_examples_and_the_factory_form(cli: Cli) -> None:
+    version = cli("--version")
     assert version.returncode == 0 and version.stdout.startswith("surgery ")
-    text = _run("--help").stdout
+    text = cli("--help").stdout
     assert "example-moe" in text and "package.module:factory" in text and "``" not in text
-    convert = _run("convert", "--help").stdout
+    convert = cli("convert", "--help").stdout
     assert "5GB, 500MB, 2GiB" in convert and "usage: surgery convert" in convert
 
 
-def test_a_factory_in_the_current_directory_is_found(tmp_path: Path, moe_checkpoint: Path) -> None:
-    (tmp_path / "mymodels.py").write_text(
+def test_a_factory_in_the_current_directory_is_found(
+    in_directory: Path, moe_checkpoint: Path, cli: Cli
+) -> None:
+    (in_directory / "mymodels.py").write_text(
         "from surgery.examples.moe import build_moe_model\n\ndef tiny():\n    return build_moe_model()\n"
     )
-    done = _run("inspect", str(moe_checkpoint), "--model", "mymodels:tiny", cwd=tmp_path)
+    done = cli("inspect", str(moe_checkpoint), "--model", "mymodels:tiny")
     assert done.returncode == 0, done.stderr
     assert "LoadPlan" in done.stdout
 
@@ -175,26 +216,27 @@ def test_a_factory_in_the_current_directory_is_found(tmp_path: Path, moe_checkpo
     ids=["needs-arguments", "raises", "import-fails"],
 )
 def test_a_broken_factory_is_one_line_with_exit_code_2(
-    tmp_path: Path, moe_checkpoint: Path, source, needle
+    in_directory: Path, moe_checkpoint: Path, cli: Cli, source, needle
 ) -> None:
-    (tmp_path / "broken.py").write_text(source)
-    done = _run("inspect", str(moe_checkpoint), "--model", "broken:tiny", cwd=tmp_path)
+    (in_directory / "broken.py").write_text(source)
+    done = cli("inspect", str(moe_checkpoint), "--model", "broken:tiny")
     assert done.returncode == 2
     assert (
         needle in done.stderr
         and len(done.stderr.strip().splitlines()) == 1
         and "Traceback" not in done.stderr
     )
-    verbose = _run("--verbose", "inspect", str(moe_checkpoint), "--model", "broken:tiny", cwd=tmp_path)
+    sys.modules.pop("broken", None)  # a second start of the command imports the module afresh
+    verbose = cli("--verbose", "inspect", str(moe_checkpoint), "--model", "broken:tiny")
     assert "Traceback" in verbose.stderr
 
 
 def test_convert_refuses_to_overwrite_its_source_and_checks_the_shard_size_first(
-    moe_checkpoint: Path, tmp_path
+    moe_checkpoint: Path, tmp_path, cli: Cli
 ) -> None:
-    same = _run("convert", str(moe_checkpoint), str(moe_checkpoint), "--model", "example-moe")
+    same = cli("convert", str(moe_checkpoint), str(moe_checkpoint), "--model", "example-moe")
     assert same.returncode == 2 and "replace the checkpoint being read" in same.stderr
-    bad = _run(
+    bad = cli(
         "convert",
         str(moe_checkpoint),
         str(tmp_path / "out"),
@@ -207,8 +249,8 @@ def test_convert_refuses_to_overwrite_its_source_and_checks_the_shard_size_first
     assert not (tmp_path / "out").exists()
 
 
-def test_json_and_mermaid_together_are_refused() -> None:
-    done = _run("preview", "--json", "--mermaid")
+def test_json_and_mermaid_together_are_refused(cli: Cli) -> None:
+    done = cli("preview", "--json", "--mermaid")
     assert done.returncode == 2 and "not allowed with argument --json" in done.stderr
 
 
@@ -242,8 +284,8 @@ def test_a_requested_fusion_that_fuses_nothing_is_reported(moe_checkpoint: Path,
     assert "fusion 'patch_embeddings' fused nothing in example-moe" in capsys.readouterr().err
 
 
-def test_bench_counts_must_be_positive() -> None:
-    done = _run("bench", "route", "--keys", "0")
+def test_bench_counts_must_be_positive(cli: Cli) -> None:
+    done = cli("bench", "route", "--keys", "0")
     assert (
         done.returncode == 2
         and "--keys: 0 must be at least 1" in done.stderr
@@ -251,13 +293,13 @@ def test_bench_counts_must_be_positive() -> None:
     )
 
 
-def test_a_pickle_checkpoint_needs_allow_pickle_on_the_command_line(tmp_path: Path) -> None:
+def test_a_pickle_checkpoint_needs_allow_pickle_on_the_command_line(tmp_path: Path, cli: Cli) -> None:
     import torch
 
     torch.save({"w": torch.ones(2)}, tmp_path / "model.bin")
-    refused = _run("inspect", str(tmp_path / "model.bin"))
+    refused = cli("inspect", str(tmp_path / "model.bin"))
     assert refused.returncode == 2 and "--allow-pickle" in refused.stderr
-    allowed = _run("inspect", str(tmp_path / "model.bin"), "--allow-pickle")
+    allowed = cli("inspect", str(tmp_path / "model.bin"), "--allow-pickle")
     assert allowed.returncode == 0 and "1 tensors" in allowed.stdout
 
 
@@ -401,12 +443,12 @@ def test_transformers_auto_without_a_config_json_is_one_line(moe_checkpoint: Pat
     assert f"no config.json in {moe_checkpoint}" in _one_line_error(capsys)
 
 
-def test_transformers_auto_without_transformers_installed_is_one_line(moe_checkpoint: Path) -> None:
-    code = (  # a None entry in sys.modules makes `import transformers` raise ImportError, as when absent
-        "import sys; sys.modules['transformers'] = None; from surgery.cli import main; "
-        f"sys.exit(main(['inspect', {str(moe_checkpoint)!r}, '--model', 'transformers:auto']))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+def test_transformers_auto_without_transformers_installed_is_one_line(
+    moe_checkpoint: Path, cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A None entry in sys.modules makes `import transformers` raise ImportError, as when absent.
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    done = cli("inspect", str(moe_checkpoint), "--model", "transformers:auto")
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "needs transformers, which is not installed" in done.stderr
 
@@ -418,8 +460,10 @@ def test_preview_full_is_for_the_mermaid_diagram(capsys) -> None:
     assert "not shown" not in capsys.readouterr().out
 
 
-def test_an_unexpected_exception_is_one_line_and_verbose_shows_its_traceback(tmp_path: Path) -> None:
-    (tmp_path / "broken.py").write_text(
+def test_an_unexpected_exception_is_one_line_and_verbose_shows_its_traceback(
+    in_directory: Path, cli: Cli
+) -> None:
+    (in_directory / "broken.py").write_text(
         "import torch\n"
         "class Odd(torch.nn.Module):\n"
         "    def named_modules(self, *args, **kwargs):\n"
@@ -427,17 +471,10 @@ def test_an_unexpected_exception_is_one_line_and_verbose_shows_its_traceback(tmp
         "def factory():\n"
         "    return Odd()\n"
     )
-    env = {**os.environ, "PYTHONPATH": f"{Path.cwd()}{os.pathsep}{tmp_path}"}  # this checkout's surgery
-
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "surgery", *args], capture_output=True, text=True, timeout=300, env=env
-        )
-
-    done = run("preview", "--model", "broken:factory")
+    done = cli("preview", "--model", "broken:factory")
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith(
         "surgery: error: unexpected RuntimeError: named_modules failed [1 more line(s)"
     )
-    verbose = run("--verbose", "preview", "--model", "broken:factory")
+    verbose = cli("--verbose", "preview", "--model", "broken:factory")
     assert verbose.returncode == 2 and "Traceback (most recent call last)" in verbose.stderr

@@ -39,8 +39,8 @@ from ..examples.decoder import ExampleDecoderConfig, GatedMLP, build_decoder_mod
 from ..examples.layers import DecoderLayer
 from ..examples.vision import build_vision_tower, example_pixel_values
 from ..fusion import apply_fusions, preview_fusions
-from . import parser, positive_int
 from .generation import run_generate
+from .harness import parser, positive_int
 
 __all__ = ["main", "run", "run_siblings"]
 

@@ -17,8 +17,8 @@ from torch import nn
 from surgery.graph import ModuleGraph
 from surgery.resolution import get_model_conversion_mapping
 
-from . import parser as bench_parser
-from . import positive_int
+from .harness import parser as bench_parser
+from .harness import positive_int
 
 __all__ = ["build_decoder", "main"]
 

@@ -21,8 +21,8 @@ import torch
 
 from surgery.checkpoint import open_checkpoint, write_checkpoint
 
-from . import best_time, positive_int
-from . import parser as bench_parser
+from .harness import best_time, positive_int
+from .harness import parser as bench_parser
 
 __all__ = ["main"]
 

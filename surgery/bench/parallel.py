@@ -20,14 +20,16 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .load import peak_rss, reset_peak_rss
+from .checkpoints import config_for_size, prepare
+from .harness import peak_rss, reset_peak_rss, warm
 
-__all__ = ["run_tp_benchmark"]
+__all__ = ["bench", "run_tp_benchmark"]
 
 _MB = 2**20
 
@@ -111,3 +113,17 @@ def run_tp_benchmark(
         "ranks 1 intra-op each (OMP_NUM_THREADS=1, as torchrun sets); 4 reader threads everywhere",
     ]
     return "\n".join(lines), notes, results
+
+
+def bench(workdir: Path, size_gb: float, repeat: int) -> tuple[str, list[str], dict[str, Any]]:
+    cfg = config_for_size(size_gb)
+    info = prepare(workdir, "A", cfg, runtime_file=True)
+    original = workdir / "A" / "original"
+    warm([original])
+    file_bytes = sum(f.stat().st_size for f in original.glob("*.safetensors"))
+    table, notes, data = run_tp_benchmark(asdict(cfg), original, info["model_bytes"], file_bytes, repeat)
+    title = (
+        f"D: tensor-parallel load of checkpoint A ({info['model_bytes'] / 2**30:.2f} GiB bf16), TP=2 on gloo "
+        f"vs one process; best of {repeat} runs"
+    )
+    return f"{title}\n{table}", notes, data

@@ -40,7 +40,7 @@ from surgery.quantization import (
     blockwise_quantize,
 )
 
-from . import parser, positive_int
+from .harness import parser, positive_int
 
 __all__ = ["main", "run"]
 

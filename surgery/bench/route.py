@@ -21,8 +21,8 @@ from typing import Any
 
 from ..routing import route_keys
 from ..transforms import WeightTransform, legacy_renamings
-from . import parser as bench_parser
-from . import positive_int
+from .harness import parser as bench_parser
+from .harness import positive_int
 
 __all__ = ["main", "mixtral_keys", "mixtral_mapping", "run"]
 

@@ -23,8 +23,8 @@ from surgery.load.loader import load_checkpoint
 from surgery.save import save_checkpoint
 from surgery.verification import verify
 
-from . import best_time, positive_int
-from . import parser as bench_parser
+from .harness import best_time, positive_int
+from .harness import parser as bench_parser
 
 __all__ = ["main", "run"]
 

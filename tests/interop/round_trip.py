@@ -9,8 +9,10 @@ itself" (listed with the reason) from "surgery gets it wrong" (a failure).
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +25,12 @@ from surgery.resolution import get_model_conversion_mapping as get_surgery_mappi
 from surgery.save import save_checkpoint
 
 __all__ = [
+    "Measured",
     "NoSuchLayout",
     "NotBuilt",
     "NotSelfRoundTripped",
     "Outcome",
+    "RoundTrips",
     "SurgeryMismatch",
     "impossible_keys",
     "round_trip",
@@ -108,9 +112,92 @@ def _state(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-_MEASURED: dict[tuple[str, str, int, bool], str | Outcome | None] = {}
-"""Each family's outcome, measured once per process: the every-family test and the catalog page's
-generator (``docs/make_catalog.py``, run by the doc test) ask for the same round trips."""
+@dataclass(frozen=True)
+class Measured:
+    """One family's round trip: the note it returned (``None``: exact) or the :class:`Outcome` that
+    stopped it, and the catalog keys resolved for the model's sub-models (class name or model type)."""
+
+    note: str | None
+    stopped: Outcome | None
+    resolved: tuple[str, ...]
+
+
+class RoundTrips:
+    """Each family's round trip, measured once and kept: the every-family test and the catalog page's
+    generator (``docs/make_catalog.py``, run by the doc test) ask for the same ones in one session.
+
+    Each measurement writes under a temporary directory of ``root``, removed once it is measured.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._measured: dict[tuple[Candidate, Any, bool], Measured] = {}
+
+    def measured(
+        self,
+        candidate: Candidate,
+        *,
+        hub_layout: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+        check_never_loaded: bool = True,
+    ) -> Measured:
+        """The family's :class:`Measured`, measured on the first call with these options."""
+        key = (candidate, hub_layout, check_never_loaded)
+        if key not in self._measured:
+            self._measured[key] = self._measure(candidate, hub_layout, check_never_loaded)
+        return self._measured[key]
+
+    def run(
+        self,
+        candidate: Candidate,
+        *,
+        hub_layout: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+        check_never_loaded: bool = True,
+    ) -> str | None:
+        """What :func:`round_trip` returns (or raises) for the family, measured once."""
+        m = self.measured(candidate, hub_layout=hub_layout, check_never_loaded=check_never_loaded)
+        if m.stopped is not None:
+            raise m.stopped
+        return m.note
+
+    def _measure(
+        self,
+        candidate: Candidate,
+        hub_layout: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None,
+        check_never_loaded: bool,
+    ) -> Measured:
+        from surgery.resolution import explain_model_conversion_mapping
+
+        try:
+            writer = _build(candidate, seed=0)
+        except NotBuilt as e:
+            return Measured(None, e, ())
+        resolved = tuple(
+            r.key
+            for r in explain_model_conversion_mapping(writer)
+            if r.key is not None and r.outcome in ("class_name", "model_type")
+        )
+        with tempfile.TemporaryDirectory(dir=self._root) as tmp:
+            try:
+                note = round_trip(
+                    candidate,
+                    Path(tmp),
+                    hub_layout=hub_layout,
+                    check_never_loaded=check_never_loaded,
+                    writer=writer,
+                )
+            except Outcome as e:
+                return Measured(None, e, resolved)
+        return Measured(note, None, resolved)
+
+
+def _build(candidate: Candidate, *, seed: int) -> Any:
+    """:func:`tiny.build` with warnings silenced; :class:`NotBuilt` names why it cannot be built."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return build(candidate, seed=seed)
+        except Exception as e:
+            raise NotBuilt(f"{type(e).__name__}: {e}") from e
 
 
 def round_trip(
@@ -119,29 +206,7 @@ def round_trip(
     *,
     hub_layout: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     check_never_loaded: bool = True,
-) -> str | None:
-    """:func:`measure_round_trip`, once per process for each family and set of options: a repeated
-    call returns (or raises) the first call's outcome and writes nothing under ``root``."""
-    key = (candidate.key, candidate.class_name, id(hub_layout), check_never_loaded)
-    if key not in _MEASURED:
-        try:
-            _MEASURED[key] = measure_round_trip(
-                candidate, root, hub_layout=hub_layout, check_never_loaded=check_never_loaded
-            )
-        except Outcome as e:
-            _MEASURED[key] = e
-    outcome = _MEASURED[key]
-    if isinstance(outcome, Outcome):
-        raise outcome
-    return outcome
-
-
-def measure_round_trip(
-    candidate: Candidate,
-    root: Path,
-    *,
-    hub_layout: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-    check_never_loaded: bool = True,
+    writer: Any = None,
 ) -> str | None:
     """Raise an :class:`Outcome` unless surgery loads and saves the family exactly.
 
@@ -149,17 +214,15 @@ def measure_round_trip(
     transformers' save gets it wrong (one of its defects). Returns ``None`` when transformers
     round-trips the file itself and surgery matches it; otherwise the return value says why, and
     surgery is checked against the model that wrote the file (transformers cannot load it) or
-    against transformers' reading of the file (it holds other values than the model's).
+    against transformers' reading of the file (it holds other values than the model's). ``writer`` is
+    the model that writes the file when the caller built it already (``tiny.build(candidate, seed=0)``).
     """
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     note = None
+    model = writer if writer is not None else _build(candidate, seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
-            model = build(candidate, seed=0)
-        except Exception as e:
-            raise NotBuilt(f"{type(e).__name__}: {e}") from e
         cls = type(model)
         try:
             # The hub layout: what transformers writes after loading a hub checkpoint.
@@ -192,10 +255,7 @@ def measure_round_trip(
                 note = f"transformers' from_pretrained gives another model: {diff}"
                 want = _state(reference)
         original = read(root / "original")
-        try:
-            fresh = build(candidate, seed=1)
-        except Exception as e:
-            raise NotBuilt(f"{type(e).__name__}: {e}") from e
+        fresh = _build(candidate, seed=1)
 
     report = load_checkpoint(fresh, root / "original")
     if not report.ok:

@@ -856,13 +856,19 @@ REKEYED: dict[str, str] = {
 }
 
 
-def _theirs(key: str) -> list[tuple[Any, ...]]:
+@pytest.fixture(scope="module")
+def their_mapping() -> dict[str, Any]:
+    """transformers' conversion mapping of the installed release, built once for the module (each
+    build makes every transform object afresh; the tests only read them)."""
     from transformers import conversion_mapping
 
     build = getattr(conversion_mapping, "_build_checkpoint_conversion_mapping", None)
     if build is None:
         pytest.skip("this transformers version has no _build_checkpoint_conversion_mapping")
-    theirs = build()
+    return build()
+
+
+def _theirs(key: str, theirs: dict[str, Any]) -> list[tuple[Any, ...]]:
     if REKEYED.get(key, key) not in theirs:
         pytest.skip(f"transformers {transformers.__version__} has no {key!r} (a later release added it)")
     out = []
@@ -912,14 +918,16 @@ _ALIASES = [(alias, target) for fam in FAMILIES for alias, target in fam.ALIASES
 
 
 @pytest.mark.parametrize(("key", "transforms"), _ENTRIES, ids=[k for k, _ in _ENTRIES])
-def test_entry_holds_the_transforms_transformers_registers(key: str, transforms: list[Any]) -> None:
+def test_entry_holds_the_transforms_transformers_registers(
+    key: str, transforms: list[Any], their_mapping: dict[str, Any]
+) -> None:
     # Same transforms in the same order, renamings and converters each (renamings always run
     # before converters, and our lists put them first).
     def split(sigs: list[tuple[Any, ...]]) -> tuple[list[str], list[str]]:
         converters = [repr(x) for x in sigs if x[0] == "WeightConverter"]
         return [repr(x) for x in sigs if x[0] != "WeightConverter"], converters
 
-    ours, theirs = split(_ours(transforms)), split(_theirs(key))
+    ours, theirs = split(_ours(transforms)), split(_theirs(key, their_mapping))
     extended_in = EXTENDED.get(key)
     if extended_in is not None and release_tuple(transformers.__version__) < release_tuple(extended_in):
         # Ours is a later release's longer list: this release's transforms appear in it, in order.

@@ -26,7 +26,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from round_trip import NotBuilt, SurgeryMismatch, round_trip  # noqa: E402
+from round_trip import NotBuilt, RoundTrips, SurgeryMismatch  # noqa: E402
 from tiny import Candidate, candidates  # noqa: E402
 
 import specs  # noqa: E402
@@ -368,18 +368,17 @@ def test_every_catalog_key_without_a_class_is_listed_with_the_reason() -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.key}-{c.class_name}" for c in CASES])
-def test_family_loads_and_saves_exactly(case: Candidate, tmp_path: Path) -> None:
+def test_family_loads_and_saves_exactly(case: Candidate, round_trips: RoundTrips) -> None:
     if case.key in NOT_BUILT:
         with pytest.raises(NotBuilt, match=re.escape(NOT_BUILT[case.key])):
-            round_trip(case, tmp_path)
+            round_trips.run(case)
         return
     if case.key in SAVE_DEFECTS:
         with pytest.raises(SurgeryMismatch, match=re.escape(SAVE_DEFECTS[case.key])):
-            round_trip(case, tmp_path, hub_layout=HUB_LAYOUT.get(case.key))
+            round_trips.run(case, hub_layout=HUB_LAYOUT.get(case.key))
         return
-    note = round_trip(
+    note = round_trips.run(
         case,
-        tmp_path,
         hub_layout=HUB_LAYOUT.get(case.key),
         check_never_loaded=case.key not in NEVER_LOADED_SAVES_OTHERWISE,
     )
