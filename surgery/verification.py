@@ -73,9 +73,18 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(_bytes(t).numpy().data).hexdigest()
 
 
+def _words(raw: torch.Tensor) -> torch.Tensor:
+    """``raw`` bytes as the widest integers that tile them: comparing int64 words is ~4x faster."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if raw.numel() % dtype.itemsize == 0:
+            with contextlib.suppress(RuntimeError):  # an offset the wider type cannot start at
+                return raw.view(dtype)
+    return raw
+
+
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (a byte compare: cheaper than hashing both)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bytes(a), _bytes(b))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_words(_bytes(a)), _words(_bytes(b)))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
