@@ -15,6 +15,8 @@ import contextlib
 import datetime
 import io
 import json
+import os
+import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -125,3 +127,6 @@ def run(rank: int, world: int, workdir: str) -> None:
     (work / f"rank{rank}.json").write_text(json.dumps(facts, default=str))
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown with a live gloo group: see tests/distsave_scenarios.py
