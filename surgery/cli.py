@@ -6,7 +6,8 @@
   what each of N tensor-parallel ranks reads, planned without a process group).
 * ``convert SRC DST --model M``: load a checkpoint into a model and save it in another layout.
 * ``verify CKPT --model M``: audit a load → save round trip tensor by tensor (exit 0 identical,
-  1 different, 2 error); ``--json FILE`` writes the card (``docs/verify.md``).
+  1 different, 2 error); ``--json FILE`` writes the card (``docs/verify.md``); ``--tp N`` under
+  ``torchrun``: every rank loads its shards and audits its share.
 * ``catalog``: the registered conversion mappings (families and aliases).
 * ``bench {route,load,fusion,graph,quantization}``: benchmarks that print ratios against a floor.
 
@@ -52,6 +53,7 @@ _TRANSFORMERS_AUTO = "transformers:auto"  # surgery.auto_model.TRANSFORMERS_AUTO
 _QUANTIZATIONS = ("fp8", "int8", "auto")  # surgery.quantization.QUANTIZATION_CHOICES
 _DTYPES = ("float16", "bfloat16", "float32", "float64")  # surgery.casting.SAVE_DTYPES
 
+_TP_LAUNCH = "torchrun --nproc-per-node N -m surgery verify CKPT --model M --tp N"
 _BENCHES = ("route", "load", "fusion", "graph", "io", "quantization", "verify")
 
 
@@ -312,21 +314,64 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     """``surgery verify``: 0 when every tensor is identical (or an allowed difference), else 1."""
     from .verification import verify
 
-    card = verify(
-        lambda: build_model(args.model),
-        args.checkpoint,
-        fusion_config=_fusion_arg(args.fusion),
-        quantizer=_quantizer(args, args.checkpoint),
-        dtype=args.dtype,
-        allow=args.allow or (),
-        output=args.output,
-        workdir=args.workdir,
-        max_shard_size=args.max_shard_size,
-    )
-    if args.json:
-        Path(args.json).write_text(json.dumps(card.to_dict(), indent=2) + "\n")
-    print(card.render(limit=args.limit))
+    if args.tp_plan is not None and args.tp is None:
+        raise SurgeryError("--tp-plan is the plan of a tensor-parallel audit: give --tp N too.")
+    with _tp_mesh(args.tp) as mesh:
+        card = verify(
+            lambda: build_model(args.model),
+            args.checkpoint,
+            fusion_config=_fusion_arg(args.fusion),
+            quantizer=_quantizer(args, args.checkpoint),
+            tp_plan=_tp_plan(args.tp_plan) if mesh is not None else None,
+            device_mesh=mesh,
+            dtype=args.dtype,
+            allow=args.allow or (),
+            output=args.output,
+            workdir=args.workdir,
+            max_shard_size=args.max_shard_size,
+        )
+        rank = mesh.get_rank() if mesh is not None else 0
+    if rank == 0:  # every rank holds the same card: one prints it
+        if args.json:
+            Path(args.json).write_text(json.dumps(card.to_dict(), indent=2) + "\n")
+        print(card.render(limit=args.limit))
     return 0 if card.ok else 1
+
+
+@contextlib.contextmanager
+def _tp_mesh(tp: int | None) -> Any:
+    """``--tp N``: the 1-D mesh of the N ranks torchrun launched (``None`` without ``--tp``).
+
+    The process group is the one already initialized, else one from torchrun's environment
+    (gloo on CPU, NCCL on this rank's GPU when there are GPUs), destroyed on the way out.
+    """
+    if tp is None:
+        yield None
+        return
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    launch = f"torchrun --nproc-per-node {tp} -m surgery verify ... --tp {tp}"
+    started = not dist.is_initialized()
+    if started:
+        if "WORLD_SIZE" not in os.environ:
+            raise SurgeryError(
+                f"--tp {tp} audits from a tensor-parallel launch of {tp} processes: run `{launch}`."
+            )
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        if dist.get_world_size() != tp:
+            raise SurgeryError(
+                f"--tp {tp} but {dist.get_world_size()} processes were launched: run `{launch}`."
+            )
+        yield init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (tp,))
+    finally:
+        if started:
+            dist.destroy_process_group()
 
 
 def _unmatched_fusions(args: argparse.Namespace, applied: dict[str, object] | None) -> None:
@@ -487,6 +532,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     v.add_argument(
         "--output", default=None, help="audit this converted checkpoint against CKPT instead of a fresh save"
+    )
+    v.add_argument(
+        "--tp",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=f"audit from a tensor-parallel launch of N ranks ({_TP_LAUNCH}): each rank loads its shards "
+        "and audits its share of the tensors; rank 0 prints the card",
+    )
+    v.add_argument(
+        "--tp-plan", default=None, help="with --tp: a JSON tp_plan (default: the model's own, 'auto')"
     )
     v.add_argument("--json", default=None, metavar="FILE", help="write the verification card as JSON to FILE")
     v.add_argument("--workdir", default=None, help="where the two saves go (default: a temp dir, deleted)")

@@ -140,6 +140,19 @@ class Collective:
         if self._group is not None:
             self._exchange(None)
 
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order, on every rank; ``[value]`` in one process.
+
+        A collective no local failure may skip: call it right after :meth:`agree`.
+        """
+        if self._group is None:
+            return [value]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(gathered, value, group=self._group)
+        return gathered
+
     def _fail(self, exc: BaseException) -> NoReturn:
         try:
             self._exchange(_Failure(self.rank, self.what, _error_class(exc).__name__, _cause(exc)))

@@ -4,8 +4,9 @@ Run ``surgery bench verify [--hidden 512] [--layers 4] [--repeat 3]``. For the e
 lists merged at load, split at save), the example dense model and the fused vision tower, it
 writes an original-layout checkpoint into a temporary directory, then times (best of ``repeat``,
 warm page cache) a ``load_checkpoint`` + ``save_checkpoint`` into a fresh model, and a
-``verify`` (two loads, two saves and the SHA-256 of every tensor of the source and both saves).
-The ratio is expected near 2 plus the hashing.
+``verify`` (two loads into one model, two saves, the SHA-256 of the source's tensors and of the
+runtime state after each load, and byte compares of the first save with the source and the
+second save with the first). The ratio is expected near 2 plus the hashing.
 """
 
 from __future__ import annotations
