@@ -277,10 +277,7 @@ def _import_graph() -> nx.DiGraph:
     return graph
 
 
-KNOWN_CIRCLES = {
-    # Step 5 (branch fix/suite): one bench harness module, one file per case.
-    frozenset({"surgery.bench.load", "surgery.bench.parallel"}),
-}
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 
 
 def test_no_two_modules_import_each_other_even_indirectly() -> None:
