@@ -381,6 +381,9 @@ def run(rank: int, world: int, workdir: str, torchrun: bool = False) -> None:
     (work / f"rank{rank}.json").write_text(json.dumps(facts, default=str))
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown with a live gloo group: see tests/distsave_scenarios.py
 
 
 if (
