@@ -44,3 +44,60 @@ def write_original() -> WriteOriginal:
     Returns the state dict written.
     """
     return _write_original
+
+
+# A zygote: one process per session imports torch (nearly all of a fresh interpreter's ~1.8 s)
+# and forks a child per snippet, so that each check still runs in an interpreter where surgery,
+# specs, networkx, transformers, torch.distributed.tensor and torch._dynamo are not imported
+# (``import torch`` alone imports none of them; test_import checks that). Checks about torch
+# itself (``surgery --help`` imports no torch) keep a plain subprocess.
+_ZYGOTE = r"""
+import json, os, sys, tempfile, traceback
+import torch
+for line in sys.stdin:
+    code = json.loads(line)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+            sys.stdout = os.fdopen(1, "w"); sys.stderr = os.fdopen(2, "w")
+            status = 0
+            try:
+                exec(compile(code, "<fresh>", "exec"), {"__name__": "__main__"})
+            except BaseException:
+                traceback.print_exc(); status = 1
+            sys.stdout.flush(); sys.stderr.flush(); os._exit(status)
+        _, status = os.waitpid(pid, 0)
+        out.seek(0); err.seek(0)
+        reply = [os.waitstatus_to_exitcode(status), out.read().decode(), err.read().decode()]
+    print(json.dumps(reply), flush=True)
+"""
+
+FreshPython = Callable[[str], str]
+
+
+@pytest.fixture(scope="session")
+def fresh_python() -> Iterator[FreshPython]:
+    """``fresh_python(code)``: run ``code`` in a fresh interpreter that has imported only torch;
+    returns its stdout, stripped; a non-zero exit fails the test with the child's stderr."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    root = Path(__file__).resolve().parent.parent
+    zygote = subprocess.Popen(
+        [sys.executable, "-c", _ZYGOTE], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert zygote.stdin is not None and zygote.stdout is not None
+
+    def run(code: str) -> str:
+        zygote.stdin.write(json.dumps(textwrap.dedent(code)) + "\n")
+        zygote.stdin.flush()
+        status, out, err = json.loads(zygote.stdout.readline())
+        assert status == 0, f"the fresh interpreter exited with {status}: {err}"
+        return str(out).strip()
+
+    yield run
+    zygote.stdin.close()
+    zygote.wait(timeout=60)

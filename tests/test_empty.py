@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 from torch import nn
 
 import surgery
+
+if TYPE_CHECKING:
+    from conftest import FreshPython
 
 
 class Rotary(nn.Module):
@@ -80,11 +84,8 @@ def test_a_strict_load_refuses_before_reading_when_a_tensor_would_stay_on_meta(t
 @pytest.mark.parametrize(
     "quantizer", ["None", "FP8BlockQuantizer(block_size=(8, 8))", "Int8WeightOnlyQuantizer()"]
 )
-def test_planning_a_load_does_not_import_torch_dynamo(tmp_path: Path, quantizer: str) -> None:
+def test_planning_a_load_does_not_import_torch_dynamo(quantizer: str, fresh_python: FreshPython) -> None:
     """Meta shape inference is arithmetic or CPU work: torch's Python meta refs import dynamo (~1 s)."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, tempfile, surgery\n"
         "from surgery.checkpoint import write_checkpoint\n"
@@ -100,6 +101,4 @@ def test_planning_a_load_does_not_import_torch_dynamo(tmp_path: Path, quantizer:
         "assert surgery.load_checkpoint(m, d, quantizer=quantizer).ok\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False"
+    assert fresh_python(code) == "False"

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -163,19 +161,13 @@ def test_catalog_register_function_registers_patch_embeddings():
 
 
 # --------------------------------------------------------------------------- catalog loading
-def _fresh_python(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
-
-
-def test_importing_the_fusion_engine_loads_no_catalog():
-    out = _fresh_python("import sys, surgery.fusion; print('specs.patch_embeddings' in sys.modules)")
+def test_importing_the_fusion_engine_loads_no_catalog(fresh_python):
+    out = fresh_python("import sys, surgery.fusion; print('specs.patch_embeddings' in sys.modules)")
     assert out == "False"
 
 
-def test_the_builtin_catalog_provides_patch_embeddings_lazily():
-    out = _fresh_python("from surgery.fusion import list_fusions; print(list_fusions())")
+def test_the_builtin_catalog_provides_patch_embeddings_lazily(fresh_python):
+    out = fresh_python("from surgery.fusion import list_fusions; print(list_fusions())")
     assert "'patch_embeddings'" in out
 
 

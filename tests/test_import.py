@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from conftest import FreshPython
 
 
-def _run(code: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], check=True, capture_output=True, text=True
+def test_import_torch_alone_imports_none_of_the_modules_fresh_python_checks_for(
+    fresh_python: FreshPython,
+) -> None:
+    """``fresh_python`` forks from a process that imported torch; the checks below hold only if
+    ``import torch`` itself imports none of these."""
+    out = fresh_python(
+        """
+        import sys
+        names = ("surgery", "specs", "networkx", "transformers", "torch.distributed.tensor", "torch._dynamo")
+        print([name for name in names if name in sys.modules], sys.modules["torch"].cuda.is_initialized())
+        """
     )
-    return out.stdout.strip()
+    assert out == "[] False"
 
 
-def test_import_does_not_initialize_cuda_or_a_process_group() -> None:
-    out = _run(
+def test_import_does_not_initialize_cuda_or_a_process_group(fresh_python: FreshPython) -> None:
+    out = fresh_python(
         """
         import torch, surgery
         import torch.distributed as dist
@@ -25,8 +34,8 @@ def test_import_does_not_initialize_cuda_or_a_process_group() -> None:
     assert out == "False False"
 
 
-def test_import_does_not_load_the_catalog_or_networkx() -> None:
-    out = _run(
+def test_import_does_not_load_the_catalog_or_networkx(fresh_python: FreshPython) -> None:
+    out = fresh_python(
         """
         import sys, surgery
         print('specs' in sys.modules, 'networkx' in sys.modules, 'transformers' in sys.modules)
@@ -58,9 +67,9 @@ def test_public_names_are_exported() -> None:
         assert getattr(surgery, name) is not None
 
 
-def test_import_does_not_import_torch_distributed_tensor() -> None:
+def test_import_does_not_import_torch_distributed_tensor(fresh_python: FreshPython) -> None:
     """DTensor support is imported on first tensor-parallel use (it costs about a second)."""
-    out = _run(
+    out = fresh_python(
         """
         import sys, surgery, surgery.parallel, surgery.load
         print('torch.distributed.tensor' in sys.modules)
@@ -69,9 +78,9 @@ def test_import_does_not_import_torch_distributed_tensor() -> None:
     assert out == "False"
 
 
-def test_regions_are_a_leaf_that_ops_imports_without_a_circle() -> None:
+def test_regions_are_a_leaf_that_ops_imports_without_a_circle(fresh_python: FreshPython) -> None:
     """``surgery.parallel.regions`` imports nothing of surgery; ``ops`` needs only it, ``errors`` and ``meta``."""
-    out = _run(
+    out = fresh_python(
         """
         import sys
         import surgery.parallel.regions

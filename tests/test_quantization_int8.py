@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import re
 import struct
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -26,6 +25,9 @@ from surgery.quantization import (
     int8_kernel_usable,
 )
 from surgery.quantization.int8 import KERNEL_ALIGNMENT, kernel_operand
+
+if TYPE_CHECKING:
+    from conftest import FreshPython
 
 
 class MLP(nn.Module):
@@ -505,10 +507,13 @@ _MAPPED_FORWARD = """
 """
 
 
-def test_a_memory_mapped_int8_checkpoint_with_misaligned_weights_runs_its_forward(tmp_path: Path) -> None:
+def test_a_memory_mapped_int8_checkpoint_with_misaligned_weights_runs_its_forward(
+    tmp_path: Path, fresh_python: FreshPython
+) -> None:
     """Issue 25: weights mapped at 8 bytes past a boundary crashed the first forward (SIGSEGV in
     ``aten._weight_int8pack_mm`` on AVX-512; on AVX2 a bf16 input 2 bytes off crashes it). The
-    forward runs in a child process, so a crash fails this test instead of killing pytest."""
+    forward runs in a child process (forked by ``fresh_python``), so a crash fails this test
+    instead of killing pytest."""
     float_checkpoint(tmp_path / "float")
     model = Model()
     surgery.load_checkpoint(model, tmp_path / "float", quantizer=Int8WeightOnlyQuantizer(targets=["mlp.*"]))
@@ -517,9 +522,7 @@ def test_a_memory_mapped_int8_checkpoint_with_misaligned_weights_runs_its_forwar
     code = textwrap.dedent(_MAPPED_FORWARD).format(
         tests=str(Path(__file__).parent), ckpt=str(tmp_path / "int8"), align=KERNEL_ALIGNMENT
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"the child died with {done.returncode}: {done.stderr[-2000:]}"
-    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    facts = json.loads(fresh_python(code).splitlines()[-1])  # a child that dies fails here
     assert facts["modes"] == ["mmap"]  # the weights are views of the file, where its header put them
     assert facts["offsets"][0] == 8 and all(o % 16 for o in facts["offsets"])
     assert facts["kernel"] == [True, True, True]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 import threading
@@ -455,7 +454,7 @@ def test_a_catalog_may_look_up_entries_while_it_registers(tmp_path, monkeypatch)
         assert len(get_checkpoint_conversion_mapping("acme_derived")) == 2
 
 
-def test_importing_surgery_does_not_load_catalogs_until_the_first_lookup(tmp_path):
+def test_importing_surgery_does_not_load_catalogs_until_the_first_lookup(tmp_path, fresh_python):
     body = """
         import os
         from surgery.registry import register_catalog_modules
@@ -467,20 +466,18 @@ def test_importing_surgery_does_not_load_catalogs_until_the_first_lookup(tmp_pat
     """
     _module, _ = _install_catalog(tmp_path, body)
     marker = tmp_path / "marker.txt"
+    # the fresh interpreter finds the test catalog's entry point on its path, as PYTHONPATH would put it
     script = textwrap.dedent(
-        """
-        import os, surgery, surgery.graph, surgery.resolution
+        f"""
+        import os, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        os.environ["SURGERY_TEST_MARKER"] = marker = {str(marker)!r}
+        import surgery, surgery.graph, surgery.resolution
         from surgery.registry import list_checkpoint_conversion_keys
-        marker = os.environ["SURGERY_TEST_MARKER"]
         assert not os.path.exists(marker), "catalog loaded at import"
         list_checkpoint_conversion_keys()
         list_checkpoint_conversion_keys()
         print(open(marker).read().count("loaded"))
         """
     )
-    env = {"SURGERY_TEST_MARKER": str(marker), "PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "1"
+    assert fresh_python(script) == "1"

@@ -6,8 +6,6 @@ the classes here behave like library classes; a class moved to another module is
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -435,7 +433,7 @@ def test_include_legacy_must_be_a_bool():
         get_model_conversion_mapping(nn.Linear(1, 1), include_legacy="yes")
 
 
-def test_resolution_without_a_graph_does_not_import_networkx():
+def test_resolution_without_a_graph_does_not_import_networkx(fresh_python):
     # The first load of a process resolves the mapping; building a ModuleGraph would import
     # networkx (~0.2 s) for nothing, so resolution walks the modules itself.
     code = (
@@ -444,8 +442,7 @@ def test_resolution_without_a_graph_does_not_import_networkx():
         "get_model_conversion_mapping(torch.nn.Sequential(torch.nn.Linear(2, 2)))\n"
         "print('networkx' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "False"
+    assert fresh_python(code) == "False"
 
 
 def test_explanations_with_and_without_a_prebuilt_graph_agree():
