@@ -286,6 +286,20 @@ def scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Callable[
 
 
 def run(rank: int, world: int, workdir: str) -> None:
+    run_scenarios(rank, world, workdir, lambda work, mesh: dict(scenarios(work, rank, mesh)))
+
+
+def run_scenarios(
+    rank: int,
+    world: int,
+    workdir: str,
+    make: Callable[[Path, Any], dict[str, Callable[[], Any]]],
+    *,
+    barrier: bool = False,
+) -> None:
+    """One rank's body: join the gloo group, run ``make(work, mesh)``'s scenarios in order, write
+    their facts to ``<workdir>/rank<r>.json``, leave. ``barrier``: wait for every rank before the
+    group is destroyed (when no scenario leaves a rank behind)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -301,11 +315,13 @@ def run(rank: int, world: int, workdir: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     facts: dict[str, Any] = {}
     try:
-        for name, scenario in scenarios(work, rank, mesh):
+        for name, scenario in make(work, mesh).items():
             facts[name] = scenario()
     except Exception:
         facts["crash"] = traceback.format_exc()
     (work / f"rank{rank}.json").write_text(json.dumps(facts, default=str))
+    if barrier:
+        dist.barrier()
     dist.destroy_process_group()
     _leave_before_interpreter_teardown()
 

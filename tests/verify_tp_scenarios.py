@@ -2,7 +2,7 @@
 
 :func:`run` is the body each rank executes (spawned by ``tests/test_verify_parallel.py``). Every
 scenario runs on both ranks, in order, in one process group whose timeout is
-:data:`PG_TIMEOUT_S`, and records per rank what :func:`surgery.verify` (or the ``surgery verify``
+:data:`distsave_scenarios.PG_TIMEOUT_S`, and records per rank what :func:`surgery.verify` (or the ``surgery verify``
 command, in the rank's own process) returned, printed or raised, in ``<workdir>/rank<r>.json``.
 A rank left waiting on a collective that a failed rank never enters would wait that long and
 then raise the timeout instead of the failed rank's error; the last scenario, an audit that
@@ -12,24 +12,19 @@ passes after the failures, shows that no failure left the ranks out of step.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import io
-import json
-import os
-import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from distsave_scenarios import run_scenarios
 
 import surgery
 from surgery.checkpoint import open_checkpoint, write_checkpoint
 from surgery.cli import main
 from surgery.examples import dense
 
-PG_TIMEOUT_S = 60
 PERTURBED = "model.layers.1.self_attn.o_proj.weight"
 
 
@@ -105,28 +100,5 @@ def scenarios(work: Path, rank: int, mesh: Any) -> dict[str, Callable[[], dict[s
 
 
 def run(rank: int, world: int, workdir: str) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    work = Path(workdir)
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{work}/pg",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
-    )
-    mesh = init_device_mesh("cpu", (world,))
-    facts: dict[str, Any] = {}
-    try:
-        for name, scenario in scenarios(work, rank, mesh).items():
-            facts[name] = scenario()
-    except Exception:
-        facts["crash"] = traceback.format_exc()
-    (work / f"rank{rank}.json").write_text(json.dumps(facts, default=str))
-    dist.barrier()  # no rank tears the group down while another still uses it
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no interpreter teardown with a live gloo group: see tests/distsave_scenarios.py
+    # the distributed-save runner; every rank waits for the others before the group goes
+    run_scenarios(rank, world, workdir, lambda work, mesh: scenarios(work, rank, mesh), barrier=True)
