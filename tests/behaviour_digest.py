@@ -176,35 +176,7 @@ def examples(root: Path) -> dict[str, Any]:
     write_checkpoint(original, root / "moe")
     half = sum(t.nbytes for t in original.values()) // 2 + 1
     write_checkpoint(original, root / "moe-sharded", max_shard_size=half)
-    _guard(
-        out, "moe", _load_save, build_moe_model(cfg, device="meta"), root / "moe", root / "moe-saved", root
-    )
-    _guard(
-        out,
-        "moe_sharded",
-        _load_save,
-        build_moe_model(cfg, device="meta"),
-        root / "moe-sharded",
-        root / "moe-sharded-saved",
-        root,
-        save_kwargs={"max_shard_size": half},
-    )
-    _guard(
-        out,
-        "moe_bf16",
-        _load_save,
-        build_moe_model(cfg, device="meta"),
-        root / "moe",
-        root / "moe-bf16",
-        root,
-        save_kwargs={"dtype": torch.bfloat16},
-    )
-    _guard(
-        out,
-        "moe_runtime_layout",
-        lambda: files_digest(_runtime_save(build_moe_model(cfg, seed=0), root / "moe-runtime")),
-    )
-    # FP8 checkpoint decoded per expert, saved back as loaded
+    # FP8 checkpoint: the experts stored block-wise, decoded per expert at load
     stored: dict[str, torch.Tensor] = {}
     for key, value in original.items():
         if ".experts." in key:
@@ -212,47 +184,26 @@ def examples(root: Path) -> dict[str, Any]:
         else:
             stored[key] = value
     write_checkpoint(stored, root / "moe-fp8")
+    fp8 = {"quantizer": FP8BlockQuantizer(block_size=(8, 8))}
+    int8 = {"quantizer": Int8WeightOnlyQuantizer(targets=["model.layers.*.self_attn.*"])}
+    cases: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {  # name: (checkpoint, load, save)
+        "moe": ("moe", {}, {}),
+        "moe_sharded": ("moe-sharded", {}, {"max_shard_size": half}),
+        "moe_bf16": ("moe", {}, {"dtype": torch.bfloat16}),
+        "moe_fp8": ("moe-fp8", fp8, {}),
+        "moe_fp8_dequantized": ("moe-fp8", fp8, {"quantization": "dequantized"}),
+        "moe_fp8_runtime": ("moe-fp8", fp8, {"original_format": False}),
+        "moe_int8": ("moe", int8, {}),
+    }
+    for name, (ckpt, load, save) in cases.items():
+        model = build_moe_model(cfg, device="meta")
+        _guard(
+            out, name, _load_save, model, root / ckpt, root / f"{name}-out", root, save_kwargs=save, **load
+        )
     _guard(
         out,
-        "moe_fp8",
-        _load_save,
-        build_moe_model(cfg, device="meta"),
-        root / "moe-fp8",
-        root / "moe-fp8-saved",
-        root,
-        quantizer=FP8BlockQuantizer(block_size=(8, 8)),
-    )
-    _guard(
-        out,
-        "moe_fp8_dequantized",
-        _load_save,
-        build_moe_model(cfg, device="meta"),
-        root / "moe-fp8",
-        root / "moe-fp8-dequantized",
-        root,
-        quantizer=FP8BlockQuantizer(block_size=(8, 8)),
-        save_kwargs={"quantization": "dequantized"},
-    )
-    _guard(
-        out,
-        "moe_fp8_runtime",
-        _load_save,
-        build_moe_model(cfg, device="meta"),
-        root / "moe-fp8",
-        root / "moe-fp8-runtime",
-        root,
-        quantizer=FP8BlockQuantizer(block_size=(8, 8)),
-        save_kwargs={"original_format": False},
-    )
-    _guard(
-        out,
-        "moe_int8",
-        _load_save,
-        build_moe_model(cfg, device="meta"),
-        root / "moe",
-        root / "moe-int8",
-        root,
-        quantizer=Int8WeightOnlyQuantizer(targets=["model.layers.*.self_attn.*"]),
+        "moe_runtime_layout",
+        lambda: files_digest(_runtime_save(build_moe_model(cfg, seed=0), root / "moe-runtime")),
     )
     # fusions
     tower = build_vision_tower(seed=0)
