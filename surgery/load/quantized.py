@@ -45,6 +45,8 @@ def prequantized_sources(
     and gives wrong numbers, so such a source is an error unless a quantizer decodes it.
     """
     for info in infos:
+        if hooks is not None and hooks.keeps_packed(info.key):
+            continue  # loads 1:1 into a module that decodes it with its scales
         if info.dtype.is_floating_point and info.dtype.itemsize == 1 and f"{info.key}_scale_inv" in reader:
             which = f"{hooks.name} does not decode it" if hooks is not None else "no quantizer was given"
             return (

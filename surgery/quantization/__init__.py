@@ -6,6 +6,10 @@
   (DeepSeek-V3 layout) decoded on read and re-encoded bit for bit on save.
 * :mod:`~surgery.quantization.int8`: :class:`Int8WeightOnlyQuantizer`, int8 weight-only
   quantization on the fly into :class:`Int8WeightOnlyLinear`.
+* :mod:`~surgery.quantization.gptq` / :mod:`~surgery.quantization.awq`: :class:`GPTQQuantizer`
+  and :class:`AWQQuantizer`, int4 (GPTQ also 2/8-bit) checkpoints packed in int32 words.
+* :mod:`~surgery.quantization.packed`: :class:`KeepPacked` keeps a stored-quantized checkpoint
+  packed at runtime in :class:`PackedLinear` modules that decode per forward.
 * :mod:`~surgery.quantization.choice`: a quantizer by name (``fp8``, ``int8``, ``auto`` from a
   checkpoint's ``config.json``), as the command line takes it.
 
@@ -21,9 +25,12 @@ from typing import Any
 
 from ..errors import ConfigurationError, LoadError
 from ..persist import metadata_json
+from .awq import AWQ_ORDER, AWQ_REVERSE_ORDER, AWQQuantizer, awq_dequantize, awq_quantize
 from .choice import QUANTIZATION_CHOICES, checkpoint_config, quantizer_by_name
 from .fp8 import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize, expand_block_scales
+from .gptq import GPTQQuantizer, gptq_dequantize, gptq_quantize, pack_words, unpack_words
 from .int8 import Int8WeightOnlyLinear, Int8WeightOnlyQuantizer, int8_kernel_usable, quantize_per_channel
+from .packed import KeepPacked, PackedLinear
 from .protocol import (
     QUANTIZATION_METADATA_KEY,
     QuantizedModule,
@@ -34,24 +41,36 @@ from .protocol import (
 )
 
 __all__ = [
+    "AWQ_ORDER",
+    "AWQ_REVERSE_ORDER",
     "BUILTIN_QUANTIZERS",
     "QUANTIZATION_CHOICES",
     "QUANTIZATION_METADATA_KEY",
+    "AWQQuantizer",
     "FP8BlockQuantizer",
+    "GPTQQuantizer",
     "Int8WeightOnlyLinear",
     "Int8WeightOnlyQuantizer",
+    "KeepPacked",
+    "PackedLinear",
     "QuantizedModule",
     "Quantizer",
     "QuantizerHooks",
+    "awq_dequantize",
+    "awq_quantize",
     "blockwise_dequantize",
     "blockwise_quantize",
     "checkpoint_config",
     "config_metadata",
     "expand_block_scales",
+    "gptq_dequantize",
+    "gptq_quantize",
     "int8_kernel_usable",
+    "pack_words",
     "quantize_per_channel",
     "quantizer_by_name",
     "quantizer_from_metadata",
+    "unpack_words",
 ]
 
 BUILTIN_QUANTIZERS: dict[str, Any] = {Int8WeightOnlyQuantizer.method: Int8WeightOnlyQuantizer}

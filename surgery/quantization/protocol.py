@@ -19,6 +19,9 @@ A quantizer is any object; the loader looks up each hook by name and uses the on
   ``X.weight_scale_inv``). A key that names an owner but that no stored-quantized owner claims
   (the owner is absent, or stored in float) is an error naming it, never an unexpected key that
   a model with such a parameter would silently load.
+* ``keeps_packed(key) -> bool``: ``key`` is stored quantized but loads 1:1 into a module that holds
+  it packed (:class:`~surgery.quantization.packed.KeepPacked`): not decoded, and no error for
+  loading stored codes without their scales.
 * ``checks(key, info) -> bool`` and ``check(key, tensor)``: values a file controls that the
   headers cannot vouch for (NaN or negative scales). Planning reads every checkpoint tensor
   ``checks`` names (small ones: scales), after its shape was checked, and ``check`` raises a
@@ -187,6 +190,7 @@ class QuantizerHooks:
         "checks",
         "check",
         "decode",
+        "keeps_packed",
         "quantizes",
         "quantize",
         "metadata",
@@ -290,6 +294,17 @@ class QuantizerHooks:
 
     def checks(self, key: str, info: StoredTensor) -> bool:
         return self._predicate("checks", key, info)
+
+    def keeps_packed(self, key: str) -> bool:
+        """Whether ``key`` loads as stored into a module holding it packed (``False`` without the hook)."""
+        if "keeps_packed" not in self._hooks:
+            return False
+        result = self._call("keeps_packed", key, key)
+        if not isinstance(result, bool):
+            raise ConfigurationError(
+                f"{self.name}.keeps_packed({key!r}) returned {bounded_repr(result)}, not True or False."
+            )
+        return result
 
     def check(self, key: str, tensor: torch.Tensor) -> None:
         """``check(key, tensor)``: raises a :class:`ConversionError` naming ``key`` if the values are unusable."""

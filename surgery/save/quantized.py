@@ -22,6 +22,7 @@ from ..record import record_of
 __all__ = [
     "Dequantized",
     "dequantize_stage",
+    "kept_packed",
     "model_quantizer",
     "quantized_keys",
     "quantized_on_the_fly",
@@ -97,5 +98,13 @@ def quantized_on_the_fly(model: nn.Module) -> QuantizerHooks | None:
     """The hooks of the quantizer whose modules the model holds (a runtime-layout save writes their codes)."""
     quantizer = model_quantizer(model)
     if quantizer is None or not any(getattr(m, "quantized_names", None) is not None for m in model.modules()):
+        return None
+    return QuantizerHooks(quantizer)
+
+
+def kept_packed(model: nn.Module) -> QuantizerHooks | None:
+    """The hooks of the quantizer whose stored tensors the model holds packed (a save writes them as they are)."""
+    quantizer = model_quantizer(model)
+    if quantizer is None or not any(getattr(m, "packed_names", None) is not None for m in model.modules()):
         return None
     return QuantizerHooks(quantizer)

@@ -29,7 +29,7 @@ from ..quantization import QuantizerHooks
 from ..record import record_of
 from ..saved_config import SavedConfig, saved_config, write_config_json
 from .distributed import write_on_rank_zero
-from .quantized import quantized_on_the_fly
+from .quantized import kept_packed, quantized_on_the_fly
 from .reverted import RevertedState
 
 __all__ = [
@@ -249,5 +249,12 @@ def _describe_written(
             fusions=fusions,
             quantization=written_quantized.quantization_config(),
             quantization_loads_in_transformers=written_quantized.loads_in_transformers,
+        )
+    packed = kept_packed(model)
+    if packed is not None:  # packed tensors kept at runtime, written as loaded
+        return saved_config(
+            fusions=fusions,
+            quantization=packed.quantization_config(),
+            quantization_loads_in_transformers=packed.loads_in_transformers,
         )
     return saved_config(fusions=fusions)  # floats only

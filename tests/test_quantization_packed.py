@@ -1,0 +1,342 @@
+"""GPTQ and AWQ layouts, and packed runtime modules (KeepPacked / PackedLinear).
+
+Fixtures are written here from the documented layouts (no reference packer installs on CPU:
+AutoGPTQ/AutoAWQ need CUDA); the reference decode below reads every code with Python integer
+arithmetic, one element at a time, independently of surgery's vectorized unpacking.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import fp8_reference
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+import surgery
+from surgery.errors import ConfigurationError, ConversionError
+from surgery.quantization import (
+    AWQ_ORDER,
+    AWQQuantizer,
+    FP8BlockQuantizer,
+    GPTQQuantizer,
+    KeepPacked,
+    PackedLinear,
+    pack_words,
+    unpack_words,
+)
+
+K, N, GROUP = 96, 40, 32  # three groups; 40 out-features: five AWQ words
+
+
+class Tiny(nn.Module):
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.up = nn.Linear(K, N, bias=True, dtype=dtype)
+        self.down = nn.Linear(N, K, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def _word(codes: list[int], bits: int) -> int:
+    v = sum(c << (bits * i) for i, c in enumerate(codes))
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+# ---------------------------------------------------------------- GPTQ fixture and reference
+def gptq_tensors(k: int, n: int, group: int, *, seed: int, act_order: bool) -> dict[str, torch.Tensor]:
+    """Random 4-bit GPTQ v1 tensors, packed with Python ints (word by word)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (k, n), generator=gen).tolist()
+    groups = math.ceil(k / group)
+    zeros = torch.randint(1, 16, (groups, n), generator=gen).tolist()  # v1 stores zero - 1 in [0, 15)
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(torch.float16)
+    g_idx = [i // group for i in range(k)]
+    if act_order:
+        perm = torch.randperm(k, generator=gen).tolist()
+        g_idx = [g_idx[p] for p in perm]
+    qweight = [[_word([q[8 * r + j][c] for j in range(8)], 4) for c in range(n)] for r in range(k // 8)]
+    qzeros = [
+        [_word([zeros[g][8 * w + j] - 1 for j in range(8)], 4) for w in range(n // 8)] for g in range(groups)
+    ]
+    return {
+        "qweight": torch.tensor(qweight, dtype=torch.int32),
+        "qzeros": torch.tensor(qzeros, dtype=torch.int32),
+        "scales": scales,
+        "g_idx": torch.tensor(g_idx, dtype=torch.int32),
+    }
+
+
+def gptq_reference(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    qw, qz, gi = (t[n].tolist() for n in ("qweight", "qzeros", "g_idx"))
+    k, n = len(qw) * 8, len(qw[0])
+    out = torch.empty(n, k)
+    s32 = t["scales"].float()
+    for kk in range(k):
+        g = gi[kk]
+        for c in range(n):
+            code = (qw[kk // 8][c] >> (4 * (kk % 8))) & 15
+            zero = ((qz[g][c // 8] >> (4 * (c % 8))) & 15) + 1
+            out[c, kk] = float(code - zero) * s32[g, c]
+    return out
+
+
+# ---------------------------------------------------------------- AWQ fixture and reference
+def awq_tensors(k: int, n: int, group: int, *, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (k, n), generator=gen).tolist()
+    groups = math.ceil(k / group)
+    zeros = torch.randint(0, 16, (groups, n), generator=gen).tolist()
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(torch.float16)
+
+    def pack(rows: list[list[int]]) -> list[list[int]]:  # code i of word w holds column 8 w + AWQ_ORDER[i]
+        return [[_word([r[8 * w + AWQ_ORDER[i]] for i in range(8)], 4) for w in range(n // 8)] for r in rows]
+
+    return {
+        "qweight": torch.tensor(pack(q), dtype=torch.int32),
+        "qzeros": torch.tensor(pack(zeros), dtype=torch.int32),
+        "scales": scales,
+    }
+
+
+def awq_reference(t: dict[str, torch.Tensor], group: int) -> torch.Tensor:
+    qw, qz = t["qweight"].tolist(), t["qzeros"].tolist()
+    k, n = len(qw), len(qw[0]) * 8
+    s32 = t["scales"].float()
+    inverse = [AWQ_ORDER.index(c) for c in range(8)]
+    out = torch.empty(n, k)
+    for kk in range(k):
+        g = kk // group
+        for c in range(n):
+            code = (qw[kk][c // 8] >> (4 * inverse[c % 8])) & 15
+            zero = (qz[g][c // 8] >> (4 * inverse[c % 8])) & 15
+            out[c, kk] = float(code - zero) * s32[g, c]
+    return out
+
+
+def _prefixed(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {f"{prefix}.{k}": v for k, v in tensors.items()}
+
+
+def _checkpoint(tmp_path, name: str, tensors: dict[str, torch.Tensor], config: dict) -> str:
+    d = tmp_path / name
+    d.mkdir()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({"model_type": "tiny", "quantization_config": config}))
+    return str(d)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (``torch.equal`` has no float8 kernel on CPU)."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
+
+
+def _read_all(path: str) -> dict[str, torch.Tensor]:
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+
+
+GPTQ_CONFIG = {
+    "quant_method": "gptq",
+    "bits": 4,
+    "group_size": GROUP,
+    "desc_act": True,
+    "sym": False,
+    "damp_percent": 0.01,
+    "checkpoint_format": "gptq",
+    "true_sequential": True,
+}
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm", "zero_point": True}
+
+
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory):
+    """Per format: (checkpoint dir, stored tensors, quantizer, reference (N, K) weights by linear)."""
+    tmp = tmp_path_factory.mktemp("packed")
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(9))
+    out = {}
+    up, down = (
+        gptq_tensors(K, N, GROUP, seed=1, act_order=True),
+        gptq_tensors(N, K, GROUP, seed=2, act_order=False),
+    )
+    stored = {**_prefixed("up", up), **_prefixed("down", down), "up.bias": bias}
+    path = _checkpoint(tmp, "gptq", stored, GPTQ_CONFIG)
+    refs = {"up": gptq_reference(up), "down": gptq_reference(down)}
+    out["gptq"] = (path, stored, GPTQQuantizer.from_config(GPTQ_CONFIG), refs)
+    up, down = awq_tensors(K, N, GROUP, seed=3), awq_tensors(N, K, GROUP, seed=4)
+    stored = {**_prefixed("up", up), **_prefixed("down", down), "up.bias": bias}
+    path = _checkpoint(tmp, "awq", stored, AWQ_CONFIG)
+    refs = {"up": awq_reference(up, GROUP), "down": awq_reference(down, GROUP)}
+    out["awq"] = (path, stored, AWQQuantizer.from_config(AWQ_CONFIG), refs)
+    gen = torch.Generator().manual_seed(5)
+    w_up, w_down = torch.randn(N, K, generator=gen), torch.randn(K, N, generator=gen)
+    q_up, s_up = fp8_reference.quantize(w_up, (16, 32))
+    q_down, s_down = fp8_reference.quantize(w_down, (16, 32))
+    stored = {
+        "up.weight": q_up,
+        "up.weight_scale_inv": s_up,
+        "down.weight": q_down,
+        "down.weight_scale_inv": s_down,
+        "up.bias": bias,
+    }
+    fp8_cfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 32]}
+    path = _checkpoint(tmp, "fp8", stored, fp8_cfg)
+    refs = {
+        "up": fp8_reference.dequantize(q_up, s_up, (16, 32)),
+        "down": fp8_reference.dequantize(q_down, s_down, (16, 32)),
+    }
+    out["fp8"] = (path, stored, FP8BlockQuantizer.from_config(fp8_cfg), refs)
+    return out
+
+
+FORMATS = ("gptq", "awq", "fp8")
+
+
+@pytest.mark.parametrize("fmt", ("gptq", "awq"))
+def test_decode_equals_the_reference_decode_bit_for_bit(formats, fmt):
+    _, stored, quantizer, refs = formats[fmt]
+    for linear in ("up", "down"):
+        key = f"{linear}.qweight"
+        companions = {k: v for k, v in stored.items() if k.startswith(linear + ".") and k != key}
+        got = quantizer.decode(key, stored[key], companions)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, refs[linear]), linear
+
+
+@pytest.mark.parametrize("fmt", ("gptq", "awq"))
+def test_encode_of_the_decoded_weight_gives_back_the_stored_bytes(formats, fmt):
+    _, stored, quantizer, refs = formats[fmt]
+    for linear in ("up", "down"):
+        key = f"{linear}.qweight"
+        companions = {
+            k: v for k, v in stored.items() if k.startswith(linear + ".") and k not in (key, "up.bias")
+        }
+        encoded = quantizer.encode(key, refs[linear], companions)
+        assert set(encoded) == {key, *companions}
+        for k, v in encoded.items():
+            assert _same(v, stored[k]), k
+
+
+def test_encode_of_a_changed_weight_moves_the_codes(formats):
+    _, stored, quantizer, refs = formats["gptq"]
+    companions = {
+        k: v for k, v in stored.items() if k.startswith("up.") and k not in ("up.qweight", "up.bias")
+    }
+    changed = refs["up"].clone()
+    changed[0, 0] += 10.0  # far beyond its group's range: clamps to a code, never wraps around
+    q = quantizer.encode("up.qweight", changed, companions)["up.qweight"]
+    assert not torch.equal(q, stored["up.qweight"])
+    redecoded = quantizer.decode("up.qweight", q, companions)
+    assert torch.equal(redecoded[1:], refs["up"][1:]) and redecoded[0, 0] > refs["up"][0, 0]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_keep_packed_loads_1_to_1_forwards_as_decoded_and_saves_the_same_bytes(formats, fmt, tmp_path):
+    path, stored, quantizer, refs = formats[fmt]
+    model = Tiny()
+    report = surgery.load_checkpoint(model, path, quantizer=KeepPacked(quantizer, checkpoint=path))
+    assert not report.missing_keys and not report.unexpected_keys and not report.conversion_errors
+    for linear in ("up", "down"):
+        module = getattr(model, linear)
+        assert isinstance(module, PackedLinear)
+        for name in module.packed_names:  # held as stored: name, dtype and bytes
+            held, want = getattr(module, name), stored[f"{linear}.{name}"]
+            assert _same(held, want), (linear, name)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(0))
+    hidden = torch.relu(F.linear(x, refs["up"], stored["up.bias"]))
+    assert torch.equal(model(x), F.linear(hidden, refs["down"]))
+    surgery.save_checkpoint(model, tmp_path / "out")
+    written = _read_all(str(tmp_path / "out"))
+    assert written.keys() == stored.keys()
+    for k, v in stored.items():
+        assert _same(written[k], v), k
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    original = json.loads((Path(path) / "config.json").read_text())
+    assert config["quantization_config"] == original["quantization_config"]  # every field, as read
+
+
+def test_a_4_bit_checkpoint_kept_packed_takes_about_a_quarter_of_bf16_memory(formats):
+    path, _, quantizer, _ = formats["gptq"]
+    packed, dense = Tiny(), Tiny(torch.bfloat16)
+    surgery.load_checkpoint(packed, path, quantizer=KeepPacked(quantizer, checkpoint=path))
+
+    def nbytes(m: nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
+
+    ratio = nbytes(packed) / nbytes(dense)
+    # codes: 1/4 of bf16; per 32-column group a float16 scale, a 4-bit zero and an int32 g_idx per column
+    assert 0.25 < ratio < 0.4, ratio
+
+
+def test_keep_packed_only_where_targeted(formats):
+    path, _, quantizer, refs = formats["fp8"]
+    model = Tiny()
+    surgery.load_checkpoint(model, path, quantizer=KeepPacked(quantizer, checkpoint=path, targets=("up",)))
+    assert isinstance(model.up, PackedLinear) and isinstance(model.down, nn.Linear)
+    assert torch.equal(model.down.weight, refs["down"])  # decoded on load as the quantizer does
+
+
+def test_keep_packed_refuses_a_quantizer_without_decode():
+    with pytest.raises(ConfigurationError, match="companions and decode"):
+        KeepPacked(surgery.quantization.Int8WeightOnlyQuantizer(), checkpoint=".")
+
+
+def test_wrong_companions_are_errors_naming_the_key(formats):
+    _, stored, quantizer, _ = formats["gptq"]
+    companions = {
+        k: v for k, v in stored.items() if k.startswith("up.") and k not in ("up.qweight", "up.bias")
+    }
+    with pytest.raises(ConversionError, match=r"'up\.g_idx'"):
+        quantizer.decode(
+            "up.qweight", stored["up.qweight"], {k: v for k, v in companions.items() if k != "up.g_idx"}
+        )
+    with pytest.raises(ConversionError, match=r"'up\.qzeros' is torch.int64"):
+        quantizer.decode(
+            "up.qweight", stored["up.qweight"], {**companions, "up.qzeros": companions["up.qzeros"].long()}
+        )
+    with pytest.raises(ConversionError, match=r"'up\.scales' has shape"):
+        quantizer.decode(
+            "up.qweight", stored["up.qweight"], {**companions, "up.scales": companions["up.scales"][:1]}
+        )
+    with pytest.raises(ConversionError, match=r"'up\.scales'.*nan"):
+        quantizer.check("up.scales", torch.tensor([[float("nan")]], dtype=torch.float16))
+
+
+@pytest.mark.parametrize(
+    "config", [{"quant_method": "awq", "version": "gemv"}, {"quant_method": "awq", "bits": 8}]
+)
+def test_awq_refuses_what_it_does_not_read(config):
+    with pytest.raises(ConfigurationError, match="AWQQuantizer reads"):
+        AWQQuantizer.from_config(config)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bits=st.sampled_from((2, 4, 8)),
+    rows=st.integers(1, 3),
+    words=st.integers(1, 3),
+    order=st.permutations(range(8)),
+    seed=st.integers(0, 2**16),
+)
+def test_pack_and_unpack_words_are_inverse(bits, rows, words, order, seed):
+    f = 32 // bits
+    codes = torch.randint(0, 1 << bits, (rows, words * f), generator=torch.Generator().manual_seed(seed))
+    perm = list(order) if bits == 4 else None
+    for dim in (0, 1):
+        c = codes if dim == 1 else codes.T
+        packed = pack_words(c, bits=bits, dim=dim, order=perm)
+        assert packed.dtype == torch.int32 and packed.shape[dim] == words
+        assert torch.equal(unpack_words(packed, bits=bits, dim=dim, order=perm), c.to(torch.int32))
