@@ -34,7 +34,7 @@ from surgery.quantization import (
     unpack_words,
 )
 
-K, N, GROUP = 96, 40, 32  # three groups; 40 out-features: five AWQ words
+K, N, GROUP = 96, 48, 32  # three groups of in-features; 48 = 1.5 groups: an edge group for `down`
 
 
 class Tiny(nn.Module):
@@ -340,3 +340,72 @@ def test_pack_and_unpack_words_are_inverse(bits, rows, words, order, seed):
         packed = pack_words(c, bits=bits, dim=dim, order=perm)
         assert packed.dtype == torch.int32 and packed.shape[dim] == words
         assert torch.equal(unpack_words(packed, bits=bits, dim=dim, order=perm), c.to(torch.int32))
+
+
+@pytest.fixture(scope="module")
+def gptq_plain(tmp_path_factory):
+    """A GPTQ checkpoint without act-order (the int4 kernel's layout)."""
+    up, down = (
+        gptq_tensors(K, N, GROUP, seed=6, act_order=False),
+        gptq_tensors(N, K, GROUP, seed=7, act_order=False),
+    )
+    stored = {**_prefixed("up", up), **_prefixed("down", down), "up.bias": torch.zeros(N)}
+    cfg = {**GPTQ_CONFIG, "desc_act": False}
+    path = _checkpoint(tmp_path_factory.mktemp("plain"), "gptq", stored, cfg)
+    return (
+        path,
+        stored,
+        GPTQQuantizer.from_config(cfg),
+        {"up": gptq_reference(up), "down": gptq_reference(down)},
+    )
+
+
+@pytest.mark.parametrize("fmt", ("gptq", "awq"))
+def test_the_int4_kernel_runs_where_its_rules_allow_and_agrees_with_the_decode(
+    formats, gptq_plain, fmt, tmp_path
+):
+    path, stored, quantizer, refs = gptq_plain if fmt == "gptq" else formats["awq"]
+    model = Tiny()
+    surgery.load_checkpoint(model, path, quantizer=KeepPacked(quantizer, checkpoint=path, kernel=True))
+    assert surgery.quantization.int4_kernel_usable("cpu", in_features=K, out_features=N, group_size=GROUP)
+    assert not surgery.quantization.int4_kernel_usable(
+        "cpu", in_features=K, out_features=40, group_size=GROUP
+    )
+    assert model.up.int4_operands() is not None  # 96 in-features in groups of 32
+    assert model.down.int4_operands() is None  # 48 in-features: not a multiple of 32, decoded instead
+    for m in (1, 32):
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+        want = F.linear(x, refs["up"], stored["up.bias"])
+        got = model.up(x)
+        # bfloat16 activations, scales and zeros: agreement to bfloat16 precision, not bit for bit
+        assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())), (
+            (got - want).abs().max()
+        )
+    h = torch.randn(2, N)
+    assert torch.equal(model.down(h), F.linear(h, refs["down"]))  # the decode path is exact
+    surgery.save_checkpoint(model, tmp_path / "out")  # the kernel's copy is not state: the save is unchanged
+    written = _read_all(str(tmp_path / "out"))
+    assert written.keys() == stored.keys() and all(_same(written[k], v) for k, v in stored.items())
+
+
+def test_the_int4_kernel_is_not_used_for_act_order_or_without_kernel(formats, gptq_plain):
+    path, _, quantizer, _ = formats["gptq"]  # act-order g_idx
+    model = Tiny()
+    surgery.load_checkpoint(model, path, quantizer=KeepPacked(quantizer, checkpoint=path, kernel=True))
+    assert model.up.int4_operands() is None
+    path, _, quantizer, _ = gptq_plain
+    surgery.load_checkpoint(model := Tiny(), path, quantizer=KeepPacked(quantizer, checkpoint=path))
+    assert model.up.int4_operands() is None
+
+
+def test_the_int4_operands_follow_a_change_of_the_stored_tensors(gptq_plain):
+    path, stored, quantizer, _ = gptq_plain
+    model = Tiny()
+    surgery.load_checkpoint(model, path, quantizer=KeepPacked(quantizer, checkpoint=path, kernel=True))
+    before = model.up.int4_operands()
+    assert before is not None and model.up.int4_operands() is before  # built once
+    model.up.scales.mul_(2)  # an in-place write: the kernel's copy is stale
+    after = model.up.int4_operands()
+    assert after is not None and torch.equal(
+        after[1][..., 0], (before[1][..., 0].float() * 2).to(torch.bfloat16)
+    )

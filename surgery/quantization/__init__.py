@@ -30,7 +30,7 @@ from .choice import QUANTIZATION_CHOICES, checkpoint_config, quantizer_by_name
 from .fp8 import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize, expand_block_scales
 from .gptq import GPTQQuantizer, gptq_dequantize, gptq_quantize, pack_words, unpack_words
 from .int8 import Int8WeightOnlyLinear, Int8WeightOnlyQuantizer, int8_kernel_usable, quantize_per_channel
-from .packed import KeepPacked, PackedLinear
+from .packed import INT4_GROUP_SIZES, KeepPacked, PackedLinear, int4_kernel_usable
 from .protocol import (
     QUANTIZATION_METADATA_KEY,
     QuantizedModule,
@@ -44,6 +44,7 @@ __all__ = [
     "AWQ_ORDER",
     "AWQ_REVERSE_ORDER",
     "BUILTIN_QUANTIZERS",
+    "INT4_GROUP_SIZES",
     "QUANTIZATION_CHOICES",
     "QUANTIZATION_METADATA_KEY",
     "AWQQuantizer",
@@ -65,6 +66,7 @@ __all__ = [
     "expand_block_scales",
     "gptq_dequantize",
     "gptq_quantize",
+    "int4_kernel_usable",
     "int8_kernel_usable",
     "pack_words",
     "quantize_per_channel",

@@ -204,6 +204,18 @@ class AWQQuantizer:
         qzeros, scales = self._parts(key, companions)
         return awq_dequantize(tensor, qzeros, scales, group_size=self.group_size)
 
+    def int4_operands(
+        self, key: str, qweight: torch.Tensor, companions: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``(codes (N, K) int32, scale (G, N), zero (G, N), group_size)`` for the int4 kernel, which
+        computes ``(q - 8) * scale + zero``."""
+        self.check_layout(key, qweight, companions)
+        qzeros, scales = self._parts(key, companions)
+        codes = unpack_words(qweight, bits=4, dim=1, order=AWQ_REVERSE_ORDER).T.contiguous()
+        zeros = unpack_words(qzeros, bits=4, dim=1, order=AWQ_REVERSE_ORDER)
+        s = scales.to(torch.float32)
+        return codes, s, (8 - zeros).to(torch.float32) * s, self.group_size
+
     def encode(
         self, key: str, tensor: torch.Tensor, recorded: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:

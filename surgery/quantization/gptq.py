@@ -305,6 +305,24 @@ class GPTQQuantizer:
         qzeros, scales, g_idx = self._parts(key, companions)
         return gptq_dequantize(tensor, qzeros, scales, g_idx, bits=self.bits, zero_offset=self.zero_offset)
 
+    def int4_operands(
+        self, key: str, qweight: torch.Tensor, companions: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """``(codes (N, K) int32, scale (G, N), zero (G, N), group_size)`` for the int4 kernel, which
+        computes ``(q - 8) * scale + zero``; ``None`` unless 4-bit in plain group order (no act-order).
+        """
+        if self.bits != 4 or self.group_size == -1:
+            return None
+        self.check_layout(key, qweight, companions)
+        qzeros, scales, g_idx = self._parts(key, companions)
+        k = qweight.shape[0] * 8
+        if not torch.equal(g_idx.to(torch.int64), torch.arange(k, device=g_idx.device) // self.group_size):
+            return None
+        codes = unpack_words(qweight, bits=4, dim=0).T.contiguous()
+        zeros = unpack_words(qzeros, bits=4, dim=1)[:, : qweight.shape[1]] + self.zero_offset
+        s = scales.to(torch.float32)
+        return codes, s, (8 - zeros).to(torch.float32) * s, self.group_size
+
     def encode(
         self, key: str, tensor: torch.Tensor, recorded: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:

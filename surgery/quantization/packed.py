@@ -9,10 +9,22 @@ nothing cast), memory is the packed size (a 4-bit weight: about a quarter of bfl
 save writes the same bytes back without decoding.
 
 The forward decodes the weight with the wrapped quantizer's own ``decode`` hook and calls
-``F.linear`` in the activations' dtype: any format with a ``decode`` runs, on any device. There
-is no fused kernel on this path yet; :func:`surgery.quantization.int8_kernel_usable` is the int8
-one. Decoding per forward costs time, not accuracy: the product equals a float model loaded
-with the decoded weights.
+``F.linear`` in the activations' dtype: any format with a ``decode`` runs, on any device, and
+the product equals a float model loaded with the decoded weights, bit for bit.
+
+With ``kernel=True``, a 4-bit format whose quantizer offers ``int4_operands`` (GPTQ without
+act-order, AWQ) runs PyTorch's own CPU kernel ``aten._weight_int4pack_mm_for_cpu`` instead:
+
+* it computes ``x @ ((q - 8) * scale + zero).T`` in bfloat16 with scales and zeros rounded to
+  bfloat16 (not exact: about bfloat16 precision, ``rtol`` 1e-2 against the decoded product);
+* its group size must be 32, 64, 128 or 256 and divide ``in_features``, and ``out_features``
+  must be a multiple of 16 (torch 2.13's rules, measured); anything else (and a
+  device other than CPU, or a probe that finds the kernel wrong) takes the decode path, decided
+  once per module and device (:func:`int4_kernel_usable`);
+* its weight operand is a second copy of the codes in the kernel's own layout
+  (``aten._convert_weight_to_int4pack_for_cpu``), made on the first forward and kept beside the
+  stored tensors (those stay for the save): the weight then takes twice its packed size, still
+  half of bfloat16.
 
 Only linears whose checkpoint keys are the module's own (``<path>.qweight``: no renaming) are
 kept packed; the others load as the wrapped quantizer loads them (decoded).
@@ -25,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import torch
@@ -36,8 +49,56 @@ from ..errors import ConfigurationError
 from ..graph import match_modules, swap_module
 from ..parallel.regions import Region
 from ..record import update_record
+from .int8 import kernel_operand
 
-__all__ = ["KeepPacked", "PackedLinear"]
+__all__ = ["INT4_GROUP_SIZES", "KeepPacked", "PackedLinear", "int4_kernel_usable"]
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+"""The group sizes ``aten._weight_int4pack_mm_for_cpu`` takes (torch 2.13)."""
+_INNER_K_TILES = 2
+_N_MULTIPLE = 16
+_probed: dict[str, bool] = {}
+_probe_lock = threading.Lock()
+
+
+def int4_kernel_usable(
+    device: torch.device | str, *, in_features: int, out_features: int, group_size: int
+) -> bool:
+    """Whether the int4 CPU kernel computes a correct product for this shape on ``device``.
+
+    ``False`` off CPU, for a group size it does not take or one that does not divide
+    ``in_features``, and for ``out_features`` not a multiple of 16 (its weight layout's rule),
+    without calling it; otherwise one probe per device type, cached.
+    """
+    device = torch.device(device)
+    if (
+        device.type != "cpu"
+        or group_size not in INT4_GROUP_SIZES
+        or in_features % group_size
+        or out_features % _N_MULTIPLE
+    ):
+        return False
+    with _probe_lock:
+        if device.type not in _probed:
+            _probed[device.type] = _probe()
+        return _probed[device.type]
+
+
+def _probe() -> bool:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (16, 64), generator=gen, dtype=torch.int32)
+    scale = (torch.rand(2, 16, generator=gen) + 0.5).to(torch.bfloat16)
+    zero = torch.randn(2, 16, generator=gen).to(torch.bfloat16)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    w = (q.float() - 8) * scale.float().T.repeat_interleave(32, 1) + zero.float().T.repeat_interleave(32, 1)
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES)
+        got = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, packed, 32, torch.stack([scale, zero], -1)
+        ).float()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return bool(torch.allclose(got, x.float() @ w.T, rtol=2e-2, atol=0.5))
 
 
 class PackedLinear(nn.Module):
@@ -64,9 +125,11 @@ class PackedLinear(nn.Module):
         bias: bool,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        kernel: bool = False,
     ) -> None:
         super().__init__()
-        self.decoder, self.key = decoder, key
+        self.decoder, self.key, self.kernel = decoder, key, kernel
+        self._int4: tuple[Any, ...] | None = None  # (stamp, device, operands or None)
         self.prefix, _, self.packed_name = key.rpartition(".")
         self.in_features, self.out_features = in_features, out_features
         self.packed_names = tuple(stored)
@@ -82,8 +145,7 @@ class PackedLinear(nn.Module):
 
     def decoded_weight(self) -> torch.Tensor:
         """The float weight the stored tensors stand for (the wrapped quantizer's ``decode``)."""
-        companions = {self._full(n): getattr(self, n) for n in self.packed_names if n != self.packed_name}
-        w = self.decoder.decode(self.key, getattr(self, self.packed_name), companions, None)
+        w = self.decoder.decode(self.key, getattr(self, self.packed_name), self._companions(), None)
         if tuple(w.shape) != (self.out_features, self.in_features):
             raise ConfigurationError(
                 f"{self.key!r} decodes to shape {tuple(w.shape)}; the linear it stands for is "
@@ -91,8 +153,46 @@ class PackedLinear(nn.Module):
             )
         return w
 
+    def _companions(self) -> dict[str, torch.Tensor]:
+        return {self._full(n): getattr(self, n) for n in self.packed_names if n != self.packed_name}
+
+    def int4_operands(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The int4 kernel's weight and scale/zero operands and group size, or ``None``: decode instead.
+
+        Built on the first call and kept while the stored tensors are unchanged (same storage,
+        no in-place write since); ``None`` without ``kernel=True``, for a quantizer without
+        ``int4_operands``, or where :func:`int4_kernel_usable` says no.
+        """
+        if not self.kernel or not callable(getattr(self.decoder, "int4_operands", None)):
+            return None
+        tensors = [getattr(self, n) for n in self.packed_names]
+        stamp = tuple((t.data_ptr(), t._version) for t in tensors)
+        device = tensors[0].device
+        if self._int4 is None or self._int4[0] != stamp or self._int4[1] != device:
+            self._int4 = (stamp, device, self._build_int4(device))
+        return self._int4[2]
+
+    def _build_int4(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        found = self.decoder.int4_operands(self.key, getattr(self, self.packed_name), self._companions())
+        if found is None:
+            return None
+        codes, scale, zero, group = found
+        if not int4_kernel_usable(
+            device, in_features=self.in_features, out_features=self.out_features, group_size=group
+        ):
+            return None
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), _INNER_K_TILES)
+        return packed, torch.stack([scale, zero], -1).to(torch.bfloat16).contiguous(), group
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.decoded_weight().to(x.dtype), self.bias)
+        ops = self.int4_operands()
+        if ops is None:
+            return F.linear(x, self.decoded_weight().to(x.dtype), self.bias)
+        packed, scale_zero, group = ops
+        flat = kernel_operand(x.reshape(-1, self.in_features).to(torch.bfloat16))
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, group, scale_zero)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (
@@ -109,6 +209,7 @@ class KeepPacked:
             :class:`~surgery.quantization.GPTQQuantizer`, :class:`~surgery.quantization.FP8BlockQuantizer`).
         checkpoint: the checkpoint to be loaded: its headers give the stored shapes and dtypes.
         targets: module path patterns (as a ``tp_plan``'s) to keep packed; default every linear.
+        kernel: run the int4 CPU kernel where the format and shape allow (module docstring).
 
     Every other hook is the wrapped quantizer's: keys of linears not kept packed decode as usual,
     scales are checked the same way, and ``quantization_config()`` is the format's, so a save
@@ -116,7 +217,12 @@ class KeepPacked:
     """
 
     def __init__(
-        self, quantizer: Any, *, checkpoint: str | os.PathLike[str], targets: tuple[str, ...] | None = None
+        self,
+        quantizer: Any,
+        *,
+        checkpoint: str | os.PathLike[str],
+        targets: tuple[str, ...] | None = None,
+        kernel: bool = False,
     ) -> None:
         if not callable(getattr(quantizer, "decode", None)) or not callable(
             getattr(quantizer, "companions", None)
@@ -125,7 +231,7 @@ class KeepPacked:
                 f"KeepPacked wraps a quantizer of a format stored quantized (companions and decode); "
                 f"{type(quantizer).__name__} has no such hooks."
             )
-        self.quantizer, self.checkpoint, self.targets = quantizer, checkpoint, targets
+        self.quantizer, self.checkpoint, self.targets, self.kernel = quantizer, checkpoint, targets, kernel
         self._kept: set[str] = set()  # checkpoint keys held packed (primary and companions)
 
     def __repr__(self) -> str:
@@ -168,6 +274,7 @@ class KeepPacked:
                     bias=module.bias is not None,
                     device=module.weight.device,
                     dtype=module.weight.dtype,
+                    kernel=self.kernel,
                 ),
             )
             self._kept.update(prefix + n for n in stored)
