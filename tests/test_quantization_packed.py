@@ -399,7 +399,7 @@ def test_the_int4_kernel_is_not_used_for_act_order_or_without_kernel(formats, gp
 
 
 def test_the_int4_operands_follow_a_change_of_the_stored_tensors(gptq_plain):
-    path, stored, quantizer, _ = gptq_plain
+    path, _, quantizer, _ = gptq_plain
     model = Tiny()
     surgery.load_checkpoint(model, path, quantizer=KeepPacked(quantizer, checkpoint=path, kernel=True))
     before = model.up.int4_operands()
