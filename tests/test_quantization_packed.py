@@ -409,3 +409,42 @@ def test_the_int4_operands_follow_a_change_of_the_stored_tensors(gptq_plain):
     assert after is not None and torch.equal(
         after[1][..., 0], (before[1][..., 0].float() * 2).to(torch.bfloat16)
     )
+
+
+def _stored_part(t: torch.Tensor, region) -> torch.Tensor:
+    return torch.cat([t.narrow(region.dim, a, b - a) for a, b in region.intervals], region.dim)
+
+
+@pytest.mark.parametrize("fmt", ("gptq", "awq"))
+@pytest.mark.parametrize(
+    "dim,intervals",
+    [(0, [(0, 24)]), (0, [(24, 48)]), (1, [(0, 48)]), (1, [(48, 96)]), (1, [(8, 16), (32, 40)])],
+)
+def test_a_split_reads_only_its_words_and_decodes_to_the_slice_of_the_full_decode(
+    formats, fmt, dim, intervals
+):
+    from surgery.parallel.regions import Region
+
+    _, stored, quantizer, refs = formats[fmt]
+    region = Region.of(dim, intervals)
+    key = "up.qweight"
+    companions = {k: v for k, v in stored.items() if k.startswith("up.") and k not in (key, "up.bias")}
+    part_region = quantizer.stored_region(key, region, None)
+    part = _stored_part(stored[key], part_region)
+    covered = sum(b - a for a, b in intervals)
+    assert (
+        part.numel() * refs["up"].shape[dim] == stored[key].numel() * covered
+    )  # only this share of the words
+    got = quantizer.decode(key, part, companions, region)
+    assert torch.equal(got, _stored_part(refs["up"], region))
+
+
+@pytest.mark.parametrize("fmt,dim", [("gptq", 1), ("awq", 0)])
+def test_a_split_inside_a_packed_word_is_a_configuration_error_naming_key_dim_and_factor(formats, fmt, dim):
+    from surgery.parallel.regions import Region
+
+    _, _, quantizer, _ = formats[fmt]
+    with pytest.raises(
+        ConfigurationError, match=rf"'up\.qweight'.*dim {dim}.*\[0, 12\).*8 codes per int32 word"
+    ):
+        quantizer.stored_region("up.qweight", Region.of(dim, [(0, 12)]), None)

@@ -31,7 +31,8 @@ from .. import meta
 from ..checkpoint import StoredTensor
 from ..errors import ConfigurationError, ConversionError
 from ..parallel.regions import Region
-from .gptq import pack_words, unpack_words
+from ..transforms import WeightRenaming, WeightTransform
+from .gptq import interval_index, pack_words, packed_region, unpack_words
 from .protocol import bounded_repr, first_bad_scale
 
 __all__ = ["AWQ_ORDER", "AWQ_REVERSE_ORDER", "AWQQuantizer", "awq_dequantize", "awq_quantize"]
@@ -188,6 +189,18 @@ class AWQQuantizer:
                     f"in groups of {self.group_size} needs {want}."
                 )
 
+    def update_weight_conversions(self, transforms: list[WeightTransform]) -> list[WeightTransform]:
+        """``X.qweight`` loads into ``X.weight`` (the model's parameter) once decoded."""
+        return [*transforms, WeightRenaming(r"\.qweight$", ".weight")]
+
+    def stored_region(self, key: str, region: Region, info: StoredTensor) -> Region:
+        """The part of ``qweight`` (``(K, N / 8)``) holding ``region`` of the decoded ``(N, K)`` weight.
+
+        Raises:
+            ConfigurationError: a split of the out-features not aligned to 8.
+        """
+        return packed_region(key, region, pack_dim=1, factor=8)
+
     def decode(
         self,
         key: str,
@@ -195,14 +208,26 @@ class AWQQuantizer:
         companions: dict[str, torch.Tensor],
         region: Region | None = None,
     ) -> torch.Tensor:
-        """The float32 ``(N, K)`` weight of ``key`` (a ``qweight``); ``region`` is not supported yet."""
-        if region is not None:
-            raise ConfigurationError(
-                f"{key!r}: AWQ weights are decoded whole; a tensor-parallel split is not supported."
-            )
-        self.check_layout(key, tensor, companions)
+        """The float32 ``(N, K)`` weight of ``key`` (a ``qweight``), or its ``region`` given that part
+        of the words (:meth:`stored_region`) and the whole companions."""
         qzeros, scales = self._parts(key, companions)
-        return awq_dequantize(tensor, qzeros, scales, group_size=self.group_size)
+        if region is None:
+            self.check_layout(key, tensor, companions)
+            return awq_dequantize(tensor, qzeros, scales, group_size=self.group_size)
+        local = (tensor.shape[1] * 8, tensor.shape[0])
+        if meta.is_meta(tensor):
+            return meta.empty(local, torch.float32)
+        q = unpack_words(tensor, bits=4, dim=1, order=AWQ_REVERSE_ORDER)  # (k_local, n_local)
+        z = unpack_words(qzeros, bits=4, dim=1, order=AWQ_REVERSE_ORDER)
+        s = scales.to(torch.float32)
+        rows = torch.arange(scales.shape[0] * self.group_size)
+        if region.dim == 0:  # out-features: some columns
+            cols = interval_index(region)
+            z, s = z[:, cols], s[:, cols]
+        else:  # in-features: some rows
+            rows = interval_index(region)
+        g = rows[: q.shape[0]] // self.group_size
+        return ((q - z[g]).to(torch.float32) * s[g]).T.contiguous()
 
     def int4_operands(
         self, key: str, qweight: torch.Tensor, companions: Mapping[str, torch.Tensor]

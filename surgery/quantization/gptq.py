@@ -36,6 +36,7 @@ from .. import meta
 from ..checkpoint import StoredTensor
 from ..errors import ConfigurationError, ConversionError
 from ..parallel.regions import Region
+from ..transforms import WeightRenaming, WeightTransform
 from .protocol import bounded_repr, first_bad_scale
 
 __all__ = [
@@ -43,7 +44,9 @@ __all__ = [
     "GPTQQuantizer",
     "gptq_dequantize",
     "gptq_quantize",
+    "interval_index",
     "pack_words",
+    "packed_region",
     "unpack_words",
 ]
 
@@ -92,6 +95,38 @@ def pack_words(
     words = c.sum(-1)  # disjoint bit ranges: the sum is the OR
     words = torch.where(words >= 2**31, words - 2**32, words)  # the int32 with those bits
     return words.to(torch.int32).movedim(-1, dim)
+
+
+def interval_index(region: Region) -> torch.Tensor:
+    """The indices ``region`` covers on its dim, in order (int64)."""
+    return torch.cat([torch.arange(a, b) for a, b in region.intervals] or [torch.empty(0, dtype=torch.int64)])
+
+
+def packed_region(key: str, region: Region, *, pack_dim: int, factor: int) -> Region:
+    """The part of a stored ``(.., ..)`` word tensor holding ``region`` of the decoded ``(N, K)`` weight.
+
+    The words are stored transposed (``(K, N)`` order, GPTQ's and AWQ's ``qweight``) and pack
+    ``factor`` codes each along stored dim ``pack_dim``; a split of the packed dim must fall on
+    word boundaries.
+
+    Raises:
+        ConfigurationError: naming ``key``, the decoded dim, the interval and the factor.
+
+    Example:
+        >>> packed_region("x.qweight", Region.of(1, [(16, 32)]), pack_dim=0, factor=8)
+        Region(dim=0, intervals=((2, 4),))
+    """
+    stored_dim = 1 - region.dim  # decoded (N, K) is stored (K, N)
+    if stored_dim != pack_dim:
+        return Region.of(stored_dim, region.intervals)
+    for a, b in region.intervals:
+        if a % factor or b % factor:
+            what = "in" if region.dim == 1 else "out"
+            raise ConfigurationError(
+                f"{key!r}: this rank's share of the {what}-features (dim {region.dim}) is [{a}, {b}), not aligned "
+                f"to the {factor} codes per int32 word; split it at multiples of {factor}, or leave it unsplit."
+            )
+    return Region.of(stored_dim, [(a // factor, b // factor) for a, b in region.intervals])
 
 
 def gptq_dequantize(
@@ -289,6 +324,18 @@ class GPTQQuantizer:
                     f"{k} in- and {n} out-features in groups of {self.group_size} needs {expected[name]}."
                 )
 
+    def update_weight_conversions(self, transforms: list[WeightTransform]) -> list[WeightTransform]:
+        """``X.qweight`` loads into ``X.weight`` (the model's parameter) once decoded."""
+        return [*transforms, WeightRenaming(r"\.qweight$", ".weight")]
+
+    def stored_region(self, key: str, region: Region, info: StoredTensor) -> Region:
+        """The part of ``qweight`` (``(K / f, N)``) holding ``region`` of the decoded ``(N, K)`` weight.
+
+        Raises:
+            ConfigurationError: a split of the in-features not aligned to the codes per word.
+        """
+        return packed_region(key, region, pack_dim=0, factor=32 // self.bits)
+
     def decode(
         self,
         key: str,
@@ -296,14 +343,29 @@ class GPTQQuantizer:
         companions: dict[str, torch.Tensor],
         region: Region | None = None,
     ) -> torch.Tensor:
-        """The float32 ``(N, K)`` weight of ``key`` (a ``qweight``); ``region`` is not supported yet."""
-        if region is not None:
-            raise ConfigurationError(
-                f"{key!r}: GPTQ weights are decoded whole; a tensor-parallel split is not supported."
-            )
-        self.check_layout(key, tensor, companions)
+        """The float32 ``(N, K)`` weight of ``key`` (a ``qweight``), or its ``region`` given that part
+        of the words (:meth:`stored_region`) and the whole companions."""
         qzeros, scales, g_idx = self._parts(key, companions)
-        return gptq_dequantize(tensor, qzeros, scales, g_idx, bits=self.bits, zero_offset=self.zero_offset)
+        if region is None:
+            self.check_layout(key, tensor, companions)
+            return gptq_dequantize(
+                tensor, qzeros, scales, g_idx, bits=self.bits, zero_offset=self.zero_offset
+            )
+        f = 32 // self.bits
+        n = scales.shape[1]
+        local = (tensor.shape[1], tensor.shape[0] * f)
+        if meta.is_meta(tensor):
+            return meta.empty(local, torch.float32)
+        q = unpack_words(tensor, bits=self.bits, dim=0)  # (k_local, n_local)
+        z = unpack_words(qzeros, bits=self.bits, dim=1)[:, :n] + self.zero_offset
+        s = scales.to(torch.float32)
+        g = g_idx.to(torch.int64)
+        if region.dim == 0:  # out-features: every in-feature, some columns
+            cols = interval_index(region)
+            z, s = z[:, cols], s[:, cols]
+        else:  # in-features: some rows, every column
+            g = g[interval_index(region)]
+        return ((q - z[g]).to(torch.float32) * s[g]).T.contiguous()
 
     def int4_operands(
         self, key: str, qweight: torch.Tensor, companions: Mapping[str, torch.Tensor]
