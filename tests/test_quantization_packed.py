@@ -448,3 +448,34 @@ def test_a_split_inside_a_packed_word_is_a_configuration_error_naming_key_dim_an
         ConfigurationError, match=rf"'up\.qweight'.*dim {dim}.*\[0, 12\).*8 codes per int32 word"
     ):
         quantizer.stored_region("up.qweight", Region.of(dim, [(0, 12)]), None)
+
+
+# ---------------------------------------------------------------- decode on load (needs shape-changing decode)
+needs_stored_region = pytest.mark.skipif(
+    not hasattr(surgery.quantization.QuantizerHooks, "stored_region"),
+    reason="decoding packed words to another shape needs the loader's stored_region hook (fix/ctquant)",
+)
+
+
+@needs_stored_region
+@pytest.mark.parametrize("fmt", ("gptq", "awq"))
+def test_decode_on_load_is_exact_and_an_as_loaded_save_gives_back_every_byte_and_the_config(
+    formats, fmt, tmp_path
+):
+    path, stored, quantizer, refs = formats[fmt]
+    model = Tiny()
+    report = surgery.load_checkpoint(model, path, quantizer=quantizer)
+    assert not report.conversion_errors and not report.missing_keys and not report.unexpected_keys
+    assert report.decoded_keys == ["down.qweight", "up.qweight"]  # checkpoint order
+    assert torch.equal(model.up.weight, refs["up"]) and torch.equal(model.down.weight, refs["down"])
+    saved = surgery.save_checkpoint(model, tmp_path / "same")
+    written = _read_all(str(tmp_path / "same"))
+    assert written.keys() == stored.keys() and all(_same(written[k], v) for k, v in stored.items())
+    assert saved.requantized == ()
+    config = json.loads((tmp_path / "same" / "config.json").read_text())["quantization_config"]
+    assert config == json.loads((Path(path) / "config.json").read_text())["quantization_config"]
+    with torch.no_grad():
+        model.up.weight[0, 0] += 1.0
+    saved = surgery.save_checkpoint(model, tmp_path / "changed")
+    assert saved.requantized == ("up.qweight",)  # listed, never a silent lossy write
+    assert not torch.equal(_read_all(str(tmp_path / "changed"))["up.qweight"], stored["up.qweight"])
