@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from surgery.quantization import QuantizerHooks
+
 pytestmark = pytest.mark.distributed
 
 HERE = Path(__file__).parent
@@ -186,6 +188,34 @@ def test_an_fp8_checkpoint_decodes_each_ranks_slices_and_saves_back_bit_for_bit(
         assert facts["max_abs_diff"] < 1e-5  # parameters equal bit for bit; the reductions differ
         assert facts["bytes_read"] < 0.75 * facts["single_bytes"]
     assert ranks[0]["fp8"]["saved_identical"]
+
+
+needs_stored_region = pytest.mark.skipif(
+    not hasattr(QuantizerHooks, "stored_region"),
+    reason="decoding packed words to another shape needs the loader's stored_region hook (fix/ctquant)",
+)
+
+
+@needs_stored_region
+@pytest.mark.parametrize("name", ["gptq", "awq"])
+def test_a_gptq_or_awq_checkpoint_reads_each_ranks_packed_share_and_saves_back_bit_for_bit(ranks, name):
+    for rank in ranks:
+        facts = rank["gptq_awq"][name]
+        assert facts["ok"], facts["report"]
+        assert facts["unequal"] == [] and facts["fallbacks"] == []
+        assert facts["bytes_read"] < 0.75 * facts["single_bytes"]
+    assert ranks[0]["gptq_awq"][name]["saved_identical"]
+
+
+@needs_stored_region
+def test_an_awq_split_inside_a_packed_word_is_an_error_naming_key_dim_and_factor(ranks):
+    for rank in ranks:
+        errors = rank["gptq_awq"]["awq-kv"]["errors"]
+        assert len(errors) == 4, errors  # k_proj and v_proj of both layers: 4 of 8 out-features per rank
+        assert all(
+            ("k_proj.qweight" in e or "v_proj.qweight" in e) and "dim 0" in e and "8 codes" in e
+            for e in errors
+        )
 
 
 def test_torchrun_launch_with_an_env_initialized_mesh(tmp_path):

@@ -8,7 +8,6 @@ arithmetic, one element at a time, independently of surgery's vectorized unpacki
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import fp8_reference
@@ -17,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from packed_reference import awq_reference, awq_tensors, gptq_reference, gptq_tensors
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -24,7 +24,6 @@ from torch import nn
 import surgery
 from surgery.errors import ConfigurationError, ConversionError
 from surgery.quantization import (
-    AWQ_ORDER,
     AWQQuantizer,
     FP8BlockQuantizer,
     GPTQQuantizer,
@@ -45,82 +44,6 @@ class Tiny(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.relu(self.up(x)))
-
-
-def _word(codes: list[int], bits: int) -> int:
-    v = sum(c << (bits * i) for i, c in enumerate(codes))
-    return v - (1 << 32) if v >= 1 << 31 else v
-
-
-# ---------------------------------------------------------------- GPTQ fixture and reference
-def gptq_tensors(k: int, n: int, group: int, *, seed: int, act_order: bool) -> dict[str, torch.Tensor]:
-    """Random 4-bit GPTQ v1 tensors, packed with Python ints (word by word)."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (k, n), generator=gen).tolist()
-    groups = math.ceil(k / group)
-    zeros = torch.randint(1, 16, (groups, n), generator=gen).tolist()  # v1 stores zero - 1 in [0, 15)
-    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(torch.float16)
-    g_idx = [i // group for i in range(k)]
-    if act_order:
-        perm = torch.randperm(k, generator=gen).tolist()
-        g_idx = [g_idx[p] for p in perm]
-    qweight = [[_word([q[8 * r + j][c] for j in range(8)], 4) for c in range(n)] for r in range(k // 8)]
-    qzeros = [
-        [_word([zeros[g][8 * w + j] - 1 for j in range(8)], 4) for w in range(n // 8)] for g in range(groups)
-    ]
-    return {
-        "qweight": torch.tensor(qweight, dtype=torch.int32),
-        "qzeros": torch.tensor(qzeros, dtype=torch.int32),
-        "scales": scales,
-        "g_idx": torch.tensor(g_idx, dtype=torch.int32),
-    }
-
-
-def gptq_reference(t: dict[str, torch.Tensor]) -> torch.Tensor:
-    qw, qz, gi = (t[n].tolist() for n in ("qweight", "qzeros", "g_idx"))
-    k, n = len(qw) * 8, len(qw[0])
-    out = torch.empty(n, k)
-    s32 = t["scales"].float()
-    for kk in range(k):
-        g = gi[kk]
-        for c in range(n):
-            code = (qw[kk // 8][c] >> (4 * (kk % 8))) & 15
-            zero = ((qz[g][c // 8] >> (4 * (c % 8))) & 15) + 1
-            out[c, kk] = float(code - zero) * s32[g, c]
-    return out
-
-
-# ---------------------------------------------------------------- AWQ fixture and reference
-def awq_tensors(k: int, n: int, group: int, *, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (k, n), generator=gen).tolist()
-    groups = math.ceil(k / group)
-    zeros = torch.randint(0, 16, (groups, n), generator=gen).tolist()
-    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(torch.float16)
-
-    def pack(rows: list[list[int]]) -> list[list[int]]:  # code i of word w holds column 8 w + AWQ_ORDER[i]
-        return [[_word([r[8 * w + AWQ_ORDER[i]] for i in range(8)], 4) for w in range(n // 8)] for r in rows]
-
-    return {
-        "qweight": torch.tensor(pack(q), dtype=torch.int32),
-        "qzeros": torch.tensor(pack(zeros), dtype=torch.int32),
-        "scales": scales,
-    }
-
-
-def awq_reference(t: dict[str, torch.Tensor], group: int) -> torch.Tensor:
-    qw, qz = t["qweight"].tolist(), t["qzeros"].tolist()
-    k, n = len(qw), len(qw[0]) * 8
-    s32 = t["scales"].float()
-    inverse = [AWQ_ORDER.index(c) for c in range(8)]
-    out = torch.empty(n, k)
-    for kk in range(k):
-        g = kk // group
-        for c in range(n):
-            code = (qw[kk][c // 8] >> (4 * inverse[c % 8])) & 15
-            zero = (qz[g][c // 8] >> (4 * inverse[c % 8])) & 15
-            out[c, kk] = float(code - zero) * s32[g, c]
-    return out
 
 
 def _prefixed(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from fp8_reference import quantize_state
+from packed_scenarios import run_packed, write_packed_checkpoints
 from torch import nn
 
 import surgery
@@ -96,6 +97,7 @@ def write_checkpoints(work: Path) -> None:
     write_checkpoint({"unembed.weight": torch.randn(8, 8)}, work / "padded")  # rows 6, 7: padding
     fp8 = quantize_state(dense.original_state_dict(dense.build_dense_model(DENSE, seed=4)), FP8_BLOCK)
     write_checkpoint(fp8, work / "dense-fp8")
+    write_packed_checkpoints(work, dense.original_state_dict(dense.build_dense_model(DENSE, seed=8)))
 
 
 def _single(build, path: Path) -> nn.Module:
@@ -376,6 +378,9 @@ def run(rank: int, world: int, workdir: str, torchrun: bool = False) -> None:
             facts["cpu_model"] = _cpu_model(work, mesh)
             facts["errors"] = _errors(work, mesh)
             facts["packed"] = _packed_guard(mesh)
+            facts["gptq_awq"] = run_packed(
+                work, rank, mesh, build=dense_build, compare=_compare, files=_files
+            )
     except Exception:
         facts["crash"] = traceback.format_exc()
     (work / f"rank{rank}.json").write_text(json.dumps(facts, default=str))

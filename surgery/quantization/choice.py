@@ -3,7 +3,8 @@
 * ``fp8``: :class:`~surgery.quantization.FP8BlockQuantizer` from the checkpoint's
   ``quantization_config`` (block size, format), or the DeepSeek-V3 defaults where it has none.
 * ``int8``: :class:`~surgery.quantization.Int8WeightOnlyQuantizer`, every linear quantized on the fly.
-* ``auto``: whatever the checkpoint's ``quantization_config`` says (``fp8`` or ``int8_weight_only``),
+* ``auto``: whatever the checkpoint's ``quantization_config`` says (``fp8``, ``int8_weight_only``,
+  ``gptq``, ``awq``),
   and no quantizer when there is none.
 """
 
@@ -14,7 +15,9 @@ from typing import Any
 
 from ..errors import ConfigurationError
 from ..persist import checkpoint_config
+from .awq import AWQQuantizer
 from .fp8 import FP8BlockQuantizer
+from .gptq import GPTQQuantizer
 from .int8 import Int8WeightOnlyQuantizer
 
 __all__ = ["QUANTIZATION_CHOICES", "checkpoint_config", "quantizer_by_name"]
@@ -51,7 +54,9 @@ def quantizer_by_name(name: str, checkpoint: str | os.PathLike[str]) -> Any | No
         return FP8BlockQuantizer.from_config(quantization)
     if method == Int8WeightOnlyQuantizer.method:
         return Int8WeightOnlyQuantizer.from_config(quantization)
+    if method in (GPTQQuantizer.method, AWQQuantizer.method):  # until the format registry (issue 29)
+        return (GPTQQuantizer if method == GPTQQuantizer.method else AWQQuantizer).from_config(quantization)
     raise ConfigurationError(
-        f"{path}: quantization_config.quant_method={method!r}, which no built-in quantizer reads (fp8, "
+        f"{path}: quantization_config.quant_method={method!r}, which no built-in quantizer reads (fp8, gptq, awq, "
         f"{Int8WeightOnlyQuantizer.method}); pass a quantizer from Python (load_checkpoint(quantizer=...))."
     )
