@@ -94,7 +94,7 @@ def pack_words(
     c = c.reshape(*c.shape[:-1], c.shape[-1] // f, f) << shifts
     words = c.sum(-1)  # disjoint bit ranges: the sum is the OR
     words = torch.where(words >= 2**31, words - 2**32, words)  # the int32 with those bits
-    return words.to(torch.int32).movedim(-1, dim)
+    return words.to(torch.int32).movedim(-1, dim).contiguous()
 
 
 def interval_index(region: Region) -> torch.Tensor:
