@@ -14,6 +14,9 @@ Run ``surgery bench quantization [--hidden 1024] [--inner 2816] [--blocks 8] [--
   the float32 checkpoint without a quantizer and with int8 quantization on the fly, and the
   same weights as a block-wise FP8 checkpoint decoded into bf16. The first load of each variant warms up (the
 first ``meta`` run of torch's decompositions costs most of a second once per process).
+* **formats**: GPTQ and AWQ int4 (:mod:`surgery.bench.quantization_formats`): load time kept
+  packed and decoded against a bf16 load, packed runtime memory against bf16, and the forward of
+  the int4 CPU kernel and of the decode path against bf16 at ``M = 1, 32, 256``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from surgery.quantization import (
 )
 
 from .harness import parser, positive_int
+from .quantization_formats import run_formats
 
 __all__ = ["main", "run"]
 
@@ -199,11 +203,12 @@ def _load(hidden: int, inner: int, blocks: int, repeat: int) -> list[str]:
 
 
 def run(*, hidden: int = 1024, inner: int = 2816, blocks: int = 8, repeat: int = 5) -> str:
-    """Run the three parts; return the report text."""
+    """Run the four parts; return the report text."""
     parts = [
         _forward(hidden, inner, repeat),
         _decode(repeat),
         _load(hidden, inner, blocks, max(3, repeat)),
+        run_formats(hidden=hidden, inner=inner, blocks=blocks, repeat=max(3, repeat)),
     ]
     return "\n\n".join("\n".join(p) for p in parts)
 

@@ -1,0 +1,219 @@
+"""Benchmark case: quantized checkpoint formats against bf16 (part of ``surgery bench quantization``).
+
+For each format of :data:`FORMATS` (adding one is one line: a name, a writer from float weights,
+a quantizer factory), over a stack of Llama-style MLPs:
+
+* **load**: seconds to load the format's checkpoint into a ``meta``-built model kept packed
+  (:class:`~surgery.quantization.KeepPacked`) and, where the loader decodes it, decoded into
+  bf16, against a bf16 checkpoint into a bf16 model (page cache warm, ``mmap=False``, best of
+  ``--repeat``);
+* **memory**: parameter and buffer bytes of the packed runtime model against the bf16 one;
+* **forward**: one MLP at ``M = 1, 32, 256`` rows: bf16 ``F.linear``, the packed model through the
+  int4 CPU kernel (``kernel=True``) and through its decode + ``F.linear`` path (float32).
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import surgery
+from surgery.checkpoint import write_checkpoint
+from surgery.quantization import (
+    AWQ_REVERSE_ORDER,
+    AWQQuantizer,
+    GPTQQuantizer,
+    KeepPacked,
+    QuantizerHooks,
+    awq_quantize,
+    gptq_quantize,
+    pack_words,
+)
+
+__all__ = ["FORMATS", "Format", "run_formats"]
+
+GROUP = 128
+
+
+def _groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit ``(zeros (G, N) int32, scales (G, N) float16)`` of an ``(N, K)`` weight."""
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.float16)
+    zero = torch.round(-lo / scale.float()).clamp(0, 15).to(torch.int32)
+    return zero.T.contiguous(), scale.T.contiguous()
+
+
+def _gptq(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, w in state.items():
+        prefix = key.removesuffix(".weight")
+        zeros, scales = _groups(w, GROUP)
+        g_idx = torch.arange(w.shape[1], dtype=torch.int32) // GROUP
+        out[f"{prefix}.qweight"] = gptq_quantize(w, zeros, scales, g_idx, bits=4)
+        out[f"{prefix}.qzeros"] = pack_words(zeros - 1, bits=4, dim=1)  # v1: zero - 1
+        out[f"{prefix}.scales"] = scales
+        out[f"{prefix}.g_idx"] = g_idx
+    return out
+
+
+def _awq(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, w in state.items():
+        prefix = key.removesuffix(".weight")
+        zeros, scales = _groups(w, GROUP)
+        out[f"{prefix}.qweight"] = awq_quantize(w, zeros, scales, group_size=GROUP)
+        out[f"{prefix}.qzeros"] = pack_words(zeros, bits=4, dim=1, order=AWQ_REVERSE_ORDER)
+        out[f"{prefix}.scales"] = scales
+    return out
+
+
+@dataclass(frozen=True)
+class Format:
+    """One benchmarked format: its name, a writer from float ``(N, K)`` weights, and its quantizer."""
+
+    name: str
+    write: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    quantizer: Callable[[], Any]
+
+
+FORMATS: list[Format] = [
+    Format(
+        "GPTQ int4 g128",
+        _gptq,
+        lambda: GPTQQuantizer.from_config({"quant_method": "gptq", "group_size": GROUP}),
+    ),
+    Format(
+        "AWQ int4 g128", _awq, lambda: AWQQuantizer.from_config({"quant_method": "awq", "group_size": GROUP})
+    ),
+]
+"""The formats compared; one line each."""
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _stack(hidden: int, inner: int, blocks: int, dtype: torch.dtype) -> nn.Module:
+    with torch.device("meta"):
+        return nn.Sequential(*(_MLP(hidden, inner) for _ in range(blocks))).to(dtype)
+
+
+def _nbytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def _best(fn: Callable[[], object], repeat: int) -> float:
+    """Best of ``repeat`` calls after one warm-up call, in seconds."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _load(
+    model_of: Callable[[], nn.Module], path: Path, quantizer: Any, repeat: int
+) -> tuple[float, nn.Module]:
+    def once() -> nn.Module:
+        model = model_of()
+        report = surgery.load_checkpoint(model, path, quantizer=quantizer, mmap=False, progress=False)
+        if not report.ok:
+            raise RuntimeError(f"benchmark load of {path.name} failed:\n{report}")
+        return model
+
+    loaded = once()  # the model measured for memory
+    return _best(once, repeat), loaded
+
+
+def _forward(
+    fmt: Format, sd: dict[str, torch.Tensor], tmp: Path, hidden: int, inner: int, repeat: int
+) -> list[str]:
+    one = {k.removeprefix("0."): v for k, v in sd.items() if k.startswith("0.")}
+    path = tmp / f"{fmt.name}-one"
+    write_checkpoint(fmt.write(one), path)
+    variants = {}
+    for kernel in (True, False):
+        model = _MLP(hidden, inner)
+        surgery.load_checkpoint(
+            model, path, quantizer=KeepPacked(fmt.quantizer(), checkpoint=path, kernel=kernel)
+        )
+        variants[kernel] = model.eval()
+    bf16 = _MLP(hidden, inner).to(torch.bfloat16).eval()
+    bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in one.items()})
+    lines = [f"  forward, one MLP ({fmt.name}); best of {repeat * 4} calls, ratio: bf16 time / variant time"]
+    with torch.no_grad():
+        for m in (1, 32, 256):
+            x = torch.randn(m, hidden)
+            xb = x.to(torch.bfloat16)
+            tb = _best(functools.partial(bf16, xb), repeat * 4)
+            tk = _best(functools.partial(variants[True], xb), repeat * 4)
+            td = _best(functools.partial(variants[False], x), repeat * 4)
+            lines.append(
+                f"    M={m:>3}: bf16 {tb * 1e3:8.2f} ms; int4 kernel {tk * 1e3:8.2f} ms ({tb / tk:4.2f}x); "
+                f"decode + F.linear (fp32) {td * 1e3:8.2f} ms ({tb / td:4.2f}x)"
+            )
+    return lines
+
+
+def run_formats(*, hidden: int, inner: int, blocks: int, repeat: int) -> list[str]:
+    """The load, memory and forward lines of every format in :data:`FORMATS`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_MLP(hidden, inner) for _ in range(blocks)))
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    decodes = hasattr(QuantizerHooks, "stored_region")
+    lines = [
+        f"formats: {blocks} MLPs H={hidden} I={inner}, meta-built, page cache warm, mmap=False; best s "
+        "(ratio to the bf16 load)"
+    ]
+    with tempfile.TemporaryDirectory(prefix="surgery-bench-formats-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        write_checkpoint({k: v.to(torch.bfloat16) for k, v in sd.items()}, tmp / "bf16")
+        t_bf16, bf16_model = _load(
+            lambda: _stack(hidden, inner, blocks, torch.bfloat16), tmp / "bf16", None, repeat
+        )
+        lines.append(
+            f"  bf16 checkpoint -> bf16 model {t_bf16:8.3f} s; {_nbytes(bf16_model) / 2**20:.0f} MiB"
+        )
+        for fmt in FORMATS:
+            path = tmp / fmt.name
+            write_checkpoint(fmt.write(sd), path)
+            t_packed, packed = _load(
+                lambda: _stack(hidden, inner, blocks, torch.bfloat16),
+                path,
+                KeepPacked(fmt.quantizer(), checkpoint=path),
+                repeat,
+            )
+            row = (
+                f"  {fmt.name}: packed runtime {t_packed:.3f} s ({t_packed / t_bf16:.2f}x), "
+                f"{_nbytes(packed) / 2**20:.0f} MiB ({_nbytes(packed) / _nbytes(bf16_model):.3f} of bf16)"
+            )
+            if decodes:
+                t_dec, _ = _load(
+                    lambda: _stack(hidden, inner, blocks, torch.bfloat16), path, fmt.quantizer(), repeat
+                )
+                row += f"; decoded into bf16 {t_dec:.3f} s ({t_dec / t_bf16:.2f}x)"
+            else:
+                row += "; decoded into bf16: needs the loader's stored_region hook"
+            lines.append(row)
+            lines.extend(_forward(fmt, sd, tmp, hidden, inner, repeat))
+    return lines
