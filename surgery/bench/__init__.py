@@ -13,7 +13,8 @@ Run them as ``surgery bench NAME [options]``. The parts:
   :mod:`~surgery.bench.checkpoints`, each load timed in a forked process by
   :mod:`~surgery.bench.load_variants`.
 * ``route``, ``fusion``, ``graph``, ``io``, ``quantization``, ``verify`` (and ``generation``, part
-  of ``fusion``): one module each.
+  of ``fusion``): one module each; ``quantization`` runs the case of
+  :mod:`~surgery.bench.quantization_formats` (GPTQ/AWQ against bf16) as its last part.
 """
 
 from .harness import best_time, parser, positive_int
