@@ -429,9 +429,9 @@ def test_quantization_needs_a_model_to_plan_with(tmp_path: Path, capsys) -> None
 
 def test_quantization_auto_over_an_unknown_method_names_it(tmp_path: Path, capsys) -> None:
     src = _decoder_checkpoint(tmp_path)
-    (src / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
+    (src / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "hqq"}}))
     assert main(["inspect", str(src), "--model", "example-decoder", "--quantization", "auto"]) == 2
-    assert "quant_method='awq', which no built-in quantizer reads" in _one_line_error(capsys)
+    assert "quant_method='hqq', which no built-in quantizer reads" in _one_line_error(capsys)
 
 
 # --------------------------------------------------------------------------- --model transformers:auto

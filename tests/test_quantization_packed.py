@@ -402,3 +402,11 @@ def test_decode_on_load_is_exact_and_an_as_loaded_save_gives_back_every_byte_and
     saved = surgery.save_checkpoint(model, tmp_path / "changed")
     assert saved.requantized == ("up.qweight",)  # listed, never a silent lossy write
     assert not torch.equal(_read_all(str(tmp_path / "changed"))["up.qweight"], stored["up.qweight"])
+
+
+@pytest.mark.parametrize("fmt,cls", [("gptq", GPTQQuantizer), ("awq", AWQQuantizer)])
+def test_auto_reads_gptq_and_awq_configs_as_they_are(formats, fmt, cls):
+    path, _, _, _ = formats[fmt]
+    quantizer = surgery.quantization.quantizer_by_name("auto", path)
+    assert isinstance(quantizer, cls)
+    assert quantizer.quantization_config() == (GPTQ_CONFIG if fmt == "gptq" else AWQ_CONFIG)
