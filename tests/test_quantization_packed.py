@@ -410,3 +410,19 @@ def test_auto_reads_gptq_and_awq_configs_as_they_are(formats, fmt, cls):
     quantizer = surgery.quantization.quantizer_by_name("auto", path)
     assert isinstance(quantizer, cls)
     assert quantizer.quantization_config() == (GPTQ_CONFIG if fmt == "gptq" else AWQ_CONFIG)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_dequantized_save_of_a_packed_model_writes_the_decoded_floats_and_no_quantization_config(
+    formats, fmt, tmp_path
+):
+    path, _, quantizer, refs = formats[fmt]
+    model = Tiny()
+    surgery.load_checkpoint(model, path, quantizer=KeepPacked(quantizer, checkpoint=path))
+    surgery.save_checkpoint(model, tmp_path / "floats", quantization="dequantized")
+    written = _read_all(str(tmp_path / "floats"))
+    assert sorted(written) == ["down.weight", "up.bias", "up.weight"]
+    assert torch.equal(written["up.weight"], refs["up"]) and torch.equal(written["down.weight"], refs["down"])
+    config = json.loads((tmp_path / "floats" / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert all(isinstance(m, PackedLinear) for m in (model.up, model.down))  # the model itself stays packed

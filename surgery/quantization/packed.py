@@ -132,6 +132,7 @@ class PackedLinear(nn.Module):
         self._int4: tuple[Any, ...] | None = None  # (stamp, device, operands or None)
         self.prefix, _, self.packed_name = key.rpartition(".")
         self.in_features, self.out_features = in_features, out_features
+        self.float_dtype = dtype if dtype is not None and dtype.is_floating_point else torch.float32
         self.packed_names = tuple(stored)
         for name, info in stored.items():
             self.register_buffer(name, torch.empty(tuple(info.shape), dtype=info.dtype, device=device))
@@ -152,6 +153,17 @@ class PackedLinear(nn.Module):
                 f"({self.out_features}, {self.in_features})."
             )
         return w
+
+    def dequantized(self, *, meta: bool = False) -> dict[str, torch.Tensor]:
+        """``{"weight": ...}`` in the dtype of the linear it stands for: what a
+        ``quantization="dequantized"`` save writes instead of the stored tensors."""
+        if meta:
+            return {
+                "weight": torch.empty(
+                    (self.out_features, self.in_features), dtype=self.float_dtype, device="meta"
+                )
+            }
+        return {"weight": self.decoded_weight().to(self.float_dtype)}
 
     def _companions(self) -> dict[str, torch.Tensor]:
         return {self._full(n): getattr(self, n) for n in self.packed_names if n != self.packed_name}

@@ -44,12 +44,18 @@ class Dequantized:
         return True  # computed fresh
 
 
-def dequantize_stage(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with every quantized module's tensors replaced by the float ones it stands for."""
+def dequantize_stage(
+    model: nn.Module, state: dict[str, Any], *, names_attribute: str = "quantized_names"
+) -> dict[str, Any]:
+    """``state`` with every quantized module's tensors replaced by the float ones it stands for.
+
+    ``names_attribute``: the attribute naming a module's quantized tensors (``"packed_names"``:
+    the stored tensors a :class:`~surgery.quantization.PackedLinear` keeps, dequantized only when asked).
+    """
     replaced: dict[str, list[tuple[str, Any]]] = {}
     dropped: set[str] = set()
     for path, module in model.named_modules():
-        names = getattr(module, "quantized_names", None)
+        names = getattr(module, names_attribute, None)
         dequantized = getattr(module, "dequantized", None)
         if names is None or not callable(dequantized):
             continue

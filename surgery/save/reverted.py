@@ -176,6 +176,8 @@ class RevertedState(Mapping[str, torch.Tensor]):
         _refuse_meta(self._state)
         if original_format:
             self._state = dequantize_stage(model, self._state)
+            if quantization == "dequantized":  # weights kept packed at runtime: floats too
+                self._state = dequantize_stage(model, self._state, names_attribute="packed_names")
         self._quantization = quantization
         record = record_of(model).load
         self._encoder = (
@@ -283,8 +285,9 @@ class RevertedState(Mapping[str, torch.Tensor]):
         want = dtypes.get(name, computed)
         if name in recorded:  # stored quantized: re-encoded in its stored dtype, or written as floats
             return want if self._quantization == "as_loaded" else self._cast(computed)
-        if not want.is_floating_point and any(isinstance(self._state[k], Dequantized) for k in group.sources):
-            return self._cast(computed)  # loaded from a quantized runtime layout: the export is float
+        stored_quantized = not want.is_floating_point or want.itemsize == 1  # codes: int, FP8
+        if stored_quantized and any(isinstance(self._state[k], Dequantized) for k in group.sources):
+            return self._cast(computed)  # loaded from a quantized (or packed) layout: the export is float
         return self._cast(want)
 
     def _cast(self, dtype: torch.dtype) -> torch.dtype:

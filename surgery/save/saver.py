@@ -165,7 +165,9 @@ def save_checkpoint(
         if not original_format:  # what a load needs to rebuild the model: fusions, quantizer
             quantizer_metadata = written_quantized.metadata() if written_quantized is not None else {}
             meta.update(persisted_metadata(model, quantizer_metadata=quantizer_metadata))
-        described = _describe_written(model, state, written_quantized, original_format=original_format)
+        described = _describe_written(
+            model, state, written_quantized, original_format=original_format, quantization=quantization
+        )
         described = replace(described, dtype=_written_dtype(state), dtype_requested=dtype is not None)
 
     def write() -> list[Path]:
@@ -216,7 +218,12 @@ def _written_dtype(state: RevertedState) -> str | None:
 
 
 def _describe_written(
-    model: nn.Module, state: RevertedState, written_quantized: QuantizerHooks | None, *, original_format: bool
+    model: nn.Module,
+    state: RevertedState,
+    written_quantized: QuantizerHooks | None,
+    *,
+    original_format: bool,
+    quantization: str = "as_loaded",
 ) -> SavedConfig:
     """What the ``config.json`` of this save must say: the fusions and the quantization written.
 
@@ -250,7 +257,7 @@ def _describe_written(
             quantization=written_quantized.quantization_config(),
             quantization_loads_in_transformers=written_quantized.loads_in_transformers,
         )
-    packed = kept_packed(model)
+    packed = kept_packed(model) if quantization == "as_loaded" or not original_format else None
     if packed is not None:  # packed tensors kept at runtime, written as loaded
         return saved_config(
             fusions=fusions,
