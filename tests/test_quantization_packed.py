@@ -426,3 +426,41 @@ def test_a_dequantized_save_of_a_packed_model_writes_the_decoded_floats_and_no_q
     config = json.loads((tmp_path / "floats" / "config.json").read_text())
     assert "quantization_config" not in config
     assert all(isinstance(m, PackedLinear) for m in (model.up, model.down))  # the model itself stays packed
+
+
+def _rewritten(tmp_path, path: str, change) -> str:
+    tensors = _read_all(path)
+    change(tensors)
+    config = json.loads((Path(path) / "config.json").read_text())["quantization_config"]
+    return _checkpoint(tmp_path, "changed", tensors, config)
+
+
+@pytest.mark.parametrize(
+    "fmt,change,match",
+    [
+        ("gptq", lambda t: t.pop("up.scales"), r"'up\.scales' is missing"),
+        (
+            "fp8",
+            lambda t: t.update({"up.weight_scale": t.pop("up.weight_scale_inv")}),
+            r"'up\.weight_scale_inv' is missing",
+        ),
+        ("gptq", lambda t: t.update({"up.qzeros": t["up.qzeros"].long()}), r"'up\.qzeros' is torch\.int64"),
+        ("awq", lambda t: t.update({"up.scales": t["up.scales"][:, :8]}), r"'up\.scales' has shape \(3, 8\)"),
+    ],
+)
+def test_keep_packed_refuses_missing_misnamed_or_wrong_companions_naming_the_key(
+    formats, tmp_path, fmt, change, match
+):
+    path, _, quantizer, _ = formats[fmt]
+    bad = _rewritten(tmp_path, path, change)
+    model = Tiny()
+    with pytest.raises(ConversionError, match=match):
+        surgery.load_checkpoint(model, bad, quantizer=KeepPacked(quantizer, checkpoint=bad))
+    assert type(model.up) is nn.Linear  # the swap is undone: nothing loads as raw codes
+
+
+def test_keep_packed_checks_the_scale_values_before_loading(formats, tmp_path):
+    path, _, quantizer, _ = formats["gptq"]
+    bad = _rewritten(tmp_path, path, lambda t: t["up.scales"].__setitem__((0, 0), float("nan")))
+    with pytest.raises(surgery.LoadError, match=r"'up\.scales'.*nan"):
+        surgery.load_checkpoint(Tiny(), bad, quantizer=KeepPacked(quantizer, checkpoint=bad), strict=True)

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import StoredTensor, open_checkpoint
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, ConversionError, SurgeryError
 from ..graph import match_modules, swap_module
 from ..parallel.regions import Region
 from ..record import update_record
@@ -213,6 +213,30 @@ class PackedLinear(nn.Module):
         )
 
 
+def _check_decodes(
+    quantizer: Any, key: str, stored: dict[str, StoredTensor], prefix: str, shape: tuple[int, int]
+) -> None:
+    """Run ``decode`` on ``meta`` tensors of the stored shapes and dtypes: it must give the linear's weight shape.
+
+    Raises:
+        ConversionError: naming the key whose layout the quantizer refuses, or the shape mismatch.
+    """
+    metas = {prefix + n: torch.empty(tuple(i.shape), dtype=i.dtype, device="meta") for n, i in stored.items()}
+    main = metas.pop(key)
+    try:
+        decoded = quantizer.decode(key, main, metas, None)
+    except SurgeryError:
+        raise
+    except Exception as exc:
+        raise ConversionError(
+            f"{type(quantizer).__name__}.decode({key!r}) failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    if tuple(decoded.shape) != shape:
+        raise ConversionError(
+            f"{key!r} decodes to shape {tuple(decoded.shape)}; the model's linear there is {shape} (out, in)."
+        )
+
+
 class KeepPacked:
     """Wrap a quantizer so the linears it would decode keep their stored tensors (:class:`PackedLinear`).
 
@@ -273,7 +297,15 @@ class KeepPacked:
             if len(packed) != 1:
                 continue
             key, companions = packed[0]
-            stored = {k[len(prefix) :]: infos[k] for k in (key, *companions) if k in infos}
+            missing = [c for c in companions if c not in infos]
+            if missing:
+                raise ConversionError(
+                    f"{key!r} is stored quantized, but its {', '.join(map(repr, missing))} "
+                    f"{'is' if len(missing) == 1 else 'are'} missing from the checkpoint; it cannot be decoded, "
+                    "so it is not loaded as raw codes."
+                )
+            stored = {k[len(prefix) :]: infos[k] for k in (key, *companions)}
+            _check_decodes(self.quantizer, key, stored, prefix, (module.out_features, module.in_features))
             swap_module(
                 model,
                 path,
