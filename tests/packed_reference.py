@@ -31,20 +31,24 @@ def _word(codes: list[int], bits: int) -> int:
 
 
 # ---------------------------------------------------------------- GPTQ fixture and reference
-def gptq_tensors(k: int, n: int, group: int, *, seed: int, act_order: bool) -> dict[str, torch.Tensor]:
-    """Random 4-bit GPTQ v1 tensors, packed with Python ints (word by word)."""
+def gptq_tensors(
+    k: int, n: int, group: int, *, seed: int, act_order: bool, bits: int = 4
+) -> dict[str, torch.Tensor]:
+    """Random GPTQ v1 tensors of ``bits``-wide codes, packed with Python ints (word by word)."""
+    f, top = 32 // bits, 1 << bits
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (k, n), generator=gen).tolist()
+    q = torch.randint(0, top, (k, n), generator=gen).tolist()
     groups = math.ceil(k / group)
-    zeros = torch.randint(1, 16, (groups, n), generator=gen).tolist()  # v1 stores zero - 1 in [0, 15)
+    zeros = torch.randint(1, top, (groups, n), generator=gen).tolist()  # v1 stores zero - 1 in [0, top - 1)
     scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(torch.float16)
     g_idx = [i // group for i in range(k)]
     if act_order:
         perm = torch.randperm(k, generator=gen).tolist()
         g_idx = [g_idx[p] for p in perm]
-    qweight = [[_word([q[8 * r + j][c] for j in range(8)], 4) for c in range(n)] for r in range(k // 8)]
+    qweight = [[_word([q[f * r + j][c] for j in range(f)], bits) for c in range(n)] for r in range(k // f)]
     qzeros = [
-        [_word([zeros[g][8 * w + j] - 1 for j in range(8)], 4) for w in range(n // 8)] for g in range(groups)
+        [_word([zeros[g][f * w + j] - 1 for j in range(f)], bits) for w in range(n // f)]
+        for g in range(groups)
     ]
     return {
         "qweight": torch.tensor(qweight, dtype=torch.int32),
@@ -54,16 +58,17 @@ def gptq_tensors(k: int, n: int, group: int, *, seed: int, act_order: bool) -> d
     }
 
 
-def gptq_reference(t: dict[str, torch.Tensor]) -> torch.Tensor:
+def gptq_reference(t: dict[str, torch.Tensor], bits: int = 4) -> torch.Tensor:
+    f, mask = 32 // bits, (1 << bits) - 1
     qw, qz, gi = (t[n].tolist() for n in ("qweight", "qzeros", "g_idx"))
-    k, n = len(qw) * 8, len(qw[0])
+    k, n = len(qw) * f, len(qw[0])
     out = torch.empty(n, k)
     s32 = t["scales"].float()
     for kk in range(k):
         g = gi[kk]
         for c in range(n):
-            code = (qw[kk // 8][c] >> (4 * (kk % 8))) & 15
-            zero = ((qz[g][c // 8] >> (4 * (c % 8))) & 15) + 1
+            code = (qw[kk // f][c] >> (bits * (kk % f))) & mask
+            zero = ((qz[g][c // f] >> (bits * (c % f))) & mask) + 1
             out[c, kk] = float(code - zero) * s32[g, c]
     return out
 

@@ -464,3 +464,13 @@ def test_keep_packed_checks_the_scale_values_before_loading(formats, tmp_path):
     bad = _rewritten(tmp_path, path, lambda t: t["up.scales"].__setitem__((0, 0), float("nan")))
     with pytest.raises(surgery.LoadError, match=r"'up\.scales'.*nan"):
         surgery.load_checkpoint(Tiny(), bad, quantizer=KeepPacked(quantizer, checkpoint=bad), strict=True)
+
+
+@pytest.mark.parametrize("bits", [2, 8])
+def test_gptq_2_and_8_bit_decode_equals_the_reference_and_encodes_back(bits):
+    t = gptq_tensors(64, 48, 16, seed=bits, act_order=True, bits=bits)
+    quantizer = GPTQQuantizer.from_config({"quant_method": "gptq", "bits": bits, "group_size": 16})
+    companions = {f"x.{k}": v for k, v in t.items() if k != "qweight"}
+    decoded = quantizer.decode("x.qweight", t["qweight"], companions)
+    assert torch.equal(decoded, gptq_reference(t, bits))
+    assert _same(quantizer.encode("x.qweight", decoded, companions)["x.qweight"], t["qweight"])
