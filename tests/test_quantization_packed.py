@@ -189,6 +189,7 @@ def test_keep_packed_loads_1_to_1_forwards_as_decoded_and_saves_the_same_bytes(f
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     original = json.loads((Path(path) / "config.json").read_text())
     assert config["quantization_config"] == original["quantization_config"]  # every field, as read
+    assert "transformers_weights" not in config  # no refusal: transformers reads it as it read the source
 
 
 def test_a_4_bit_checkpoint_kept_packed_takes_about_a_quarter_of_bf16_memory(formats):

@@ -85,6 +85,8 @@ class AWQQuantizer:
     """
 
     method = "awq"
+    loads_in_transformers = True
+    """The config is written back as read: transformers reads the copy as it read the source."""
 
     def __init__(self, *, group_size: int = 128, config: Mapping[str, Any] | None = None) -> None:
         if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:

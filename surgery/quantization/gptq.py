@@ -199,6 +199,8 @@ class GPTQQuantizer:
     """
 
     method = "gptq"
+    loads_in_transformers = True
+    """The config is written back as read: transformers reads the copy as it read the source."""
 
     def __init__(
         self,
