@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import NamedTuple
 
+import torch
 from torch import nn
 
 from ..converter import WeightConverter, split_transforms
@@ -157,19 +158,33 @@ class RecordedShapes:
         self._rename = rename
         self._forward = [t for t in record.transforms if not isinstance(t, WeightConverter)] if record else []
         self._renamed = _Renamer(self._forward)
-        self._table: dict[str, tuple[int, ...]] | None = None
+        self._table: dict[str, str] | None = None  # name -> recorded checkpoint key
 
     def get(self, name: str) -> tuple[int, ...] | None:
+        """The shape the op chain saw for ``name``: the stored one, or the decoded one of a packed format."""
         if self._record is None:
             return None
         source = self._record.source_shapes
         key = self._rename(name)
         if key in source and self._renamed(key) == name:
-            return source[key]
+            return self._as_decoded(key, source[key])
         if self._table is None:
             fwd = route_keys(list(source), self._forward) if self._forward else None
-            self._table = {(fwd.routes[k].target_key if fwd is not None else k): v for k, v in source.items()}
-        return self._table.get(name)
+            self._table = {(fwd.routes[k].target_key if fwd is not None else k): k for k in source}
+        found = self._table.get(name)
+        return None if found is None else self._as_decoded(found, source[found])
+
+    def _as_decoded(self, key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """``shape`` as decoding made it, for a format whose decode changes shapes (``stored_region``:
+        packed words); a ``meta`` run of ``decode`` with the recorded companions."""
+        record = self._record
+        assert record is not None
+        companions = record.companions.get(key)
+        quantizer = record.quantizer
+        if not companions or quantizer is None or not callable(getattr(quantizer, "stored_region", None)):
+            return shape
+        stored = torch.empty(shape, dtype=record.source_dtypes[key], device="meta")
+        return tuple(quantizer.decode(key, stored, dict(companions), None).shape)
 
 
 class _Renamer:
