@@ -39,9 +39,8 @@ def _quantizers() -> dict[str, Any]:
 
 def write_packed_checkpoints(work: Path, original: dict[str, Any]) -> None:
     """GPTQ (act-order) and AWQ versions of the dense example's projections (``original``: its state)."""
-    # gate_proj/up_proj stay float: the save splits the fused gate_up_proj by the recorded source
-    # shapes, which are the stored (K / 8, N) ones for a transposed packed format (a known gap)
-    proj = lambda k: "_proj." in k and "gate_proj" not in k and "up_proj." not in k  # noqa: E731
+    # gate_proj/up_proj are fused into gate_up_proj: the save splits it by their decoded shapes
+    proj = lambda k: "_proj." in k  # noqa: E731
     unsplit_kv = lambda k: proj(k) and "k_proj" not in k and "v_proj" not in k  # noqa: E731
     write_checkpoint(gptq_state(original, GROUP, proj), work / "dense-gptq")
     write_checkpoint(awq_state(original, GROUP, unsplit_kv), work / "dense-awq")
