@@ -21,7 +21,7 @@ from ..converter import Collector, WeightConverter, expand_outputs
 from ..errors import ConversionError, SurgeryError
 from ..ops import OpContext, run_chain
 from ..parallel import is_dtensor
-from ..parallel.regions import NOT_NEEDED, Region, local_shape
+from ..parallel.regions import NOT_NEEDED, Box, Region, local_shape
 from ..placement import all_contiguous, flatten_slots, placement_views
 from .plan import Mode
 from .planner import Prepared, Work
@@ -123,11 +123,13 @@ def _keeping(prep: Prepared, w: Work, conv: WeightConverter, ctx: OpContext) -> 
 
 def _source(prep: Prepared, w: Work, key: str, region: Any = None) -> torch.Tensor:
     """``key`` (its ``region``) as the op chain takes it: read, and decoded if stored quantized."""
-    t = _read(prep.reader, key, region)
     q = w.quantizing
     names = None if q is None else q.companions.get(key)
     if q is None or not names:
-        return t
+        return _read(prep.reader, key, region)
+    if isinstance(region, Box):  # scales are cut by one dim: decode whole, keep the box
+        return region.take(_source(prep, w, key)).contiguous()
+    t = _read(prep.reader, key, region)
     companions = {c: prep.checked[c] if c in prep.checked else prep.reader.get_tensor(c) for c in names}
     prep.companion_values[key] = companions
     return q.hooks.decode(key, t, companions, region if isinstance(region, Region) else None)
@@ -153,6 +155,8 @@ def _read(reader: CheckpointReader, key: str, region: Any, out: torch.Tensor | N
     """``key``'s region (all of it for ``None``), into ``out`` when given."""
     if isinstance(region, Region):
         return reader.read_region(key, region.dim, region.intervals, out=out)
+    if isinstance(region, Box):
+        return reader.read_box(key, [(p.dim, p.intervals) for p in region.parts], out=out)
     if out is not None:
         return reader.read_into(key, out)
     return reader.get_tensor(key)

@@ -39,7 +39,7 @@ from ..checkpoint import CheckpointReader, open_checkpoint
 from ..errors import ConfigurationError, LoadError, SurgeryError
 from ..fusion import fusion_config_of
 from ..model_state import meta_clone, model_device
-from ..parallel import from_local
+from ..parallel import from_local, is_dtensor
 from ..parallel.regions import local_shape
 from ..persist import persisted_fusion_config
 from ..quantization import QUANTIZATION_METADATA_KEY
@@ -129,7 +129,9 @@ def _distributed(prep: Prepared, key: str, tensor: torch.Tensor) -> torch.Tensor
     placements = None if tp is None else prep.placements.get(key)
     if tp is None or placements is None:
         return tensor
-    return from_local(tensor, tp.mesh, placements, prep.runtime[key].shape)
+    old = prep.runtime[key]
+    mesh = old.device_mesh if is_dtensor(old) else tp.mesh  # type: ignore[attr-defined]
+    return from_local(tensor, mesh, placements, old.shape)
 
 
 def _set_tensor(model: nn.Module, key: str, tensor: torch.Tensor, old: torch.Tensor) -> None:

@@ -277,6 +277,9 @@ def _part(tp: TPSlice | None) -> str:
         return "-"
     if tp.dim is None:
         return "whole"
+    if tp.more:  # cut on several dims (an n-D mesh): each dim's intervals
+        cuts = [(tp.dim, tp.intervals), *tp.more]
+        return " ".join(f"[{d}]" + ",".join(f"{a}:{b}" for a, b in iv) for d, iv in cuts)
     kind = ", ".join(tp.placements).split("(")[0].lstrip("_")
     return f"{kind}({tp.dim}) " + ",".join(f"{a}:{b}" for a, b in tp.intervals)
 

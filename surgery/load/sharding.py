@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ from ..parallel import (
     param_placements,
     resolve_tp_plan,
 )
-from ..parallel.regions import NOT_NEEDED, Region, SlotRegion, TPSlice, local_shape
+from ..parallel.regions import NOT_NEEDED, Box, Region, SlotRegion, TPSlice, local_shape
 from ..placement import all_contiguous, placement_views, stage_shapes
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "shard_work",
     "target_placements",
     "tensor_parallel",
+    "trace_boxes",
     "trace_regions",
 ]
 
@@ -75,10 +77,14 @@ class TensorParallel:
     """This rank's view of the tensor-parallel load.
 
     Attributes:
-        world_size / rank: the 1-D mesh's size and this rank's coordinate on it.
-        mesh: the ``DeviceMesh`` (``None`` for a dry run planned by arithmetic).
+        world_size / rank: the mesh's size and this rank's place on it (on an n-D mesh: the
+            root mesh's size and this rank's index in it).
+        mesh: the ``DeviceMesh`` (``None`` for a dry run planned by arithmetic); when the model's
+            DTensors live on several meshes of one root mesh (FSDP2 over TP), the root mesh.
         spec: the ``tp_plan`` to apply, or ``None`` when the model's DTensors already say.
         resolved: the validated plan, once :func:`apply_tp_plan` ran.
+        coords: per runtime key whose mesh is not ``(world_size,)`` at ``(rank,)``, the shape of
+            its mesh and this rank's coordinate on it (filled by :func:`target_placements`).
     """
 
     world_size: int
@@ -86,6 +92,11 @@ class TensorParallel:
     mesh: Any = None
     spec: Any = None
     resolved: list[ResolvedStyle] = field(default_factory=list)
+    coords: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+
+    def layout(self, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The mesh shape and this rank's coordinate for the target ``key``."""
+        return self.coords.get(key, ((self.world_size,), (self.rank,)))
 
 
 def tensor_parallel(
@@ -121,18 +132,7 @@ def tensor_parallel(
     if parallel_model:
         if tp_plan is not None:
             raise ConfigurationError(_ALREADY)
-        meshes = {id(t.device_mesh): t.device_mesh for t in dtensors_of(model)}
-        if len(meshes) != 1:
-            raise ConfigurationError(
-                f"the model's DTensors live on {len(meshes)} different device meshes; load into a model "
-                "parallelized over one 1-D mesh."
-            )
-        mesh = check_mesh(next(iter(meshes.values())))
-        if device_mesh is not None and device_mesh is not mesh:
-            raise ConfigurationError(
-                "device_mesh= is not the mesh the model's DTensors live on; leave it out."
-            )
-        return TensorParallel(mesh.size(), mesh.get_local_rank(), mesh, None)
+        return _parallel_model(model, device_mesh)
     if tp_plan is None and device_mesh is None:
         return None
     if device_mesh is None:
@@ -147,6 +147,34 @@ def tensor_parallel(
         )
     mesh = check_mesh(device_mesh)
     return TensorParallel(mesh.size(), mesh.get_local_rank(), mesh, tp_plan)
+
+
+def _parallel_model(model: nn.Module, device_mesh: Any) -> TensorParallel:
+    """The view of a model whose DTensors say how it is split, on one mesh or several of one root."""
+    meshes = {id(t.device_mesh): t.device_mesh for t in dtensors_of(model)}
+    if len(meshes) == 1:
+        mesh = next(iter(meshes.values()))
+        if device_mesh is not None and device_mesh is not mesh:
+            raise ConfigurationError("device_mesh= is not the mesh the model's DTensors live on; leave it out.")
+        if mesh.ndim == 1:
+            return TensorParallel(mesh.size(), mesh.get_local_rank(), mesh, None)
+    roots = {id(m._get_root_mesh()): m._get_root_mesh() for m in meshes.values()}
+    if len(roots) != 1:
+        raise ConfigurationError(
+            f"the model's DTensors live on {len(meshes)} device meshes that are not sub-meshes of one root mesh; "
+            "build every mesh by slicing one init_device_mesh(...) (mesh['tp'], mesh['dp_shard'], ...)."
+        )
+    root = next(iter(roots.values()))
+    if device_mesh is not None and device_mesh._get_root_mesh() is not root:
+        raise ConfigurationError("device_mesh= is not the mesh the model's DTensors live on; leave it out.")
+    for m in meshes.values():
+        if m.get_coordinate() is None:
+            raise ConfigurationError(
+                f"this rank is not on the device mesh {m} that some of the model's DTensors live on; every "
+                "rank of the root mesh must hold a part of every DTensor."
+            )
+    rank = int((root.mesh.flatten() == torch.distributed.get_rank()).nonzero()[0])
+    return TensorParallel(root.size(), rank, root, None)
 
 
 _ALREADY = (
@@ -180,6 +208,9 @@ def target_placements(
         for k, t in runtime.items():
             if is_dtensor(t):
                 out[k] = tuple(t.placements)  # type: ignore[attr-defined]
+                mesh = t.device_mesh  # type: ignore[attr-defined]
+                if mesh is not tp.mesh or mesh.ndim != 1:
+                    tp.coords[k] = (tuple(mesh.shape), tuple(mesh.get_coordinate()))
         return out
     for r in tp.resolved:
         module = model.get_submodule(r.path) if r.path else model
@@ -231,7 +262,7 @@ class Sharding:
 def _region_bytes(shape: tuple[int, ...], itemsize: int, region: SlotRegion) -> int:
     if region is NOT_NEEDED:
         return 0
-    return math.prod(local_shape(shape, region if isinstance(region, Region) else None)) * itemsize
+    return math.prod(local_shape(shape, region if isinstance(region, (Region, Box)) else None)) * itemsize
 
 
 def shard_work(
@@ -251,7 +282,7 @@ def shard_work(
     """Trace one entry's target regions back to its sources; return the sharding and its bytes."""
     placements = tuple(placements_of.get(k) for k in out_keys)
     regions = tuple(
-        None if p is None else local_region(p, tuple(runtime[k].shape), tp.world_size, tp.rank)
+        None if p is None else local_region(p, tuple(runtime[k].shape), *tp.layout(k), name=repr(k))
         for k, p in zip(out_keys, placements)
     )
     sh = Sharding(placements, regions)
@@ -271,7 +302,7 @@ def shard_work(
         try:
             stages = stage_shapes(converter, slot_shapes, ctx)
             targets = _target_slot_regions(converter, group_key, stages[-1], dict(zip(out_keys, regions)))
-            traced = trace_regions(converter.operations, stages, targets, ctx)
+            traced = trace_boxes(converter.operations, stages, targets, ctx)
         except (SurgeryError, RuntimeError, KeyError) as exc:
             blocked = f"(tracing failed: {exc})"
         else:
@@ -293,13 +324,13 @@ def shard_work(
             for k, r in zip(keys, items):
                 sh.sources[k] = r
                 if r is not NOT_NEEDED:
-                    shapes.append(local_shape(tuple(infos[k].shape), r if isinstance(r, Region) else None))
+                    shapes.append(local_shape(tuple(infos[k].shape), r if isinstance(r, (Region, Box)) else None))
             local_slots.append(shapes)
         else:
             (k,) = keys
             sh.sources[k] = slot_region
             local_slots.append(
-                local_shape(tuple(infos[k].shape), slot_region if isinstance(slot_region, Region) else None)
+                local_shape(tuple(infos[k].shape), slot_region if isinstance(slot_region, (Region, Box)) else None)
             )
     sh.operations = list(traced.operations)
     sh.local_slot_shapes = local_slots
@@ -328,7 +359,7 @@ def direct_possible(
     """Whether the local chain can be read straight into views of the local destination."""
     if sh.fallback is not None or sh.local_slot_shapes is None:
         return False
-    if any(isinstance(r, Region) and r.dim != 0 for r in sh.sources.values()):
+    if any(isinstance(r, Box) or (isinstance(r, Region) and r.dim != 0) for r in sh.sources.values()):
         return False
     dest = torch.empty(dest_shape, dtype=dtype, device="meta")
     views = placement_views(converter, dest, sh.local_slot_shapes, ctx, operations=sh.operations)
@@ -392,6 +423,87 @@ def trace_regions(
     return Traced(regions, local[::-1])
 
 
+def trace_boxes(
+    operations: Sequence[ConversionOp],
+    stages: list[list[Any]],
+    targets: list[SlotRegion],
+    ctx: OpContext | None = None,
+) -> Traced:
+    """:func:`trace_regions` for targets cut on several dims (:class:`Box`, from an n-D mesh).
+
+    Each output dim's cut is traced on its own; the walks combine when they run the same local
+    ops and cut each source on different dims (the slice rules move whole index ranges of one dim,
+    so cuts on different dims commute). Otherwise the walk is blocked by the first op of the
+    chain and the caller takes the fallback. Targets without a :class:`Box` trace as they are.
+
+    Example:
+        >>> from surgery import ops
+        >>> box = Box((Region(0, ((1, 3),)), Region(1, ((4, 8),))))
+        >>> first, second = trace_boxes([ops.Concatenate(dim=0)], [[(2, 8), (2, 8)], [(4, 8)]], [box]).sources
+        >>> first.parts, second.parts
+        ((Region(dim=0, intervals=((1, 2),)), Region(dim=1, intervals=((4, 8),))), (Region(dim=0, intervals=((0, 1),)), Region(dim=1, intervals=((4, 8),))))
+    """
+    dims = sorted({d for t in targets for d in _dims_of(t)})
+    if not any(_has_box(t) for t in targets):
+        return trace_regions(operations, stages, targets, ctx)
+    walks = [trace_regions(operations, stages, [_on_dim(t, d) for t in targets], ctx) for d in dims]
+    blocked = next((w.blocked_by for w in walks if w.blocked_by is not None), None)
+    if blocked is not None:
+        return Traced([], [], blocked_by=blocked)
+    if any(w.operations != walks[0].operations for w in walks):
+        return Traced([], [], blocked_by=operations[0])
+    try:
+        sources = [functools.reduce(_combined, slot) for slot in zip(*(w.sources for w in walks))]
+    except _Conflict:
+        return Traced([], [], blocked_by=operations[0])
+    return Traced(sources, walks[0].operations)
+
+
+class _Conflict(Exception):
+    """Two output dims cut one source dim: the walks do not combine."""
+
+
+def _has_box(region: Any) -> bool:
+    return isinstance(region, Box) or (isinstance(region, list) and any(isinstance(r, Box) for r in region))
+
+
+def _dims_of(region: Any) -> set[int]:
+    if isinstance(region, list):
+        return {d for r in region for d in _dims_of(r)}
+    if isinstance(region, Box):
+        return set(region.dims)
+    return {region.dim} if isinstance(region, Region) else set()
+
+
+def _on_dim(region: Any, dim: int) -> Any:
+    """The part of a target region on output ``dim`` (``None``: not cut there)."""
+    if isinstance(region, list):
+        return [_on_dim(r, dim) for r in region]
+    if isinstance(region, Box):
+        return next((p for p in region.parts if p.dim == dim), None)
+    if isinstance(region, Region):
+        return region if region.dim == dim else None
+    return region
+
+
+def _combined(a: Any, b: Any) -> Any:
+    """One source's regions from two walks as one (cuts on different dims multiply)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if a is NOT_NEEDED or b is NOT_NEEDED:
+        return NOT_NEEDED
+    if isinstance(a, list) or isinstance(b, list):
+        items_a = a if isinstance(a, list) else [a] * len(b)
+        items_b = b if isinstance(b, list) else [b] * len(a)
+        return [_combined(x, y) for x, y in zip(items_a, items_b)]
+    parts = [*(a.parts if isinstance(a, Box) else (a,)), *(b.parts if isinstance(b, Box) else (b,))]
+    if len({p.dim for p in parts}) != len(parts):
+        raise _Conflict
+    return Box(tuple(sorted(parts, key=lambda p: p.dim)))
+
+
 def _normalized(region: Any, shape: Any) -> Any:
     """Non-negative dims; a region that is the whole tensor becomes ``None``."""
     if region is None or region is NOT_NEEDED:
@@ -401,6 +513,8 @@ def _normalized(region: Any, shape: Any) -> Any:
         out = [_normalized(r, s) for r, s in zip(region, items)]
         return None if all(r is None for r in out) else out
     ndim = len(shape)
+    if isinstance(region, Box):
+        return Box.of([_normalized(p, shape) for p in region.parts], shape)
     dim = region.dim % ndim if ndim else 0
     region = Region(dim, region.intervals)
     return None if region.covers(shape[dim]) else region
