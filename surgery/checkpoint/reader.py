@@ -68,53 +68,6 @@ class PickleFile:
             for k, t in self.tensors.items()
         }
 
-    def read_box(
-        self,
-        key: str,
-        parts: Sequence[tuple[int, Sequence[tuple[int, int]]]],
-        *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Read the part of ``key`` cut on several dims: per ``(dim, intervals)``, those intervals.
-
-        What a rank of an n-D device mesh holds of a tensor sharded on two dims (FSDP2's rows of
-        a row-wise tensor-parallel weight). The box is copied out of a mapping of the tensor's
-        pages, so only the pages it touches are read. Counts the box's bytes.
-
-        Raises:
-            CheckpointError: as :meth:`read_region`, or two cuts on one dim.
-        """
-        info, source = self.locate(key)
-        ndim = len(info.shape)
-        dims = [d % ndim if type(d) is int and -ndim <= d < ndim else None for d, _ in parts]
-        if None in dims or len(set(dims)) != len(dims):
-            raise CheckpointError(
-                f"read_box({key!r}, {list(parts)}): need distinct dims within -{ndim}..{ndim - 1} (shape {info.shape})."
-            )
-        shape = list(info.shape)
-        for d, spans in zip(dims, parts):
-            shape[d] = sum(b - a for a, b in spans[1])  # type: ignore[index, misc]
-        if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != info.dtype):
-            raise CheckpointError(
-                f"read_box({key!r}): out is {tuple(out.shape)} {out.dtype}; the box needs torch.empty({tuple(shape)}, "
-                f"dtype={info.dtype})."
-            )
-        if isinstance(source, PickleFile):
-            whole = source.tensors[key]
-        else:
-            whole = source.view(info.offset, info.nbytes, info.dtype, info.shape)
-        t = whole
-        for d, (_, spans) in zip(dims, parts):
-            pieces = [t.narrow(d, a, b - a) for a, b in spans]  # type: ignore[arg-type]
-            t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)  # type: ignore[arg-type]
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"read_box({key!r}, {list(parts)}): intervals out of bounds for shape {info.shape}.")
-        self._count(math.prod(shape) * info.dtype.itemsize)
-        if out is None:
-            out = torch.empty(shape, dtype=info.dtype)
-        out.copy_(t)
-        return out
-
     def close(self) -> None:
         self.tensors = {}
 
@@ -441,6 +394,53 @@ class CheckpointReader:
         for a, b in spans:
             source.read_into(info.offset + a * row, out.narrow(dim, pos, b - a), key)
             pos += b - a
+        return out
+
+    def read_box(
+        self,
+        key: str,
+        parts: Sequence[tuple[int, Sequence[tuple[int, int]]]],
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Read the part of ``key`` cut on several dims: per ``(dim, intervals)``, those intervals.
+
+        What a rank of an n-D device mesh holds of a tensor sharded on two dims (FSDP2's rows of
+        a row-wise tensor-parallel weight). The box is copied out of a mapping of the tensor's
+        pages, so only the pages it touches are read. Counts the box's bytes.
+
+        Raises:
+            CheckpointError: as :meth:`read_region`, or two cuts on one dim.
+        """
+        info, source = self.locate(key)
+        ndim = len(info.shape)
+        dims = [d % ndim if type(d) is int and -ndim <= d < ndim else None for d, _ in parts]
+        if None in dims or len(set(dims)) != len(dims):
+            raise CheckpointError(
+                f"read_box({key!r}, {list(parts)}): need distinct dims within -{ndim}..{ndim - 1} (shape {info.shape})."
+            )
+        shape = list(info.shape)
+        for d, spans in zip(dims, parts):
+            shape[d] = sum(b - a for a, b in spans[1])  # type: ignore[index, misc]
+        if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != info.dtype):
+            raise CheckpointError(
+                f"read_box({key!r}): out is {tuple(out.shape)} {out.dtype}; the box needs torch.empty({tuple(shape)}, "
+                f"dtype={info.dtype})."
+            )
+        if isinstance(source, PickleFile):
+            whole = source.tensors[key]
+        else:
+            whole = source.view(info.offset, info.nbytes, info.dtype, info.shape)
+        t = whole
+        for d, (_, spans) in zip(dims, parts):
+            pieces = [t.narrow(d, a, b - a) for a, b in spans]  # type: ignore[arg-type]
+            t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)  # type: ignore[arg-type]
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"read_box({key!r}, {list(parts)}): intervals out of bounds for shape {info.shape}.")
+        self._count(math.prod(shape) * info.dtype.itemsize)
+        if out is None:
+            out = torch.empty(shape, dtype=info.dtype)
+        out.copy_(t)
         return out
 
     def close(self) -> None:

@@ -1,0 +1,244 @@
+"""Loads into models parallelized on n-D device meshes, run by every rank of a 4-process gloo group.
+
+:func:`run` is the body each rank executes (spawned by ``tests/test_nd_loading.py``). Each mesh
+(``dp_shard=2 x tp=2``, ``tp=4``, ``dp_shard=4``, ``dp_replicate=2 x dp_shard=2``) is built once;
+for each example model the scenario builds it on meta, parallelizes it the torchtitan way
+(``parallelize_module`` on ``mesh["tp"]``, then ``fully_shard`` per decoder layer and at the root
+over the data-parallel dims) and calls ``load_checkpoint`` with no ``tp_plan``. It records per
+rank, in ``<workdir>/rank<r>.json``: whether every local tensor equals torch's own split
+(``distribute_tensor(..., src_data_rank=None)``) of the single-process load, the forward's
+agreement with the single-process forward, bytes read against the rank's local and replicated
+bytes, and the collectives called during the load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from distsave_scenarios import run_scenarios
+from torch import nn
+
+import surgery
+from surgery.checkpoint import write_checkpoint
+from surgery.examples import dense, moe
+from surgery.parallel import parallelize
+
+DENSE = dense.ExampleDenseConfig(num_attention_heads=4, num_key_value_heads=4)
+MOE = moe.ExampleMoEConfig(num_attention_heads=4, num_key_value_heads=4)
+INPUT_IDS = torch.tensor([[1, 5, 9, 3, 7], [2, 4, 6, 8, 10]])
+MESHES = {
+    "dp_shard2_tp2": (("dp_shard", "tp"), (2, 2)),
+    "tp4": (("tp",), (4,)),
+    "dp_shard4": (("dp_shard",), (4,)),
+    "hsdp2x2": (("dp_replicate", "dp_shard"), (2, 2)),
+}
+MODELS = {
+    "dense": functools.partial(dense.build_dense_model, DENSE),
+    "moe": functools.partial(moe.build_moe_model, MOE),
+}
+COUNTED = (
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "scatter",
+    "scatter_object_list",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "barrier",
+)
+
+
+def write_inputs(work: Path) -> None:
+    """The checkpoints (original layouts, written by hand) every scenario reads."""
+    write_checkpoint(dense.original_state_dict(MODELS["dense"](seed=1)), work / "dense")
+    write_checkpoint(moe.original_state_dict(MODELS["moe"](seed=2)), work / "moe")
+    write_checkpoint({"proj.weight": torch.arange(64.0).reshape(8, 8)}, work / "square")
+
+
+@contextlib.contextmanager
+def counting_collectives() -> Iterator[dict[str, int]]:
+    """Count calls of torch.distributed's collectives (each call goes through to torch)."""
+    import torch.distributed as dist
+
+    counts: dict[str, int] = {}
+    saved = {name: getattr(dist, name) for name in COUNTED}
+
+    def wrap(name: str, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counts[name] = counts.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    for name, fn in saved.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def torchtitan_parallelize(model: nn.Module, mesh: Any) -> None:
+    """TP on ``mesh["tp"]``, then FSDP2 per decoder layer and at the root on the dp dims."""
+    from torch.distributed.fsdp import fully_shard
+
+    names = mesh.mesh_dim_names
+    if "tp" in names:
+        parallelize(model, model.tp_plan, mesh["tp"])
+    dp = tuple(n for n in names if n.startswith("dp"))
+    if dp:
+        dp_mesh = mesh[dp] if len(dp) > 1 else mesh[dp[0]]
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+
+
+def _local_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of this rank's shards, bytes of tensors every rank holds whole)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    local = replicated = 0
+    for t in model.state_dict().values():
+        if isinstance(t, DTensor) and not all(isinstance(p, Replicate) for p in t.placements):
+            local += t.to_local().numel() * t.element_size()
+        else:
+            replicated += t.numel() * t.element_size()
+    return local, replicated
+
+
+def _torch_split(full: torch.Tensor, like: Any) -> torch.Tensor:
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def _load_scenario(work: Path, mesh: Any, family: str) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    build = MODELS[family]
+    ref = build(device="meta")
+    assert surgery.load_checkpoint(ref, work / family).ok
+    model = build(device="meta")
+    torchtitan_parallelize(model, mesh)
+    with counting_collectives() as counts:
+        report = surgery.load_checkpoint(model, work / family)
+    ref_state = ref.state_dict()
+    unequal, placements = [], {}
+    for key, value in model.state_dict().items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.is_meta:
+            unequal.append(f"{key} (meta)")
+        elif isinstance(value, DTensor):
+            placements[key] = [repr(p) for p in value.placements]
+            if not torch.equal(local, _torch_split(ref_state[key], value)):
+                unequal.append(key)
+        elif not torch.equal(value, ref_state[key]):
+            unequal.append(key)
+    local, replicated = _local_bytes(model)
+    with torch.no_grad():
+        out, want = model(INPUT_IDS), ref(INPUT_IDS)
+    if isinstance(out, DTensor):
+        out = out.full_tensor()
+    return {
+        "ok": report.ok,
+        "unequal": unequal,
+        "placements": placements,
+        "bytes_read": report.bytes_read,
+        "local_bytes": local,
+        "replicated_bytes": replicated,
+        "collectives": counts,
+        "forward_max_diff": float((out - want).abs().max()),
+        "fallbacks": [list(f.target_keys) for f in report.tp_fallbacks],
+    }
+
+
+def _oracle(work: Path, mesh: Any) -> dict[str, Any]:
+    """DCP's HuggingFaceStorageReader reads the 1:1 keys into the same placements."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    model = MODELS["dense"](device="meta")
+    torchtitan_parallelize(model, mesh)
+    surgery.load_checkpoint(model, work / "dense")
+    ours = model.state_dict()
+    state = {
+        k: distribute_tensor(torch.zeros(v.shape), v.device_mesh, v.placements, src_data_rank=None)
+        for k, v in ours.items()
+        if isinstance(v, DTensor)
+        and ("o_proj" in k or "down_proj" in k or "v_proj" in k or "embed" in k)
+        and not any(isinstance(p, _StridedShard) for p in v.placements)
+    }
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(work / "dense")))
+    return {
+        "placements": sorted({repr(v.placements) for v in state.values()}),
+        "unequal": [k for k in state if not torch.equal(state[k].to_local(), ours[k].to_local())],
+    }
+
+
+class Square(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+
+
+def _bad_input(work: Path, mesh: Any) -> dict[str, Any]:
+    """An uneven strided shard on a 2-D mesh is refused, naming the parameter, dim, size, mesh dim."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    model = Square().to("meta")
+    w = DTensor.from_local(
+        torch.empty(1, 8, device="meta"),
+        mesh,
+        (_StridedShard(0, split_factor=3), Shard(0)),
+        run_check=False,
+        shape=torch.Size((8, 8)),
+        stride=(8, 1),
+    )
+    model.proj.weight = nn.Parameter(w)
+    try:
+        surgery.load_checkpoint(model, work / "square")
+    except surgery.SurgeryError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    return {"raised": None}
+
+
+def _scenarios(work: Path, _mesh: Any) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out: dict[str, Any] = {}
+    for mesh_name, (names, shape) in MESHES.items():
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        for family in MODELS:
+            out[f"{mesh_name}/{family}"] = functools.partial(_guarded, _load_scenario, work, mesh, family)
+        if mesh_name == "dp_shard2_tp2":
+            out["oracle"] = functools.partial(_guarded, _oracle, work, mesh)
+            out["bad_input"] = functools.partial(_guarded, _bad_input, work, mesh)
+    return out
+
+
+def _guarded(fn: Any, *args: Any) -> Any:
+    import traceback
+
+    try:
+        return fn(*args)
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def run(rank: int, world: int, workdir: str) -> None:
+    run_scenarios(rank, world, workdir, _scenarios, barrier=True)
