@@ -64,6 +64,7 @@ def write_inputs(work: Path) -> None:
     write_checkpoint(dense.original_state_dict(MODELS["dense"](seed=1)), work / "dense")
     write_checkpoint(moe.original_state_dict(MODELS["moe"](seed=2)), work / "moe")
     write_checkpoint({"proj.weight": torch.arange(64.0).reshape(8, 8)}, work / "square")
+    write_checkpoint({"proj.weight": torch.arange(48.0).reshape(6, 8) / 2}, work / "fallback")
 
 
 @contextlib.contextmanager
@@ -124,6 +125,14 @@ def _torch_split(full: torch.Tensor, like: Any) -> torch.Tensor:
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
+def _torch_flow(ref: nn.Module, family: str, mesh: Any) -> nn.Module:
+    """torch's own flow from real weights: the single-process model copied, parallelized and sharded."""
+    model = MODELS[family](device="cpu")
+    model.load_state_dict(ref.state_dict())
+    torchtitan_parallelize(model, mesh)
+    return model
+
+
 def _load_scenario(work: Path, mesh: Any, family: str) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
@@ -134,19 +143,18 @@ def _load_scenario(work: Path, mesh: Any, family: str) -> dict[str, Any]:
     torchtitan_parallelize(model, mesh)
     with counting_collectives() as counts:
         report = surgery.load_checkpoint(model, work / family)
-    ref_state = ref.state_dict()
-    unequal, placements = [], {}
+    ref_state, flow_state = ref.state_dict(), _torch_flow(ref, family, mesh).state_dict()
+    unequal, unlike_placements, placements = [], [], {}
     for key, value in model.state_dict().items():
         local = value.to_local() if isinstance(value, DTensor) else value
-        if local.is_meta:
-            unequal.append(f"{key} (meta)")
-        elif isinstance(value, DTensor):
+        flow = flow_state[key].to_local() if isinstance(value, DTensor) else flow_state[key]
+        if local.is_meta or not torch.equal(local, flow):
+            unequal.append(key)
+        if isinstance(value, DTensor):
             placements[key] = [repr(p) for p in value.placements]
             if not torch.equal(local, _torch_split(ref_state[key], value)):
-                unequal.append(key)
-        elif not torch.equal(value, ref_state[key]):
-            unequal.append(key)
-    local, replicated = _local_bytes(model)
+                unlike_placements.append(key)
+    local_bytes, replicated = _local_bytes(model)
     with torch.no_grad():
         out, want = model(INPUT_IDS), ref(INPUT_IDS)
     if isinstance(out, DTensor):
@@ -154,9 +162,10 @@ def _load_scenario(work: Path, mesh: Any, family: str) -> dict[str, Any]:
     return {
         "ok": report.ok,
         "unequal": unequal,
+        "unlike_placements": unlike_placements,
         "placements": placements,
         "bytes_read": report.bytes_read,
-        "local_bytes": local,
+        "local_bytes": local_bytes,
         "replicated_bytes": replicated,
         "collectives": counts,
         "forward_max_diff": float((out - want).abs().max()),
@@ -217,6 +226,30 @@ def _bad_input(work: Path, mesh: Any) -> dict[str, Any]:
     return {"raised": None}
 
 
+def _box_without_rule(work: Path, mesh: Any) -> dict[str, Any]:
+    """A target cut on two dims behind an op without a slice rule: read whole, reported, exact."""
+    from torch.distributed.tensor import DTensor, Shard
+    from tp_scenarios import FallbackModel, register_fallback_mapping
+
+    register_fallback_mapping()
+    model = FallbackModel().to("meta")
+    model.proj.weight = nn.Parameter(
+        DTensor.from_local(
+            torch.empty(3, 4, device="meta"), mesh, (Shard(0), Shard(1)), run_check=False, shape=torch.Size((6, 8)),
+            stride=(8, 1),
+        )
+    )
+    report = surgery.load_checkpoint(model, work / "fallback")
+    coord = mesh.get_coordinate()
+    want = torch.arange(48.0).reshape(6, 8)[3 * coord[0] : 3 * coord[0] + 3, 4 * coord[1] : 4 * coord[1] + 4]
+    return {
+        "ok": report.ok,
+        "fallbacks": [[list(f.target_keys), f.op] for f in report.tp_fallbacks],
+        "equal": torch.equal(model.proj.weight.to_local(), want),
+        "bytes_read": report.bytes_read,
+    }
+
+
 def _scenarios(work: Path, _mesh: Any) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -228,6 +261,7 @@ def _scenarios(work: Path, _mesh: Any) -> dict[str, Any]:
         if mesh_name == "dp_shard2_tp2":
             out["oracle"] = functools.partial(_guarded, _oracle, work, mesh)
             out["bad_input"] = functools.partial(_guarded, _bad_input, work, mesh)
+            out["box_without_rule"] = functools.partial(_guarded, _box_without_rule, work, mesh)
     return out
 
 

@@ -32,6 +32,7 @@ this package is the only place that uses it.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -419,22 +420,57 @@ def local_region(
             "give one placement per mesh dim."
         )
     ndim = len(shape)
-    index: dict[int, torch.Tensor] = {}  # tensor dim -> global indices held, in local order
-    for mesh_dim, (p, n, c) in enumerate(zip(placements, sizes, coords)):
-        if isinstance(p, Replicate):
-            continue
-        if sharded_dim(p) is None:
+    for mesh_dim, p in enumerate(placements):
+        if not isinstance(p, Replicate) and sharded_dim(p) is None:
             raise ConfigurationError(
                 f"{name}: placement {p!r} on mesh dim {mesh_dim} cannot be read shard by shard; a loaded "
                 "parameter must be Shard, _StridedShard or Replicate on every mesh dim."
             )
+    deferred = _chunked_after(placements, sizes, ndim)
+    order = [i for i in range(len(placements)) if i not in deferred] + sorted(deferred, reverse=True)
+    index: dict[int, torch.Tensor] = {}  # tensor dim -> global indices held, in local order
+    for mesh_dim in order:
+        p, n, c = placements[mesh_dim], sizes[mesh_dim], coords[mesh_dim]
+        if isinstance(p, Replicate):
+            continue
         dim = p.dim % ndim
         held = index.get(dim)
         current = int(shape[dim]) if held is None else int(held.numel())
+        if mesh_dim in deferred:
+            from torch.distributed.tensor import Shard
+
+            p = Shard(dim)
         local = _chunk_indices(p, current, n, c, strided=len(sizes) > 1, name=name, dim=dim, mesh_dim=mesh_dim)
         index[dim] = local if held is None else held[local]
     parts = [_as_region(d, idx, name) for d, idx in index.items()]
     return Box.of(parts, shape)
+
+
+def _chunked_after(placements: Sequence[Any], sizes: Sequence[int], ndim: int) -> set[int]:
+    """Mesh dims whose ``_StridedShard`` chunks what a later ``_StridedShard`` left (FSDP2 over packed TP).
+
+    FSDP2 over a tensor-parallel ``Shard(d)`` declares ``_StridedShard(d, sf=tp)`` on its dp dim:
+    torch's left-to-right arithmetic then gives each rank the dp chunk of its TP shard, which is
+    what FSDP2 holds. Over a packed ``_StridedShard(d, 2)`` (``packed_colwise``) it declares the
+    same, but the arithmetic no longer describes FSDP2's data: FSDP2 cut each rank's TP shard
+    (``[G_r | U_r]``) into contiguous dp chunks, and its all-gather in the forward puts them back
+    together. For that case (a ``_StridedShard`` whose factor is the number of later shards on
+    its dim, at least one of them strided) the dp dim is applied after the later dims, as a plain
+    chunk of what they leave: the layout FSDP2 builds from real weights and computes with.
+    """
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out: set[int] = set()
+    for i, p in enumerate(placements):
+        if not isinstance(p, _StridedShard):
+            continue
+        later = [j for j in range(i + 1, len(placements)) if sharded_dim(placements[j]) is not None]
+        later = [j for j in later if placements[j].dim % ndim == p.dim % ndim]
+        if not any(isinstance(placements[j], _StridedShard) for j in later):
+            continue
+        if int(p.split_factor) == math.prod(sizes[j] for j in later):
+            out.add(i)
+    return out
 
 
 def _chunk_indices(

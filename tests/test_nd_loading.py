@@ -1,0 +1,250 @@
+"""Loading into models parallelized on n-D device meshes, the torchtitan way, on 4 gloo ranks (CPU).
+
+One ``torch.multiprocessing.spawn`` of 4 ranks runs every scenario of ``tests/nd_scenarios.py``:
+meshes ``dp_shard=2 x tp=2``, ``tp=4``, ``dp_shard=4`` and ``dp_replicate=2 x dp_shard=2`` (HSDP),
+the dense and Mixtral-style examples built on meta, ``parallelize_module`` on ``mesh["tp"]`` then
+``fully_shard`` per decoder layer and at the root, then ``load_checkpoint`` with no ``tp_plan``.
+Every rank's local tensors equal what torch's own flow holds (the single-process load copied,
+parallelized and sharded by torch), the forward matches the single-process forward, each rank
+reads only its own bytes, and no collective runs during the load. DCP's
+``HuggingFaceStorageReader`` reads the same 1:1 keys into the same placements.
+
+The placement arithmetic itself (:func:`surgery.parallel.local_region`) is checked without
+processes against torch's own split functions over random shapes, meshes and placements.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from surgery.errors import ConfigurationError
+from surgery.parallel import local_region
+from surgery.parallel.regions import Box, Region
+
+HERE = Path(__file__).parent
+WORLD = 4
+SPAWN_DEADLINE_S = 600
+CASES = [
+    f"{mesh}/{family}"
+    for mesh in ("dp_shard2_tp2", "tp4", "dp_shard4", "hsdp2x2")
+    for family in ("dense", "moe")
+]
+DATA_COLLECTIVES = {
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+}
+
+
+# --------------------------------------------------------------------------- placement arithmetic
+
+
+def _torch_local(full: torch.Tensor, placements, mesh_shape, coord) -> torch.Tensor:
+    """What ``distribute_tensor`` gives a rank: each mesh dim's split, left to right (torch's own)."""
+    t = full
+    for p, n, c in zip(placements, mesh_shape, coord):
+        if hasattr(p, "dim"):  # Shard or _StridedShard
+            t = p._split_tensor(t, n, with_padding=False)[0][c]
+    return t
+
+
+@st.composite
+def _layouts(draw):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    ndim = draw(st.integers(1, 3))
+    mesh_shape = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=3)))
+    placements = []
+    for n in mesh_shape:
+        kind = draw(st.sampled_from(["replicate", "shard", "strided"]))
+        dim = draw(st.integers(0, ndim - 1))
+        if kind == "replicate":
+            placements.append(Replicate())
+        elif kind == "shard":
+            placements.append(Shard(dim))
+        else:
+            placements.append(_StridedShard(dim, split_factor=draw(st.integers(1, 3))))
+    shape = []
+    for d in range(ndim):  # divisible by everything that cuts it, times a little slack for uneven Shard
+        factor = 1
+        for p, n in zip(placements, mesh_shape):
+            if hasattr(p, "dim") and p.dim == d:
+                factor *= n * getattr(p, "split_factor", 1)
+        shape.append(factor * draw(st.integers(1, 3)))
+    coord = tuple(draw(st.integers(0, n - 1)) for n in mesh_shape)
+    return tuple(shape), mesh_shape, tuple(placements), coord
+
+
+@settings(max_examples=300, deadline=None)
+@given(_layouts())
+def test_local_region_is_torchs_split_over_any_mesh_and_placements(layout):
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    shape, mesh_shape, placements, coord = layout
+    full = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
+    region = local_region(placements, shape, mesh_shape, coord)
+    ours = full if region is None else region.take(full)
+    strided_over_strided = any(
+        isinstance(p, _StridedShard)
+        and any(isinstance(q, _StridedShard) and q.dim == p.dim for q in placements[i + 1 :])
+        for i, p in enumerate(placements)
+    )
+    if not strided_over_strided:  # FSDP2 over a packed shard follows FSDP2's data (next test)
+        assert torch.equal(ours, _torch_local(full, placements, mesh_shape, coord))
+    assert isinstance(region, (Region, Box, type(None)))
+
+
+def test_fsdp_over_a_packed_shard_is_the_dp_chunk_of_the_tp_shard():
+    """FSDP2 over ``packed_colwise`` declares ``(_StridedShard(0, 2), _StridedShard(0, 2))``; it
+    holds the dp chunk of each TP rank's ``[G_r | U_r]``, and that is what a rank reads."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placements = (_StridedShard(0, split_factor=2), _StridedShard(0, split_factor=2))
+    rows = {c: local_region(placements, (64, 16), (2, 2), c) for c in [(0, 0), (0, 1), (1, 0), (1, 1)]}
+    assert rows[(0, 0)] == Region(0, ((0, 16),))  # G_0
+    assert rows[(1, 0)] == Region(0, ((32, 48),))  # U_0
+    assert rows[(0, 1)] == Region(0, ((16, 32),))  # G_1
+    assert rows[(1, 1)] == Region(0, ((48, 64),))  # U_1
+
+
+def test_a_tensor_cut_on_two_dims_is_a_box_and_a_mismatched_mesh_is_refused():
+    from torch.distributed.tensor import Partial, Shard
+
+    box = local_region((Shard(0), Shard(1)), (4, 8), (2, 2), (1, 0), name="w")
+    assert box == Box((Region(0, ((2, 4),)), Region(1, ((0, 4),))))
+    with pytest.raises(ConfigurationError, match="do not fit a mesh of shape"):
+        local_region((Shard(0),), (4, 8), (2, 2), (1, 0), name="w")
+    with pytest.raises(ConfigurationError, match="'w': placement Partial"):
+        local_region((Partial(), Shard(0)), (4, 8), (2, 2), (0, 0), name="'w'")
+
+
+# --------------------------------------------------------------------------- 4 spawned ranks
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    work = tmp_path_factory.mktemp("ndload")
+    sys.path.insert(0, str(HERE))
+    try:
+        import nd_scenarios
+    finally:
+        sys.path.remove(str(HERE))
+    nd_scenarios.write_inputs(work)
+    context = mp.spawn(nd_scenarios.run, args=(WORLD, str(work)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the ranks did not finish within {SPAWN_DEADLINE_S} s")
+    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for f in facts:
+        assert "crash" not in f, f["crash"]
+    return facts
+
+
+def _facts(ranks: list[dict], case: str) -> list[dict]:
+    out = [r[case] for r in ranks]
+    for f in out:
+        assert "error" not in f, f["error"]
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES)
+def test_every_local_tensor_is_what_torchs_own_flow_holds(ranks, case):
+    for f in _facts(ranks, case):
+        assert f["ok"]
+        assert f["unequal"] == []
+        assert f["fallbacks"] == []
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES)
+def test_the_forward_matches_the_single_process_forward(ranks, case):
+    for f in _facts(ranks, case):
+        assert f["forward_max_diff"] <= 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES)
+def test_each_rank_reads_only_its_shards_and_the_replicated_tensors(ranks, case):
+    for f in _facts(ranks, case):
+        assert f["bytes_read"] <= 1.05 * (f["local_bytes"] + f["replicated_bytes"])
+        assert f["bytes_read"] >= f["local_bytes"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES)
+def test_no_data_collective_runs_during_the_load(ranks, case):
+    counts = [f["collectives"] for f in _facts(ranks, case)]
+    for c in counts:
+        assert not DATA_COLLECTIVES & set(c), c
+        assert sum(c.values()) <= 4, c
+    same_mesh = [f["collectives"] for r in ranks for k, f in r.items() if k.split("/")[0] == case.split("/")[0]]
+    assert all(c == same_mesh[0] for c in same_mesh)  # the same for the small and the larger model
+
+
+@pytest.mark.distributed
+def test_fsdp_over_tp_nests_shards_on_one_dim_and_cuts_rowwise_weights_on_two(ranks):
+    placements = _facts(ranks, "dp_shard2_tp2/dense")[0]["placements"]
+    assert placements["model.layers.0.self_attn.q_proj.weight"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]
+    assert placements["model.layers.0.mlp.down_proj.weight"] == ["Shard(dim=0)", "Shard(dim=1)"]
+    assert placements["model.layers.0.input_layernorm.weight"] == ["Shard(dim=0)"]  # on the 1-D dp_shard mesh
+    moe = _facts(ranks, "dp_shard2_tp2/moe")[0]["placements"]
+    assert moe["model.layers.0.mlp.experts.down_proj"] == ["Shard(dim=0)", "Shard(dim=2)"]
+
+
+@pytest.mark.distributed
+def test_only_fsdp_over_a_packed_shard_departs_from_torchs_declared_placements(ranks):
+    """torch 2.13's FSDP2 declares placements for a packed TP shard that its data does not follow;
+    the load follows the data (the forward is exact), and nothing else departs."""
+    for case in CASES:
+        for f in _facts(ranks, case):
+            if case == "dp_shard2_tp2/dense":
+                assert f["unlike_placements"] == [
+                    "model.layers.0.mlp.gate_up_proj.weight",
+                    "model.layers.1.mlp.gate_up_proj.weight",
+                ]
+            else:
+                assert f["unlike_placements"] == [], case
+
+
+@pytest.mark.distributed
+def test_dcp_huggingface_reader_reads_the_same_slices_into_the_same_placements(ranks):
+    for f in _facts(ranks, "oracle"):
+        assert f["unequal"] == []
+        assert "(Shard(dim=0), Shard(dim=1))" in f["placements"]
+
+
+@pytest.mark.distributed
+def test_an_uneven_strided_shard_on_a_2d_mesh_is_refused_naming_parameter_dim_size_and_mesh_dim(ranks):
+    for f in _facts(ranks, "bad_input"):
+        assert f["raised"] == "ConfigurationError"
+        assert "'proj.weight'" in f["message"]
+        assert "dim 0 of size 8" in f["message"] and "mesh dim 0 of size 2" in f["message"]
+
+
+@pytest.mark.distributed
+def test_a_box_behind_an_op_without_a_slice_rule_is_read_whole_reported_and_exact(ranks):
+    for f in _facts(ranks, "box_without_rule"):
+        assert f["ok"] and f["equal"]
+        assert f["fallbacks"] == [[["proj.weight"], "Doubled(2.0)"]]
+        assert f["bytes_read"] == 6 * 8 * 4
