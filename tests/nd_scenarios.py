@@ -235,7 +235,11 @@ def _box_without_rule(work: Path, mesh: Any) -> dict[str, Any]:
     model = FallbackModel().to("meta")
     model.proj.weight = nn.Parameter(
         DTensor.from_local(
-            torch.empty(3, 4, device="meta"), mesh, (Shard(0), Shard(1)), run_check=False, shape=torch.Size((6, 8)),
+            torch.empty(3, 4, device="meta"),
+            mesh,
+            (Shard(0), Shard(1)),
+            run_check=False,
+            shape=torch.Size((6, 8)),
             stride=(8, 1),
         )
     )

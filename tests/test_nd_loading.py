@@ -70,7 +70,7 @@ def _layouts(draw):
     ndim = draw(st.integers(1, 3))
     mesh_shape = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=3)))
     placements = []
-    for n in mesh_shape:
+    for _ in mesh_shape:
         kind = draw(st.sampled_from(["replicate", "shard", "strided"]))
         dim = draw(st.integers(0, ndim - 1))
         if kind == "replicate":
@@ -198,14 +198,19 @@ def test_no_data_collective_runs_during_the_load(ranks, case):
     for c in counts:
         assert not DATA_COLLECTIVES & set(c), c
         assert sum(c.values()) <= 4, c
-    same_mesh = [f["collectives"] for r in ranks for k, f in r.items() if k.split("/")[0] == case.split("/")[0]]
+    same_mesh = [
+        f["collectives"] for r in ranks for k, f in r.items() if k.split("/")[0] == case.split("/")[0]
+    ]
     assert all(c == same_mesh[0] for c in same_mesh)  # the same for the small and the larger model
 
 
 @pytest.mark.distributed
 def test_fsdp_over_tp_nests_shards_on_one_dim_and_cuts_rowwise_weights_on_two(ranks):
     placements = _facts(ranks, "dp_shard2_tp2/dense")[0]["placements"]
-    assert placements["model.layers.0.self_attn.q_proj.weight"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]
+    assert placements["model.layers.0.self_attn.q_proj.weight"] == [
+        "_StridedShard(dim=0, sf=2)",
+        "Shard(dim=0)",
+    ]
     assert placements["model.layers.0.mlp.down_proj.weight"] == ["Shard(dim=0)", "Shard(dim=1)"]
     assert placements["model.layers.0.input_layernorm.weight"] == ["Shard(dim=0)"]  # on the 1-D dp_shard mesh
     moe = _facts(ranks, "dp_shard2_tp2/moe")[0]["placements"]
@@ -248,3 +253,44 @@ def test_a_box_behind_an_op_without_a_slice_rule_is_read_whole_reported_and_exac
         assert f["ok"] and f["equal"]
         assert f["fallbacks"] == [[["proj.weight"], "Doubled(2.0)"]]
         assert f["bytes_read"] == 6 * 8 * 4
+
+
+# --------------------------------------------------------------------------- reading and tracing a box
+
+
+def test_read_box_reads_the_product_of_the_cuts_and_counts_only_its_bytes(tmp_path):
+    from surgery.checkpoint import open_checkpoint, write_checkpoint
+    from surgery.errors import CheckpointError
+
+    full = torch.arange(6 * 8 * 2, dtype=torch.float32).reshape(6, 8, 2)
+    write_checkpoint({"w": full}, tmp_path / "ckpt")
+    with open_checkpoint(tmp_path / "ckpt") as reader:
+        got = reader.read_box("w", [(0, [(1, 3), (4, 5)]), (1, [(2, 6)])])
+        assert torch.equal(got, full[[1, 2, 4]][:, 2:6])
+        assert reader.bytes_read == got.numel() * 4
+        out = torch.empty(3, 4, 2)
+        assert reader.read_box("w", [(0, [(0, 3)]), (-2, [(4, 8)])], out=out) is out
+        assert torch.equal(out, full[0:3, 4:8])
+        with pytest.raises(CheckpointError, match=r"must be sorted, disjoint and within 0\.\.8"):
+            reader.read_box("w", [(0, [(0, 3)]), (1, [(4, 9)])])
+        with pytest.raises(CheckpointError, match="need distinct dims"):
+            reader.read_box("w", [(0, [(0, 3)]), (0, [(4, 5)])])
+
+
+def test_a_box_traces_through_an_op_chain_dim_by_dim_or_is_blocked():
+    from surgery import ops
+    from surgery.load.sharding import trace_boxes
+
+    box = Box((Region(0, ((1, 3),)), Region(1, ((4, 8),))))
+    traced = trace_boxes([ops.Concatenate(dim=0)], [[(2, 8), (2, 8)], [(4, 8)]], [box])
+    assert traced.blocked_by is None
+    assert traced.sources == [
+        Box((Region(0, ((1, 2),)), Region(1, ((4, 8),)))),
+        Box((Region(0, ((0, 1),)), Region(1, ((4, 8),)))),
+    ]
+    full = [torch.arange(16.0).reshape(2, 8), 100 + torch.arange(16.0).reshape(2, 8)]
+    local = traced.operations[0].convert([s.take(t) for s, t in zip(traced.sources, full)], None)
+    assert torch.equal(local[0], box.take(torch.cat(full)))
+    # a transpose moves each cut to the other dim of its source
+    flat = trace_boxes([ops.Transpose(0, 1)], [[(8, 4)], [(4, 8)]], [box])
+    assert flat.sources == [Box((Region(0, ((4, 8),)), Region(1, ((1, 3),))))]

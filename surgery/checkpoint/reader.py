@@ -20,6 +20,7 @@ A pickle file (:class:`PickleFile`, opened only on request) is loaded with
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
 import math
 import re
@@ -420,23 +421,32 @@ class CheckpointReader:
                 f"read_box({key!r}, {list(parts)}): need distinct dims within -{ndim}..{ndim - 1} (shape {info.shape})."
             )
         shape = list(info.shape)
-        for d, spans in zip(dims, parts):
-            shape[d] = sum(b - a for a, b in spans[1])  # type: ignore[index, misc]
+        cuts: list[tuple[int, list[tuple[int, int]]]] = []
+        for d, (_, intervals) in zip(dims, parts):
+            assert d is not None
+            spans = [(int(x), int(y)) for x, y in intervals]
+            if any(not 0 <= x <= y <= info.shape[d] for x, y in spans) or any(
+                y > x2 for (_, y), (x2, _) in itertools.pairwise(spans)
+            ):
+                raise CheckpointError(
+                    f"read_box({key!r}): intervals {spans} on dim {d} must be sorted, disjoint and within "
+                    f"0..{info.shape[d]} (shape {info.shape})."
+                )
+            shape[d] = sum(y - x for x, y in spans)
+            cuts.append((d, spans))
         if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != info.dtype):
             raise CheckpointError(
                 f"read_box({key!r}): out is {tuple(out.shape)} {out.dtype}; the box needs torch.empty({tuple(shape)}, "
                 f"dtype={info.dtype})."
             )
-        if isinstance(source, PickleFile):
-            whole = source.tensors[key]
-        else:
-            whole = source.view(info.offset, info.nbytes, info.dtype, info.shape)
-        t = whole
-        for d, (_, spans) in zip(dims, parts):
-            pieces = [t.narrow(d, a, b - a) for a, b in spans]  # type: ignore[arg-type]
-            t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)  # type: ignore[arg-type]
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"read_box({key!r}, {list(parts)}): intervals out of bounds for shape {info.shape}.")
+        t = (
+            source.tensors[key]
+            if isinstance(source, PickleFile)
+            else source.view(info.offset, info.nbytes, info.dtype, info.shape)
+        )
+        for d, spans in cuts:
+            pieces = [t.narrow(d, x, y - x) for x, y in spans]
+            t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
         self._count(math.prod(shape) * info.dtype.itemsize)
         if out is None:
             out = torch.empty(shape, dtype=info.dtype)

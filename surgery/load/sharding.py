@@ -155,7 +155,9 @@ def _parallel_model(model: nn.Module, device_mesh: Any) -> TensorParallel:
     if len(meshes) == 1:
         mesh = next(iter(meshes.values()))
         if device_mesh is not None and device_mesh is not mesh:
-            raise ConfigurationError("device_mesh= is not the mesh the model's DTensors live on; leave it out.")
+            raise ConfigurationError(
+                "device_mesh= is not the mesh the model's DTensors live on; leave it out."
+            )
         if mesh.ndim == 1:
             return TensorParallel(mesh.size(), mesh.get_local_rank(), mesh, None)
     roots = {id(m._get_root_mesh()): m._get_root_mesh() for m in meshes.values()}
@@ -221,7 +223,9 @@ def target_placements(
     return out
 
 
-def local_context(ctx: OpContext, regions: tuple[Region | None, ...], targets: tuple[str, ...]) -> OpContext:
+def local_context(
+    ctx: OpContext, regions: tuple[Region | Box | None, ...], targets: tuple[str, ...]
+) -> OpContext:
     """``ctx`` with the local target shapes (what a rank's ops see)."""
     if ctx.target_shapes is None:
         return ctx
@@ -243,7 +247,7 @@ class Sharding:
     """
 
     placements: tuple[tuple[Any, ...] | None, ...]
-    regions: tuple[Region | None, ...]
+    regions: tuple[Region | Box | None, ...]
     sources: dict[str, Any] = field(default_factory=dict)  # Region | None | NOT_NEEDED
     operations: list[ConversionOp] | None = None
     fallback: str | None = None
@@ -324,13 +328,17 @@ def shard_work(
             for k, r in zip(keys, items):
                 sh.sources[k] = r
                 if r is not NOT_NEEDED:
-                    shapes.append(local_shape(tuple(infos[k].shape), r if isinstance(r, (Region, Box)) else None))
+                    shapes.append(
+                        local_shape(tuple(infos[k].shape), r if isinstance(r, (Region, Box)) else None)
+                    )
             local_slots.append(shapes)
         else:
             (k,) = keys
             sh.sources[k] = slot_region
             local_slots.append(
-                local_shape(tuple(infos[k].shape), slot_region if isinstance(slot_region, (Region, Box)) else None)
+                local_shape(
+                    tuple(infos[k].shape), slot_region if isinstance(slot_region, (Region, Box)) else None
+                )
             )
     sh.operations = list(traced.operations)
     sh.local_slot_shapes = local_slots
@@ -341,7 +349,10 @@ def shard_work(
 
 
 def _target_slot_regions(
-    converter: WeightConverter, group_key: str, last_stage: list[Any], region_of: dict[str, Region | None]
+    converter: WeightConverter,
+    group_key: str,
+    last_stage: list[Any],
+    region_of: dict[str, Region | Box | None],
 ) -> list[SlotRegion]:
     """Per output slot of the chain, the rank's region (a list slot: one per ``*`` index)."""
     out: list[SlotRegion] = []

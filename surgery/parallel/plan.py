@@ -440,7 +440,9 @@ def local_region(
             from torch.distributed.tensor import Shard
 
             p = Shard(dim)
-        local = _chunk_indices(p, current, n, c, strided=len(sizes) > 1, name=name, dim=dim, mesh_dim=mesh_dim)
+        local = _chunk_indices(
+            p, current, n, c, strided=len(sizes) > 1, name=name, dim=dim, mesh_dim=mesh_dim
+        )
         index[dim] = local if held is None else held[local]
     parts = [_as_region(d, idx, name) for d, idx in index.items()]
     return Box.of(parts, shape)
@@ -543,7 +545,9 @@ def local_split_sizes(param: torch.Tensor, sizes: Sequence[int], *, dim: int = 0
     mesh = param.device_mesh  # type: ignore[attr-defined]
     placements = tuple(param.placements)  # type: ignore[attr-defined]
     coordinate = mesh.get_coordinate()
-    return list(_local_parts(placements, shape, tuple(mesh.shape), tuple(coordinate), parts, dim % len(shape)))
+    return list(
+        _local_parts(placements, shape, tuple(mesh.shape), tuple(coordinate), parts, dim % len(shape))
+    )
 
 
 # Fused forwards call it from their fx graphs, whose code names a function by its module: the

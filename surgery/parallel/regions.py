@@ -184,7 +184,9 @@ def take_slot(slot: Any, region: SlotRegion) -> Any:
     if isinstance(slot, list):
         assert isinstance(region, list)
         return [
-            r.take(t) if isinstance(r, (Region, Box)) else t for t, r in zip(slot, region) if r is not NOT_NEEDED
+            r.take(t) if isinstance(r, (Region, Box)) else t
+            for t, r in zip(slot, region)
+            if r is not NOT_NEEDED
         ]
     assert isinstance(region, (Region, Box))
     return region.take(slot)
@@ -252,7 +254,5 @@ class TPSlice:
         """The inverse of :meth:`to_json` (a JSON list or the tuple it was made from)."""
         placements, dim, intervals, *more = value
         text = (placements,) if isinstance(placements, str) else tuple(placements)
-        extra = tuple(
-            (int(d), tuple((int(a), int(b)) for a, b in iv)) for d, iv in (more[0] if more else ())
-        )
+        extra = tuple((int(d), tuple((int(a), int(b)) for a, b in iv)) for d, iv in (more[0] if more else ()))
         return cls(text, dim, tuple((int(a), int(b)) for a, b in intervals), extra)
