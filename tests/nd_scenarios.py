@@ -141,6 +141,7 @@ def _load_scenario(work: Path, mesh: Any, family: str) -> dict[str, Any]:
     assert surgery.load_checkpoint(ref, work / family).ok
     model = build(device="meta")
     torchtitan_parallelize(model, mesh)
+    planned = _plans_agree(model, work / family, mesh, family)
     with counting_collectives() as counts:
         report = surgery.load_checkpoint(model, work / family)
     ref_state, flow_state = ref.state_dict(), _torch_flow(ref, family, mesh).state_dict()
@@ -170,7 +171,26 @@ def _load_scenario(work: Path, mesh: Any, family: str) -> dict[str, Any]:
         "collectives": counts,
         "forward_max_diff": float((out - want).abs().max()),
         "fallbacks": [list(f.target_keys) for f in report.tp_fallbacks],
+        "dry_run_differs": planned,
     }
+
+
+def _plans_agree(model: nn.Module, path: Path, mesh: Any, family: str) -> list[str]:
+    """The dry run by arithmetic on the mesh's dim sizes plans what this rank's real load plans."""
+    import torch.distributed as dist
+
+    names = mesh.mesh_dim_names
+    real = surgery.plan_load(model, path)
+    dry = surgery.plan_load(
+        MODELS[family](device="meta"),
+        path,
+        tp_plan=model.tp_plan if "tp" in names else None,
+        device_mesh=dict(zip(names, mesh.shape)),
+        rank=dist.get_rank(),
+    )
+    want = {e.target_keys: (e.tp, e.nbytes, e.source_keys) for e in real.entries}
+    got = {e.target_keys: (e.tp, e.nbytes, e.source_keys) for e in dry.entries}
+    return sorted(str(k) for k in set(want) | set(got) if want.get(k) != got.get(k))
 
 
 def _oracle(work: Path, mesh: Any) -> dict[str, Any]:

@@ -294,3 +294,12 @@ def test_a_box_traces_through_an_op_chain_dim_by_dim_or_is_blocked():
     # a transpose moves each cut to the other dim of its source
     flat = trace_boxes([ops.Transpose(0, 1)], [[(8, 4)], [(4, 8)]], [box])
     assert flat.sources == [Box((Region(0, ((4, 8),)), Region(1, ((1, 3),))))]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES)
+def test_a_dry_run_on_the_meshs_dim_sizes_plans_what_each_ranks_load_plans(ranks, case):
+    """``plan_load(..., device_mesh={"dp_shard": 2, "tp": 2}, rank=r)``: no process group, the
+    same parts, bytes and sources per target as the real load of rank r."""
+    for f in _facts(ranks, case):
+        assert f["dry_run_differs"] == []

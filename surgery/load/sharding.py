@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,7 @@ from ..parallel import (
     param_placements,
     resolve_tp_plan,
 )
+from ..parallel.mesh_shape import MeshShape, fsdp_placements
 from ..parallel.regions import NOT_NEEDED, Box, Region, SlotRegion, TPSlice, local_shape
 from ..placement import all_contiguous, placement_views, stage_shapes
 
@@ -93,6 +94,12 @@ class TensorParallel:
     spec: Any = None
     resolved: list[ResolvedStyle] = field(default_factory=list)
     coords: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    planned: MeshShape | None = None
+
+    @property
+    def tp_size(self) -> int:
+        """The size of the tensor-parallel dim (the whole 1-D mesh, or an n-D plan's ``tp`` dim)."""
+        return self.world_size if self.planned is None else self.planned.dim_size("tp")
 
     def layout(self, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The mesh shape and this rank's coordinate for the target ``key``."""
@@ -106,14 +113,21 @@ def tensor_parallel(
     device_mesh: Any,
     tp_size: int | None = None,
     tp_rank: int | None = None,
+    rank: int | None = None,
 ) -> TensorParallel | None:
     """Check the tensor-parallel options of a load; ``None`` when the load is not parallel.
+
+    ``device_mesh`` may be a ``DeviceMesh`` or, for a dry run without processes, a dict of
+    dim name to size (:class:`~surgery.parallel.mesh_shape.MeshShape`) with ``rank`` the rank
+    to plan.
 
     Raises:
         ConfigurationError: contradictory options (a ``tp_plan`` for a model that is already
             parallelized, a plan without a mesh, a 2-D mesh, ...), before anything is read.
     """
     parallel_model = has_dtensors(model)
+    if isinstance(device_mesh, Mapping) or rank is not None:
+        return _planned_mesh(tp_plan, device_mesh, tp_size, tp_rank, rank, parallel_model)
     if tp_size is not None or tp_rank is not None:
         if device_mesh is not None:
             raise ConfigurationError(
@@ -147,6 +161,29 @@ def tensor_parallel(
         )
     mesh = check_mesh(device_mesh)
     return TensorParallel(mesh.size(), mesh.get_local_rank(), mesh, tp_plan)
+
+
+def _planned_mesh(
+    tp_plan: Any, device_mesh: Any, tp_size: Any, tp_rank: Any, rank: Any, parallel_model: bool
+) -> TensorParallel:
+    """A dry run on a named n-D mesh: ``tp_plan`` on ``tp``, FSDP2's placements on the dp dims."""
+    if not isinstance(device_mesh, Mapping):
+        raise ConfigurationError(
+            "rank= plans one rank of a mesh given by dim sizes: pass device_mesh={'dp_shard': 2, 'tp': 2} too."
+        )
+    if tp_size is not None or tp_rank is not None:
+        raise ConfigurationError("with device_mesh={...} give rank=, not tp_size=/tp_rank=.")
+    if parallel_model:
+        raise ConfigurationError(_ALREADY)
+    mesh = MeshShape.of(device_mesh)
+    if ("tp" in mesh.names) != (tp_plan is not None):
+        raise ConfigurationError(
+            f"device_mesh {dict(device_mesh)} with tp_plan={'None' if tp_plan is None else '...'}: a 'tp' dim and a "
+            "tp_plan go together (the plan says what the 'tp' dim shards); give both or neither."
+        )
+    rank = 0 if rank is None else rank
+    mesh.coordinate(rank)  # validates rank
+    return TensorParallel(mesh.size, rank, None, tp_plan, planned=mesh)
 
 
 def _parallel_model(model: nn.Module, device_mesh: Any) -> TensorParallel:
@@ -192,7 +229,7 @@ def apply_tp_plan(model: nn.Module, tp: TensorParallel) -> None:
     if tp.mesh is not None:
         tp.resolved = parallelize(model, tp.spec, tp.mesh)
     else:
-        tp.resolved = resolve_tp_plan(model, tp.spec, world_size=tp.world_size)
+        tp.resolved = resolve_tp_plan(model, tp.spec, world_size=tp.tp_size)
         custom = [r.path for r in tp.resolved if r.kind == "custom"]
         if custom:
             raise ConfigurationError(
@@ -220,6 +257,13 @@ def target_placements(
             key = f"{r.path}.{name}" if r.path else name
             for alias in tied.get(key, [key]):
                 out[alias] = placements
+    if tp.planned is not None:  # FSDP2 shards every parameter over the dp dims
+        sizes, coordinate = tp.planned.sizes, tp.planned.coordinate(tp.rank)
+        for key, _ in model.named_parameters(remove_duplicate=False):
+            placements, dims = fsdp_placements(tp.planned, out.get(key))
+            if key in runtime and dims:
+                out[key] = placements
+                tp.coords[key] = (tuple(sizes[i] for i in dims), tuple(coordinate[i] for i in dims))
     return out
 
 
