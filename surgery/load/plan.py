@@ -280,8 +280,8 @@ def _part(tp: TPSlice | None) -> str:
     if tp.more:  # cut on several dims (an n-D mesh): each dim's intervals
         cuts = [(tp.dim, tp.intervals), *tp.more]
         return " ".join(f"[{d}]" + ",".join(f"{a}:{b}" for a, b in iv) for d, iv in cuts)
-    cuts = [p.split("(")[0].lstrip("_") for p in tp.placements if not p.startswith("Replicate")]
-    kind = "+".join(dict.fromkeys(cuts)) or "Replicate"  # n-D: the shards nested on the dim, in mesh order
+    kinds = [p.split("(")[0].lstrip("_") for p in tp.placements if not p.startswith("Replicate")]
+    kind = "+".join(dict.fromkeys(kinds)) or "Replicate"  # n-D: the shards nested on the dim, in mesh order
     return f"{kind}({tp.dim}) " + ",".join(f"{a}:{b}" for a, b in tp.intervals)
 
 
