@@ -30,6 +30,7 @@ from surgery.parallel import parallelize
 
 DENSE = dense.ExampleDenseConfig(num_attention_heads=4, num_key_value_heads=4)
 MOE = moe.ExampleMoEConfig(num_attention_heads=4, num_key_value_heads=4)
+WORLD = 4
 INPUT_IDS = torch.tensor([[1, 5, 9, 3, 7], [2, 4, 6, 8, 10]])
 MESHES = {
     "dp_shard2_tp2": (("dp_shard", "tp"), (2, 2)),
@@ -37,9 +38,72 @@ MESHES = {
     "dp_shard4": (("dp_shard",), (4,)),
     "hsdp2x2": (("dp_replicate", "dp_shard"), (2, 2)),
 }
+ATTENTION_PLAN = {
+    "model.embed_tokens": "rowwise",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "lm_head": "colwise_gather",
+}
+MLP_PLAN = {
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
+SHARED_EXPERT_PLAN = {
+    f"model.layers.*.mlp.shared_expert.{k.rsplit('.', 1)[1]}": v for k, v in MLP_PLAN.items()
+}
+TRANSFORMERS = {  # interop: (class, config class, config sizes, hand-written tp plan)
+    "llama": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        {"num_key_value_heads": 2},  # grouped-query attention
+        {**ATTENTION_PLAN, **MLP_PLAN},
+    ),
+    "mixtral": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2},
+        {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "experts"},
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        {
+            "num_key_value_heads": 2,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "decoder_sparse_step": 1,
+        },
+        {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "experts", **SHARED_EXPERT_PLAN},
+    ),
+}
+SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+
+
+def _transformers_model(family: str, *, seed: int | None = 0, device: str = "cpu") -> nn.Module:
+    """A tiny transformers model (on meta under ``init_empty``)."""
+    import transformers
+
+    cls_name, config_name, sizes, _ = TRANSFORMERS[family]
+    config = getattr(transformers, config_name)(**SIZES, **sizes, attn_implementation="sdpa")
+    cls = getattr(transformers, cls_name)
+    if device == "meta":
+        with surgery.init_empty():
+            model = cls(config)
+    else:
+        torch.manual_seed(seed or 0)
+        model = cls(config)
+    return model.eval()
+
+
 MODELS = {
     "dense": functools.partial(dense.build_dense_model, DENSE),
     "moe": functools.partial(moe.build_moe_model, MOE),
+    **{f: functools.partial(_transformers_model, f) for f in TRANSFORMERS},
 }
 COUNTED = (
     "all_gather",
@@ -59,8 +123,11 @@ COUNTED = (
 )
 
 
-def write_inputs(work: Path) -> None:
-    """The checkpoints (original layouts, written by hand) every scenario reads."""
+def write_inputs(work: Path, families: tuple[str, ...] = ()) -> None:
+    """The checkpoints every scenario reads: original layouts written by hand; a transformers
+    family's by its own ``save_pretrained``."""
+    for family in families:
+        MODELS[family](seed=1).save_pretrained(work / family)
     write_checkpoint(dense.original_state_dict(MODELS["dense"](seed=1)), work / "dense")
     write_checkpoint(moe.original_state_dict(MODELS["moe"](seed=2)), work / "moe")
     write_checkpoint({"proj.weight": torch.arange(64.0).reshape(8, 8)}, work / "square")
@@ -91,13 +158,20 @@ def counting_collectives() -> Iterator[dict[str, int]]:
             setattr(dist, name, fn)
 
 
-def torchtitan_parallelize(model: nn.Module, mesh: Any) -> None:
+def tp_plan_of(family: str) -> dict[str, Any]:
+    """The hand-written tp plan: the example's own, or a transformers family's from :data:`TRANSFORMERS`."""
+    if family in TRANSFORMERS:
+        return TRANSFORMERS[family][3]
+    return dict(MODELS[family](device="meta").tp_plan)
+
+
+def torchtitan_parallelize(model: nn.Module, mesh: Any, family: str) -> None:
     """TP on ``mesh["tp"]``, then FSDP2 per decoder layer and at the root on the dp dims."""
     from torch.distributed.fsdp import fully_shard
 
     names = mesh.mesh_dim_names
     if "tp" in names:
-        parallelize(model, model.tp_plan, mesh["tp"])
+        parallelize(model, tp_plan_of(family), mesh["tp"])
     dp = tuple(n for n in names if n.startswith("dp"))
     if dp:
         dp_mesh = mesh[dp] if len(dp) > 1 else mesh[dp[0]]
@@ -129,7 +203,7 @@ def _torch_flow(ref: nn.Module, family: str, mesh: Any) -> nn.Module:
     """torch's own flow from real weights: the single-process model copied, parallelized and sharded."""
     model = MODELS[family](device="cpu")
     model.load_state_dict(ref.state_dict())
-    torchtitan_parallelize(model, mesh)
+    torchtitan_parallelize(model, mesh, family)
     return model
 
 
@@ -140,7 +214,7 @@ def _load_scenario(work: Path, mesh: Any, family: str) -> dict[str, Any]:
     ref = build(device="meta")
     assert surgery.load_checkpoint(ref, work / family).ok
     model = build(device="meta")
-    torchtitan_parallelize(model, mesh)
+    torchtitan_parallelize(model, mesh, family)
     planned = _plans_agree(model, work / family, mesh, family)
     with counting_collectives() as counts:
         report = surgery.load_checkpoint(model, work / family)
@@ -157,9 +231,7 @@ def _load_scenario(work: Path, mesh: Any, family: str) -> dict[str, Any]:
                 unlike_placements.append(key)
     local_bytes, replicated = _local_bytes(model)
     with torch.no_grad():
-        out, want = model(INPUT_IDS), ref(INPUT_IDS)
-    if isinstance(out, DTensor):
-        out = out.full_tensor()
+        out, want = _logits(model), _logits(ref)
     return {
         "ok": report.ok,
         "unequal": unequal,
@@ -175,6 +247,14 @@ def _load_scenario(work: Path, mesh: Any, family: str) -> dict[str, Any]:
     }
 
 
+def _logits(model: nn.Module) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    out = model(INPUT_IDS, use_cache=False) if hasattr(model, "generation_config") else model(INPUT_IDS)
+    out = getattr(out, "logits", out)
+    return out.full_tensor() if isinstance(out, DTensor) else out
+
+
 def _plans_agree(model: nn.Module, path: Path, mesh: Any, family: str) -> list[str]:
     """The dry run by arithmetic on the mesh's dim sizes plans what this rank's real load plans."""
     import torch.distributed as dist
@@ -184,7 +264,7 @@ def _plans_agree(model: nn.Module, path: Path, mesh: Any, family: str) -> list[s
     dry = surgery.plan_load(
         MODELS[family](device="meta"),
         path,
-        tp_plan=model.tp_plan if "tp" in names else None,
+        tp_plan=tp_plan_of(family) if "tp" in names else None,
         device_mesh=dict(zip(names, mesh.shape)),
         rank=dist.get_rank(),
     )
@@ -193,25 +273,27 @@ def _plans_agree(model: nn.Module, path: Path, mesh: Any, family: str) -> list[s
     return sorted(str(k) for k in set(want) | set(got) if want.get(k) != got.get(k))
 
 
-def _oracle(work: Path, mesh: Any) -> dict[str, Any]:
-    """DCP's HuggingFaceStorageReader reads the 1:1 keys into the same placements."""
+def _oracle(work: Path, mesh: Any, family: str = "dense") -> dict[str, Any]:
+    """DCP's HuggingFaceStorageReader reads the 1:1 keys into the same placements (a transformers
+    family's checkpoint is all 1:1 keys; the dense example's are the ones without a converter)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    model = MODELS["dense"](device="meta")
-    torchtitan_parallelize(model, mesh)
-    surgery.load_checkpoint(model, work / "dense")
+    model = MODELS[family](device="meta")
+    torchtitan_parallelize(model, mesh, family)
+    surgery.load_checkpoint(model, work / family)
     ours = model.state_dict()
+    one_to_one = ("o_proj", "down_proj", "v_proj", "embed") if family == "dense" else ("",)
     state = {
         k: distribute_tensor(torch.zeros(v.shape), v.device_mesh, v.placements, src_data_rank=None)
         for k, v in ours.items()
         if isinstance(v, DTensor)
-        and ("o_proj" in k or "down_proj" in k or "v_proj" in k or "embed" in k)
+        and any(part in k for part in one_to_one)
         and not any(isinstance(p, _StridedShard) for p in v.placements)
     }
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(work / "dense")))
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(work / family)))
     return {
         "placements": sorted({repr(v.placements) for v in state.values()}),
         "unequal": [k for k in state if not torch.equal(state[k].to_local(), ours[k].to_local())],
@@ -274,13 +356,20 @@ def _box_without_rule(work: Path, mesh: Any) -> dict[str, Any]:
     }
 
 
-def _scenarios(work: Path, _mesh: Any) -> dict[str, Any]:
+def _scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     out: dict[str, Any] = {}
+    if families:  # interop: the transformers families on the FSDP2 x TP mesh
+        names, shape = MESHES["dp_shard2_tp2"]
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        for family in families:
+            out[f"dp_shard2_tp2/{family}"] = functools.partial(_guarded, _load_scenario, work, mesh, family)
+        out["oracle"] = functools.partial(_guarded, _oracle, work, mesh, families[0])
+        return out
     for mesh_name, (names, shape) in MESHES.items():
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        for family in MODELS:
+        for family in ("dense", "moe"):
             out[f"{mesh_name}/{family}"] = functools.partial(_guarded, _load_scenario, work, mesh, family)
         if mesh_name == "dp_shard2_tp2":
             out["oracle"] = functools.partial(_guarded, _oracle, work, mesh)
@@ -298,5 +387,28 @@ def _guarded(fn: Any, *args: Any) -> Any:
         return {"error": traceback.format_exc()}
 
 
-def run(rank: int, world: int, workdir: str) -> None:
-    run_scenarios(rank, world, workdir, _scenarios, barrier=True)
+def spawn(work: Path, families: tuple[str, ...] = (), *, deadline_s: float = 600) -> list[dict[str, Any]]:
+    """Write the inputs, run every scenario on ``WORLD`` spawned ranks, return each rank's facts."""
+    import json
+    import time
+
+    import torch.multiprocessing as mp
+
+    write_inputs(work, families)
+    context = mp.spawn(run, args=(WORLD, str(work), families), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + deadline_s
+    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"the ranks did not finish within {deadline_s} s")
+    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for f in facts:
+        if "crash" in f:
+            raise AssertionError(f["crash"])
+    return facts
+
+
+def run(rank: int, world: int, workdir: str, families: tuple[str, ...] = ()) -> None:
+    """One rank: the example scenarios, or with ``families`` the transformers ones."""
+    run_scenarios(rank, world, workdir, functools.partial(_scenarios, families=families), barrier=True)

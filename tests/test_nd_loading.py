@@ -15,9 +15,7 @@ processes against torch's own split functions over random shapes, meshes and pla
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,8 +28,6 @@ from surgery.parallel import local_region
 from surgery.parallel.regions import Box, Region
 
 HERE = Path(__file__).parent
-WORLD = 4
-SPAWN_DEADLINE_S = 600
 CASES = [
     f"{mesh}/{family}"
     for mesh in ("dp_shard2_tp2", "tp4", "dp_shard4", "hsdp2x2")
@@ -138,26 +134,12 @@ def test_a_tensor_cut_on_two_dims_is_a_box_and_a_mismatched_mesh_is_refused():
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    work = tmp_path_factory.mktemp("ndload")
     sys.path.insert(0, str(HERE))
     try:
         import nd_scenarios
     finally:
         sys.path.remove(str(HERE))
-    nd_scenarios.write_inputs(work)
-    context = mp.spawn(nd_scenarios.run, args=(WORLD, str(work)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {SPAWN_DEADLINE_S} s")
-    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    for f in facts:
-        assert "crash" not in f, f["crash"]
-    return facts
+    return nd_scenarios.spawn(tmp_path_factory.mktemp("ndload"))
 
 
 def _facts(ranks: list[dict], case: str) -> list[dict]:
