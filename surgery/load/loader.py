@@ -303,9 +303,10 @@ def load_checkpoint(
             ``packed_colwise``, ``experts``) or ``ParallelStyle`` instances; ``"auto"`` takes the
             model's ``tp_plan`` attribute. The model is parallelized after fusions and each rank
             reads only its part of every sharded tensor (:mod:`surgery.parallel`). A model whose
-            parameters are already DTensors loads by their placements (leave ``tp_plan`` out).
+            parameters are already DTensors loads by their placements, on any number of mesh
+            dims (FSDP2 over TP, HSDP: docs/parallel.md; leave ``tp_plan`` out).
         device_mesh: the 1-D ``DeviceMesh`` of the ranks (needed with ``tp_plan``); local tensors
-            go to its device.
+            go to its device. A model already parallelized needs none (its DTensors name theirs).
         quantizer: a :class:`~surgery.quantization.Quantizer`: decodes a checkpoint quantized on
             disk before the op chains (:class:`~surgery.quantization.FP8BlockQuantizer`) and/or
             quantizes after them (:class:`~surgery.quantization.Int8WeightOnlyQuantizer`, which

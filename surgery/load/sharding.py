@@ -5,9 +5,12 @@ Planning under tensor parallelism (:func:`surgery.load_checkpoint` with ``tp_pla
 
 1. :func:`tensor_parallel` checks the options and :func:`apply_tp_plan` parallelizes the model
    right after fusions (or, for a dry run without a process group, validates the plan for a
-   given ``tp_size``/``tp_rank``);
-2. :func:`target_placements` gives every runtime key its placements and :func:`local_region`
-   the part this rank holds;
+   given ``tp_size``/``tp_rank``, or an n-D mesh given by dim sizes and a ``rank``);
+2. :func:`target_placements` gives every runtime key its placements (and, on an n-D mesh, its
+   mesh's shape and this rank's coordinate on it) and :func:`local_region` the part this rank
+   holds: a :class:`~surgery.parallel.regions.Region` on one dim, or a
+   :class:`~surgery.parallel.regions.Box` when several dims are cut (FSDP2 rows of a row-wise
+   TP weight), which :func:`trace_boxes` walks one dim at a time;
 3. :func:`shard_work` traces each target's region back through the converter's op chain
    (:func:`trace_regions`) to a region per checkpoint key, or marks the target as a
    *fallback* (read whole, convert, keep the rank's part) naming the op that forced it.
@@ -123,7 +126,8 @@ def tensor_parallel(
 
     Raises:
         ConfigurationError: contradictory options (a ``tp_plan`` for a model that is already
-            parallelized, a plan without a mesh, a 2-D mesh, ...), before anything is read.
+            parallelized, a plan without a mesh, a 2-D mesh with a plan, DTensors on meshes of
+            different roots, ...), before anything is read.
     """
     parallel_model = has_dtensors(model)
     if isinstance(device_mesh, Mapping) or rank is not None:

@@ -360,7 +360,8 @@ def _check_tied(model: nn.Module, resolved: list[ResolvedStyle]) -> None:
 
 
 def check_mesh(device_mesh: Any) -> Any:
-    """A 1-D ``DeviceMesh`` (a 2-D mesh is an error naming the dim to slice)."""
+    """A 1-D ``DeviceMesh`` to apply a ``tp_plan`` on (a 2-D mesh is an error naming the dim to
+    slice); a model the user parallelized on an n-D mesh loads by its placements without one."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(device_mesh, DeviceMesh):
