@@ -24,9 +24,11 @@ from distsave_scenarios import run_scenarios
 from torch import nn
 
 import surgery
+from surgery import WeightConverter, ops
 from surgery.checkpoint import write_checkpoint
 from surgery.examples import dense, moe
 from surgery.parallel import parallelize
+from surgery.parallel.regions import Region
 
 DENSE = dense.ExampleDenseConfig(num_attention_heads=4, num_key_value_heads=4)
 MOE = moe.ExampleMoEConfig(num_attention_heads=4, num_key_value_heads=4)
@@ -356,6 +358,63 @@ def _box_without_rule(work: Path, mesh: Any) -> dict[str, Any]:
     }
 
 
+class ColumnsOnlyDoubled(ops.ConversionOp):
+    """Doubles; its slice rule serves a cut on dim 1 (columns) only, so a box needs a cover."""
+
+    def __init__(self, factor: float = 2.0) -> None:
+        self.factor = factor
+
+    def convert(self, slots, ctx):
+        return [t * self.factor for t in slots]
+
+    @property
+    def reverse_op(self) -> ops.ConversionOp:
+        return ColumnsOnlyDoubled(1 / self.factor)
+
+    def slice_rule(self, regions, in_shapes, out_shapes, ctx):
+        if all(r is None or (isinstance(r, Region) and r.dim == 1) for r in regions):
+            return regions, self
+        return None
+
+    def __repr__(self) -> str:
+        return f"ColumnsOnlyDoubled({self.factor})"
+
+
+class CoverModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 6, bias=False)
+
+
+def _box_with_a_cover(work: Path, mesh: Any) -> dict[str, Any]:
+    """A box whose rows no rule serves but whose columns one does: read the columns, cut the rows after."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    surgery.register_checkpoint_conversion_mapping(
+        "CoverModel", [WeightConverter("proj.weight", "proj.weight", [ColumnsOnlyDoubled()])], overwrite=True
+    )
+    model = CoverModel().to("meta")
+    model.proj.weight = nn.Parameter(
+        DTensor.from_local(
+            torch.empty(3, 4, device="meta"),
+            mesh,
+            (Shard(0), Shard(1)),
+            run_check=False,
+            shape=torch.Size((6, 8)),
+            stride=(8, 1),
+        )
+    )
+    report = surgery.load_checkpoint(model, work / "fallback")
+    coord = mesh.get_coordinate()
+    want = torch.arange(48.0).reshape(6, 8)[3 * coord[0] : 3 * coord[0] + 3, 4 * coord[1] : 4 * coord[1] + 4]
+    return {
+        "ok": report.ok,
+        "fallbacks": [[list(f.target_keys), f.op, f.extra_bytes] for f in report.tp_fallbacks],
+        "equal": torch.equal(model.proj.weight.to_local(), want),
+        "bytes_read": report.bytes_read,
+    }
+
+
 def _scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -375,6 +434,7 @@ def _scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, A
             out["oracle"] = functools.partial(_guarded, _oracle, work, mesh)
             out["bad_input"] = functools.partial(_guarded, _bad_input, work, mesh)
             out["box_without_rule"] = functools.partial(_guarded, _box_without_rule, work, mesh)
+            out["box_with_a_cover"] = functools.partial(_guarded, _box_with_a_cover, work, mesh)
     return out
 
 

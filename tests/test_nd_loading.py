@@ -285,3 +285,14 @@ def test_a_dry_run_on_the_meshs_dim_sizes_plans_what_each_ranks_load_plans(ranks
     same parts, bytes and sources per target as the real load of rank r."""
     for f in _facts(ranks, case):
         assert f["dry_run_differs"] == []
+
+
+@pytest.mark.distributed
+def test_a_box_that_one_of_its_dims_can_trace_reads_the_covering_region_and_cuts_the_rest(ranks):
+    """Rows no rule serves, columns one does: each rank reads its columns of every row (half the
+    tensor, not all of it), runs the chain on them, cuts its rows; reported, exact."""
+    for f in _facts(ranks, "box_with_a_cover"):
+        assert f["ok"] and f["equal"]
+        ((keys, op, extra),) = f["fallbacks"]
+        assert keys == ["proj.weight"] and op.startswith("ColumnsOnlyDoubled(2.0) (read cut on dim 1 only")
+        assert f["bytes_read"] == 6 * 4 * 4 and extra == 3 * 4 * 4

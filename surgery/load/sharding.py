@@ -292,6 +292,9 @@ class Sharding:
         operations: the chain to run on the local pieces (``None``: the converter's own).
         fallback: the op without a slice rule that forced a whole read, or ``None``.
         local_slot_shapes: per source slot, the local shapes (direct placement on the local chain).
+        chain_regions: when a box could be traced on one of its dims only (a *covering* fallback),
+            per runtime key the part the local chain builds; the rest of :attr:`regions` is cut
+            from its output. ``None`` otherwise.
     """
 
     placements: tuple[tuple[Any, ...] | None, ...]
@@ -300,6 +303,7 @@ class Sharding:
     operations: list[ConversionOp] | None = None
     fallback: str | None = None
     local_slot_shapes: list[Any] | None = None
+    chain_regions: tuple[Region | Box | None, ...] | None = None
 
     @property
     def sharded(self) -> bool:
@@ -348,6 +352,7 @@ def shard_work(
     assert ctx is not None
     blocked: str | None = None
     traced = None
+    stages: list[list[Any]] | None = None
     if slot_shapes is None:
         blocked = "(source shapes unknown)"
     else:
@@ -362,8 +367,34 @@ def shard_work(
                 blocked = repr(traced.blocked_by)
     if blocked is not None or traced is None:
         sh.fallback = blocked
+        cover = None if stages is None else _covering(converter, group_key, out_keys, regions, stages, ctx)
+        if cover is None:
+            sh.sources = dict.fromkeys(source_keys)
+            return sh, whole
+        dim, traced, partial = cover
+        sh.fallback = f"{blocked} (read cut on dim {dim} only, the other dims cut after the chain)"
+        sh.chain_regions = partial
+    _fill_sources(sh, traced, converter, source_keys, infos, pattern_of)
+    nbytes = sum(
+        _region_bytes(tuple(infos[k].shape), infos[k].dtype.itemsize, r) for k, r in sh.sources.items()
+    )
+    if sh.chain_regions is not None and nbytes >= whole:  # the cover saves nothing: read whole
+        sh.chain_regions, sh.operations, sh.local_slot_shapes = None, None, None
+        sh.fallback = blocked
         sh.sources = dict.fromkeys(source_keys)
         return sh, whole
+    return sh, nbytes
+
+
+def _fill_sources(
+    sh: Sharding,
+    traced: Traced,
+    converter: WeightConverter,
+    source_keys: tuple[str, ...],
+    infos: dict[str, Any],
+    pattern_of: dict[str, tuple[int, tuple[int, ...]]],
+) -> None:
+    """Record per checkpoint key what ``traced`` reads of it, and the local chain and slot shapes."""
     by_pattern: dict[int, list[str]] = {}
     for src in source_keys:
         by_pattern.setdefault(pattern_of[src][0], []).append(src)
@@ -390,10 +421,47 @@ def shard_work(
             )
     sh.operations = list(traced.operations)
     sh.local_slot_shapes = local_slots
-    nbytes = sum(
-        _region_bytes(tuple(infos[k].shape), infos[k].dtype.itemsize, r) for k, r in sh.sources.items()
-    )
-    return sh, nbytes
+
+
+def _covering(
+    converter: WeightConverter,
+    group_key: str,
+    out_keys: tuple[str, ...],
+    regions: tuple[Region | Box | None, ...],
+    stages: list[list[Any]],
+    ctx: OpContext,
+) -> tuple[int, Traced, tuple[Region | Box | None, ...]] | None:
+    """When a box cannot be traced whole: the one output dim whose cut traces, reading least.
+
+    Returns ``(dim, traced, per target the part traced)``; the rest of each target's box is cut
+    from the local chain's output. ``None`` when no target is a box or no single dim traces.
+    """
+    if not any(isinstance(r, Box) for r in regions):
+        return None
+    best: tuple[int, int, Traced, tuple[Region | Box | None, ...]] | None = None
+    for dim in sorted({d for r in regions for d in _dims_of(r)}):
+        partial = tuple(_on_dim(r, dim) for r in regions)
+        try:
+            targets = _target_slot_regions(converter, group_key, stages[-1], dict(zip(out_keys, partial)))
+            traced = trace_regions(converter.operations, stages, targets, ctx)
+        except (SurgeryError, RuntimeError, KeyError):
+            continue
+        if traced.blocked_by is not None:
+            continue
+        kept = sum(_slot_size(r, s) for r, s in zip(traced.sources, stages[0]))
+        if best is None or kept < best[0]:
+            best = (kept, dim, traced, partial)
+    return None if best is None else (best[1], best[2], best[3])
+
+
+def _slot_size(region: Any, shape: Any) -> int:
+    """Elements a slot's region covers (a list slot: summed over its items)."""
+    if isinstance(shape, list):
+        items = region if isinstance(region, list) else [region] * len(shape)
+        return sum(_slot_size(r, s) for r, s in zip(items, shape))
+    if region is NOT_NEEDED:
+        return 0
+    return math.prod(local_shape(tuple(shape), region if isinstance(region, (Region, Box)) else None))
 
 
 def _target_slot_regions(
