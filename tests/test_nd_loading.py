@@ -15,6 +15,7 @@ processes against torch's own split functions over random shapes, meshes and pla
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -296,3 +297,71 @@ def test_a_box_that_one_of_its_dims_can_trace_reads_the_covering_region_and_cuts
         ((keys, op, extra),) = f["fallbacks"]
         assert keys == ["proj.weight"] and op.startswith("ColumnsOnlyDoubled(2.0) (read cut on dim 1 only")
         assert f["bytes_read"] == 6 * 4 * 4 and extra == 3 * 4 * 4
+
+
+# --------------------------------------------------------------------------- dry runs on an n-D mesh
+
+
+@pytest.fixture(scope="module")
+def dense_ckpt(tmp_path_factory) -> Path:
+    from surgery.checkpoint import write_checkpoint
+    from surgery.examples import build_dense_model
+    from surgery.examples.dense import original_state_dict
+
+    path = tmp_path_factory.mktemp("nd-dense")
+    write_checkpoint(original_state_dict(build_dense_model()), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"device_mesh": {"dp_shard": 2, "tp": 3}, "tp_plan": "auto"}, "which world size 3 does not divide"),
+        ({"device_mesh": {"dp_shard": 2, "cp": 2}}, "are not ones a dry run plans"),
+        ({"device_mesh": {"dp_shard": 2, "tp": 2}}, "a 'tp' dim and a tp_plan go together"),
+        ({"device_mesh": {"dp_shard": 2}, "tp_plan": "auto"}, "a 'tp' dim and a tp_plan go together"),
+        ({"device_mesh": {"dp_shard": 2, "tp": 2}, "tp_plan": "auto", "rank": 4}, "are 0..3"),
+        ({"rank": 1}, "pass device_mesh={'dp_shard': 2, 'tp': 2} too"),
+    ],
+)
+def test_a_bad_planned_mesh_is_refused_before_reading(dense_ckpt, options, says):
+    import surgery
+    from surgery.examples import build_dense_model
+
+    with pytest.raises(ConfigurationError, match=re.escape(says)):
+        surgery.plan_load(build_dense_model(device="meta"), dense_ckpt, **options)
+
+
+def test_a_load_needs_a_real_mesh_not_dim_sizes(dense_ckpt):
+    import surgery
+    from surgery.examples import build_dense_model
+
+    model = build_dense_model(device="meta")
+    with pytest.raises(ConfigurationError, match="needs the DeviceMesh of the launched ranks"):
+        surgery.load_checkpoint(model, dense_ckpt, tp_plan="auto", device_mesh={"dp_shard": 2, "tp": 2})
+    assert model.lm_head.weight.is_meta
+
+
+def test_a_dry_run_of_hsdp_plans_the_same_reads_on_both_replicas(dense_ckpt):
+    import surgery
+    from surgery.examples import build_dense_model
+
+    mesh = {"dp_replicate": 2, "dp_shard": 2}
+
+    def parts(rank: int) -> dict:
+        plan = surgery.plan_load(build_dense_model(device="meta"), dense_ckpt, device_mesh=mesh, rank=rank)
+        return {e.target_keys: (e.tp, e.nbytes) for e in plan.entries}
+
+    assert parts(0) == parts(2) and parts(1) == parts(3) and parts(0) != parts(1)
+    total = sum(n for _, n in parts(0).values()) + sum(n for _, n in parts(1).values())
+    assert total == sum(f.stat().st_size for f in dense_ckpt.glob("*.safetensors")) - _headers(dense_ckpt)
+
+
+def _headers(path: Path) -> int:
+    import struct
+
+    out = 0
+    for f in path.glob("*.safetensors"):
+        with f.open("rb") as fh:
+            out += 8 + struct.unpack("<Q", fh.read(8))[0]
+    return out
