@@ -221,6 +221,11 @@ def _load_scenario(work: Path, mesh: Any, family: str) -> dict[str, Any]:
     with counting_collectives() as counts:
         report = surgery.load_checkpoint(model, work / family)
     ref_state, flow_state = ref.state_dict(), _torch_flow(ref, family, mesh).state_dict()
+    flow_full_tensor_wrong = [  # torch's own flow, gathered by its declared placements
+        k
+        for k, v in flow_state.items()
+        if isinstance(v, DTensor) and not torch.equal(v.full_tensor(), ref_state[k])
+    ]
     unequal, unlike_placements, placements = [], [], {}
     for key, value in model.state_dict().items():
         local = value.to_local() if isinstance(value, DTensor) else value
@@ -246,6 +251,7 @@ def _load_scenario(work: Path, mesh: Any, family: str) -> dict[str, Any]:
         "forward_max_diff": float((out - want).abs().max()),
         "fallbacks": [list(f.target_keys) for f in report.tp_fallbacks],
         "dry_run_differs": planned,
+        "flow_full_tensor_wrong": flow_full_tensor_wrong,
     }
 
 
