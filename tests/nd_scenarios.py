@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from distsave_scenarios import run_scenarios
+from fp8_reference import quantize_state
 from torch import nn
 
 import surgery
@@ -33,6 +34,7 @@ from surgery.parallel.regions import Region
 DENSE = dense.ExampleDenseConfig(num_attention_heads=4, num_key_value_heads=4)
 MOE = moe.ExampleMoEConfig(num_attention_heads=4, num_key_value_heads=4)
 WORLD = 4
+FP8_BLOCK = (6, 10)  # blocks that straddle every rank boundary, on both dims of a box
 INPUT_IDS = torch.tensor([[1, 5, 9, 3, 7], [2, 4, 6, 8, 10]])
 MESHES = {
     "dp_shard2_tp2": (("dp_shard", "tp"), (2, 2)),
@@ -133,6 +135,8 @@ def write_inputs(work: Path, families: tuple[str, ...] = ()) -> None:
     write_checkpoint(dense.original_state_dict(MODELS["dense"](seed=1)), work / "dense")
     write_checkpoint(moe.original_state_dict(MODELS["moe"](seed=2)), work / "moe")
     write_checkpoint({"proj.weight": torch.arange(64.0).reshape(8, 8)}, work / "square")
+    fp8 = quantize_state(dense.original_state_dict(MODELS["dense"](seed=4)), FP8_BLOCK)
+    write_checkpoint(fp8, work / "dense-fp8")
     write_checkpoint({"proj.weight": torch.arange(48.0).reshape(6, 8) / 2}, work / "fallback")
 
 
@@ -364,6 +368,32 @@ def _box_without_rule(work: Path, mesh: Any) -> dict[str, Any]:
     }
 
 
+def _fp8(work: Path, mesh: Any) -> dict[str, Any]:
+    """A block-FP8 checkpoint into FSDP2 x TP: each part decoded with the scales it needs, exact."""
+    from torch.distributed.tensor import DTensor
+
+    from surgery.quantization import FP8BlockQuantizer
+
+    ref = MODELS["dense"](device="meta")
+    assert surgery.load_checkpoint(
+        ref, work / "dense-fp8", quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK)
+    ).ok
+    model = MODELS["dense"](device="meta")
+    torchtitan_parallelize(model, mesh, "dense")
+    report = surgery.load_checkpoint(
+        model, work / "dense-fp8", quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK)
+    )
+    flow = _torch_flow(ref, "dense", mesh).state_dict()
+    unequal = [
+        k
+        for k, v in model.state_dict().items()
+        if not torch.equal(v.to_local() if isinstance(v, DTensor) else v, flow[k].to_local())
+    ]
+    with torch.no_grad():
+        diff = float((_logits(model) - _logits(ref)).abs().max())
+    return {"ok": report.ok, "unequal": unequal, "forward_max_diff": diff}
+
+
 class ColumnsOnlyDoubled(ops.ConversionOp):
     """Doubles; its slice rule serves a cut on dim 1 (columns) only, so a box needs a cover."""
 
@@ -441,6 +471,7 @@ def _scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, A
             out["bad_input"] = functools.partial(_guarded, _bad_input, work, mesh)
             out["box_without_rule"] = functools.partial(_guarded, _box_without_rule, work, mesh)
             out["box_with_a_cover"] = functools.partial(_guarded, _box_with_a_cover, work, mesh)
+            out["fp8"] = functools.partial(_guarded, _fp8, work, mesh)
     return out
 
 

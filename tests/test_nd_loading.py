@@ -363,3 +363,10 @@ def _headers(path: Path) -> int:
         with f.open("rb") as fh:
             out += 8 + struct.unpack("<Q", fh.read(8))[0]
     return out
+
+
+@pytest.mark.distributed
+def test_a_block_fp8_checkpoint_decodes_each_ranks_box_exactly(ranks):
+    for f in _facts(ranks, "fp8"):
+        assert f["ok"] and f["unequal"] == []
+        assert f["forward_max_diff"] <= 1e-5
