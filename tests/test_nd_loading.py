@@ -275,6 +275,10 @@ def test_a_box_traces_through_an_op_chain_dim_by_dim_or_is_blocked():
     # a transpose moves each cut to the other dim of its source
     flat = trace_boxes([ops.Transpose(0, 1)], [[(8, 4)], [(4, 8)]], [box])
     assert flat.sources == [Box((Region(0, ((4, 8),)), Region(1, ((1, 3),))))]
+    # a chunk runs as a local Split for the row cut but as itself for the column cut: no one local
+    # chain serves both, so the walk names it and the load takes a (covering) fallback
+    blocked = trace_boxes([ops.Chunk(chunks=2, dim=0)], [[(8, 8)], [(4, 8), (4, 8)]], [box, box])
+    assert blocked.blocked_by == ops.Chunk(chunks=2, dim=0) and blocked.sources == []
 
 
 @pytest.mark.distributed

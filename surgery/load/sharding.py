@@ -577,8 +577,11 @@ def trace_boxes(
     blocked = next((w.blocked_by for w in walks if w.blocked_by is not None), None)
     if blocked is not None:
         return Traced([], [], blocked_by=blocked)
-    if any(w.operations != walks[0].operations for w in walks):
-        return Traced([], [], blocked_by=operations[0])
+    differ = [
+        k for k in range(len(operations)) if any(w.operations[k] != walks[0].operations[k] for w in walks)
+    ]
+    if differ:  # the op runs differently for each dim's cut: no one local chain serves the box
+        return Traced([], [], blocked_by=operations[differ[0]])
     try:
         sources = [functools.reduce(_combined, slot) for slot in zip(*(w.sources for w in walks))]
     except _Conflict:
