@@ -431,7 +431,7 @@ def test_quantization_auto_over_an_unknown_method_names_it(tmp_path: Path, capsy
     src = _decoder_checkpoint(tmp_path)
     (src / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
     assert main(["inspect", str(src), "--model", "example-decoder", "--quantization", "auto"]) == 2
-    assert "quant_method='awq', which no built-in quantizer reads" in _one_line_error(capsys)
+    assert "quant_method='awq', which no registered quantizer reads" in _one_line_error(capsys)
 
 
 # --------------------------------------------------------------------------- --model transformers:auto
