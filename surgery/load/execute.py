@@ -122,14 +122,21 @@ def _keeping(prep: Prepared, w: Work, conv: WeightConverter, ctx: OpContext) -> 
 
 
 def _source(prep: Prepared, w: Work, key: str, region: Any = None) -> torch.Tensor:
-    """``key`` (its ``region``) as the op chain takes it: read, and decoded if stored quantized."""
+    """``key`` (its ``region``) as the op chain takes it: read, and decoded if stored quantized.
+
+    A format whose decoded shape differs from the stored one (packed values) reads the stored
+    part that holds ``region`` (``stored_region``) and decodes it to ``region``.
+    """
     q = w.quantizing
     names = None if q is None else q.companions.get(key)
     if q is None or not names:
         return _read(prep.reader, key, region)
     if isinstance(region, Box):  # scales are cut by one dim: decode whole, keep the box
         return region.take(_source(prep, w, key)).contiguous()
-    t = _read(prep.reader, key, region)
+    stored = region
+    if isinstance(region, Region) and q.hooks.reshapes:
+        stored = q.hooks.stored_region(key, region, prep.reader.info(key))
+    t = _read(prep.reader, key, stored)
     companions = {c: prep.checked[c] if c in prep.checked else prep.reader.get_tensor(c) for c in names}
     prep.companion_values[key] = companions
     return q.hooks.decode(key, t, companions, region if isinstance(region, Region) else None)

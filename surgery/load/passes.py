@@ -85,7 +85,7 @@ class Memo:
 
     shapes: dict[Any, list[Any]] = field(default_factory=dict)
     views: dict[Any, bool] = field(default_factory=dict)
-    decoded: dict[Any, torch.dtype] = field(default_factory=dict)
+    decoded: dict[Any, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     quantized: dict[Any, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 

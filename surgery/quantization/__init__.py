@@ -6,8 +6,12 @@
   (DeepSeek-V3 layout) decoded on read and re-encoded bit for bit on save.
 * :mod:`~surgery.quantization.int8`: :class:`Int8WeightOnlyQuantizer`, int8 weight-only
   quantization on the fly into :class:`Int8WeightOnlyLinear`.
+* :mod:`~surgery.quantization.compressed_tensors`: :class:`CompressedTensorsQuantizer`,
+  compressed-tensors ``pack-quantized`` (int4/int8) and ``float-quantized`` (FP8) checkpoints;
+  :mod:`~surgery.quantization.packing`: the int32 packing they use.
 * :mod:`~surgery.quantization.choice`: a quantizer by name (``fp8``, ``int8``, ``auto`` from a
-  checkpoint's ``config.json``), as the command line takes it.
+  checkpoint's ``config.json``), as the command line takes it, and from a ``quantization_config``
+  (:func:`quantizer_from_config`, over the formats :func:`register_format` registered).
 
 A runtime-layout save of a model quantized on the fly records its quantizer in the metadata
 (:data:`QUANTIZATION_METADATA_KEY`); loading that checkpoint without a quantizer rebuilds it
@@ -21,11 +25,21 @@ from typing import Any
 
 from ..errors import ConfigurationError, LoadError
 from ..persist import metadata_json
-from .choice import QUANTIZATION_CHOICES, checkpoint_config, quantizer_by_name
+from .choice import (
+    QUANTIZATION_CHOICES,
+    checkpoint_config,
+    config_formats,
+    quantizer_by_name,
+    quantizer_from_config,
+    register_format,
+    registered_formats,
+)
+from .compressed_tensors import FORMATS, CompressedTensorsQuantizer
 from .fp8 import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize, expand_block_scales
 from .int8 import Int8WeightOnlyLinear, Int8WeightOnlyQuantizer, int8_kernel_usable, quantize_per_channel
 from .protocol import (
     QUANTIZATION_METADATA_KEY,
+    SMALL_COMPANION_BYTES,
     QuantizedModule,
     Quantizer,
     QuantizerHooks,
@@ -37,6 +51,8 @@ __all__ = [
     "BUILTIN_QUANTIZERS",
     "QUANTIZATION_CHOICES",
     "QUANTIZATION_METADATA_KEY",
+    "SMALL_COMPANION_BYTES",
+    "CompressedTensorsQuantizer",
     "FP8BlockQuantizer",
     "Int8WeightOnlyLinear",
     "Int8WeightOnlyQuantizer",
@@ -46,13 +62,22 @@ __all__ = [
     "blockwise_dequantize",
     "blockwise_quantize",
     "checkpoint_config",
+    "config_formats",
     "config_metadata",
     "expand_block_scales",
     "int8_kernel_usable",
     "quantize_per_channel",
     "quantizer_by_name",
+    "quantizer_from_config",
     "quantizer_from_metadata",
+    "register_format",
+    "registered_formats",
 ]
+
+# The formats quantizer_from_config chooses among (one line per format module).
+register_format("fp8", FP8BlockQuantizer.from_config)
+register_format(Int8WeightOnlyQuantizer.method, Int8WeightOnlyQuantizer.from_config)
+register_format(CompressedTensorsQuantizer.method, CompressedTensorsQuantizer.from_config, formats=FORMATS)
 
 BUILTIN_QUANTIZERS: dict[str, Any] = {Int8WeightOnlyQuantizer.method: Int8WeightOnlyQuantizer}
 """``quant_method`` → quantizer class with ``from_config``, for checkpoints that persisted one."""

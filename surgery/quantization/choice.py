@@ -74,9 +74,13 @@ def register_format(quant_method: str, factory: QuantizerFactory, *, formats: tu
         >>> register_format("fp8", FP8BlockQuantizer.from_config)  # doctest: +SKIP
     """
     if not isinstance(quant_method, str) or not quant_method:
-        raise RegistryError(f"quant_method={bounded_repr(quant_method)}; give a non-empty string such as 'fp8'.")
+        raise RegistryError(
+            f"quant_method={bounded_repr(quant_method)}; give a non-empty string such as 'fp8'."
+        )
     if not callable(factory):
-        raise RegistryError(f"register_format({quant_method!r}): factory {bounded_repr(factory)} is not callable.")
+        raise RegistryError(
+            f"register_format({quant_method!r}): factory {bounded_repr(factory)} is not callable."
+        )
     if not isinstance(formats, tuple) or not all(isinstance(f, str) and f for f in formats):
         raise RegistryError(
             f"register_format({quant_method!r}): formats={bounded_repr(formats)}; give a tuple of format names."

@@ -15,6 +15,13 @@ A quantizer is any object; the loader looks up each hook by name and uses the on
   ``decode`` turns the stored values into floats **per source tensor, before the op chain**, so
   plain weights, expert merges and tensor-parallel slices all decode the same way. ``region``
   is the part of ``key`` that was read (a :class:`~surgery.parallel.regions.Region`), ``None`` for all.
+  Decoding keeps the stored shape, except for a quantizer that defines ``stored_region``.
+* ``stored_region(key, region, info) -> Region``: for a format whose decoded tensor has another
+  shape than the stored one (values packed several to a word: compressed-tensors
+  ``weight_packed``), the part of the stored ``key`` that holds ``region`` of the decoded values;
+  a tensor-parallel rank reads only that. Its ``decode`` may change the shape; planning learns
+  the decoded shape from a ``meta`` run, with the values of small companions (at most
+  :data:`SMALL_COMPANION_BYTES`: a stored ``weight_shape``) read.
 * ``companion_of(key) -> str | None``: the key ``key`` would be a companion of (``X.weight`` for
   ``X.weight_scale_inv``). A key that names an owner but that no stored-quantized owner claims
   (the owner is absent, or stored in float) is an error naming it, never an unexpected key that
@@ -60,6 +67,7 @@ from ..transforms import WeightTransform
 
 __all__ = [
     "QUANTIZATION_METADATA_KEY",
+    "SMALL_COMPANION_BYTES",
     "QuantizedModule",
     "Quantizer",
     "QuantizerHooks",
@@ -70,6 +78,9 @@ __all__ = [
 
 QUANTIZATION_METADATA_KEY = "surgery.quantization"
 """Safetensors metadata key of a quantized runtime-layout save: JSON with ``quant_method``."""
+
+SMALL_COMPANION_BYTES = 64
+"""Companions up to this size are read for planning's ``meta`` run of ``decode`` (shape vectors, scalars)."""
 
 
 class Quantizer(Protocol):
@@ -187,6 +198,7 @@ class QuantizerHooks:
         "checks",
         "check",
         "decode",
+        "stored_region",
         "quantizes",
         "quantize",
         "metadata",
@@ -223,6 +235,24 @@ class QuantizerHooks:
     @property
     def decodes(self) -> bool:
         return "decode" in self._hooks
+
+    @property
+    def reshapes(self) -> bool:
+        """Whether decoding may change a tensor's shape (the quantizer maps regions: ``stored_region``)."""
+        return "stored_region" in self._hooks
+
+    def stored_region(self, key: str, region: Region, info: StoredTensor) -> Region:
+        """The part of the stored ``key`` holding ``region`` of its decoded values (``region`` itself by default)."""
+        if "stored_region" not in self._hooks:
+            return region
+        result = self._call("stored_region", key, key, region, info)
+        if not isinstance(result, Region) or result.dim % max(len(info.shape), 1) != region.dim % max(
+            len(info.shape), 1
+        ):
+            raise ConfigurationError(
+                f"{self.name}.stored_region({key!r}) returned {bounded_repr(result)}; return a Region of the same dim."
+            )
+        return result
 
     @property
     def quantizes_on_the_fly(self) -> bool:
@@ -312,7 +342,7 @@ class QuantizerHooks:
             raise ConfigurationError(
                 f"{self.name}.decode({key!r}) returned {type(result).__name__}, not a Tensor."
             )
-        if tuple(result.shape) != tuple(tensor.shape):
+        if tuple(result.shape) != tuple(tensor.shape) and not self.reshapes:
             raise ConversionError(
                 f"{self.name}.decode({key!r}) turned shape {tuple(tensor.shape)} into {tuple(result.shape)}; "
                 "decoding keeps the stored shape."
@@ -324,11 +354,17 @@ class QuantizerHooks:
         return result
 
     def decode_meta(
-        self, key: str, info: StoredTensor, companions: Mapping[str, StoredTensor]
-    ) -> torch.dtype:
-        """Run ``decode`` on ``meta`` tensors of the stored shapes: checks it, returns the decoded dtype."""
+        self,
+        key: str,
+        info: StoredTensor,
+        companions: Mapping[str, StoredTensor],
+        values: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run ``decode`` on ``meta`` tensors of the stored shapes (``values``: companions read): checks
+        it, returns the decoded ``meta`` tensor (its shape and dtype)."""
         metas = {k: torch.empty(i.shape, dtype=i.dtype, device="meta") for k, i in companions.items()}
-        return self.decode(key, torch.empty(info.shape, dtype=info.dtype, device="meta"), metas).dtype
+        metas.update(values or {})
+        return self.decode(key, torch.empty(info.shape, dtype=info.dtype, device="meta"), metas)
 
     def encode(
         self, key: str, tensor: torch.Tensor, recorded: dict[str, torch.Tensor]

@@ -261,6 +261,8 @@ class RevertedState(Mapping[str, torch.Tensor]):
                         "mapping is not one-to-one. Check the renamings of the model's mapping."
                     )
                 self._specs[n] = TensorSpec(tuple(metas[o].shape), d)
+                if group.encoded and n in group.encoded and record is not None and n in record.source_shapes:
+                    self._specs[n] = TensorSpec(record.source_shapes[n], d)  # packed: the stored shape
                 if group.companion_of and n in group.companion_of:
                     scale = recorded[group.companion_of[n]][n]
                     self._specs[n] = TensorSpec(tuple(scale.shape), scale.dtype)
