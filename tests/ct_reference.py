@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 
 from surgery.checkpoint import write_checkpoint
 
-__all__ = ["Net", "reference_weights", "scheme", "write_compressed"]
+__all__ = ["Net", "compress_state", "reference_weights", "scheme", "write_compressed"]
 
 
 class Net(nn.Module):
@@ -65,6 +66,52 @@ def _observe(module: nn.Module) -> None:
         )
     if hasattr(module, "input_scale"):
         module.input_scale.data.fill_(0.0213)
+
+
+def compress_state(
+    state: dict[str, torch.Tensor], quant: QuantizationScheme, path: Path, *, quantized: Callable[[str], bool]
+) -> dict[str, torch.Tensor]:
+    """``state`` (a checkpoint's float tensors) with each weight ``quantized(key)`` names compressed by
+    compressed-tensors' own compressor for ``quant``; written to ``path`` with its ``config.json``."""
+    fmt = "float-quantized" if quant.weights.type == "float" else "pack-quantized"
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    out: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
+    for key, value in state.items():
+        module = key.removesuffix(".weight")
+        if key in done or not key.endswith(".weight") or not quantized(key):
+            out.setdefault(key, value)
+            continue
+        holder = nn.Linear(value.shape[1], value.shape[0], bias=False, dtype=torch.bfloat16)
+        holder.weight.data = value.to(torch.bfloat16)
+        holder.quantization_scheme = quant
+        holder.weight_scale = nn.Parameter(torch.empty(_scale_shape(quant, value.shape), dtype=torch.bfloat16))
+        if not quant.weights.symmetric:
+            holder.weight_zero_point = nn.Parameter(
+                torch.empty(_scale_shape(quant, value.shape), dtype=torch.int8), requires_grad=False
+            )
+        if quant.input_activations is not None and quant.input_activations.dynamic is False:
+            holder.input_scale = nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
+        _observe(holder)
+        local = {n: t.detach() for n, t in holder.named_parameters()}
+        for name, t in compressor.compress(local, quant).items():
+            out[f"{module}.{name}"] = t.contiguous()
+        done.add(key)
+    path.mkdir(parents=True, exist_ok=True)
+    write_checkpoint(out, path)
+    (path / "config.json").write_text(json.dumps({"model_type": "dense_example"}))
+    config = QuantizationConfig(
+        config_groups={"group_0": quant}, format=fmt, quantization_status="compressed", ignore=["lm_head"]
+    )
+    ModelCompressor(quantization_config=config).update_config(str(path))
+    return out
+
+
+def _scale_shape(quant: QuantizationScheme, shape: torch.Size) -> tuple[int, ...]:
+    args = quant.weights
+    if args.strategy == "group":
+        return (shape[0], shape[1] // args.group_size)
+    return (shape[0], 1) if args.strategy == "channel" else (1,)
 
 
 def write_compressed(

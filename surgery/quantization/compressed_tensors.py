@@ -138,7 +138,7 @@ def _scheme(name: str, group: Any, top_format: Any) -> WeightScheme:
     static = isinstance(inputs, Mapping) and inputs.get("dynamic") is False
     return WeightScheme(
         format=fmt,
-        num_bits=int(bits),
+        num_bits=bits if isinstance(bits, int) else 8,
         strategy=strategy,
         group_size=size if strategy == "group" else None,
         symmetric=symmetric,
@@ -266,6 +266,8 @@ class CompressedTensorsQuantizer:
             return ()
         prefix, s = owned
         if s.format == _FLOAT:
+            if info.dtype.itemsize != 1:  # a float weight of a module no group quantizes (an embedding)
+                return ()
             return (prefix + "weight_scale", *((prefix + "input_scale",) if s.static_input else ()))
         names = ["weight_scale", "weight_shape"]
         names += [] if s.symmetric else ["weight_zero_point"]
