@@ -85,7 +85,9 @@ def compress_state(
         holder = nn.Linear(value.shape[1], value.shape[0], bias=False, dtype=torch.bfloat16)
         holder.weight.data = value.to(torch.bfloat16)
         holder.quantization_scheme = quant
-        holder.weight_scale = nn.Parameter(torch.empty(_scale_shape(quant, value.shape), dtype=torch.bfloat16))
+        holder.weight_scale = nn.Parameter(
+            torch.empty(_scale_shape(quant, value.shape), dtype=torch.bfloat16)
+        )
         if not quant.weights.symmetric:
             holder.weight_zero_point = nn.Parameter(
                 torch.empty(_scale_shape(quant, value.shape), dtype=torch.int8), requires_grad=False

@@ -188,6 +188,28 @@ def test_an_fp8_checkpoint_decodes_each_ranks_slices_and_saves_back_bit_for_bit(
     assert ranks[0]["fp8"]["saved_identical"]
 
 
+@pytest.mark.parametrize("name", ["w4", "w4asym", "w8", "fp8"])
+def test_a_compressed_tensors_checkpoint_reads_each_ranks_packed_share_and_saves_back_bit_for_bit(
+    ranks, name
+):
+    for rank in ranks:
+        facts = rank["compressed_tensors"][name]
+        assert facts["ok"], facts["report"]
+        assert facts["unequal"] == [] and facts["fallbacks"] == []
+        assert facts["max_abs_diff"] < 1e-5  # parameters equal bit for bit; the reductions differ
+        assert facts["bytes_read"] < 0.75 * facts["single_bytes"]
+    assert ranks[0]["compressed_tensors"][name]["saved_identical"]
+
+
+def test_a_split_of_packed_columns_that_cuts_a_group_is_an_error_naming_key_dim_and_group_size(ranks):
+    for rank in ranks:
+        errors = rank["compressed_tensors"]["g16"]["errors"]
+        o_proj = [e for e in errors if "o_proj.weight_packed" in e]
+        assert len(o_proj) == 2, errors  # both layers; down_proj's halves (16 columns) hold whole groups
+        assert "dim 1" in o_proj[0] and "group size 16" in o_proj[0]
+        assert not any("down_proj" in e for e in errors)
+
+
 def test_torchrun_launch_with_an_env_initialized_mesh(tmp_path):
     sys.path.insert(0, str(HERE))
     try:
