@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
