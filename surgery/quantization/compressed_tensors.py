@@ -369,18 +369,6 @@ class CompressedTensorsQuantizer:
         return self._decode_packed(key, owned[1], tensor, scale, companions, region)
 
     # ------------------------------------------------------------------ float-quantized
-    def _scale_groups(self, key: str, shape: tuple[int, ...], scale: torch.Tensor) -> tuple[int, int]:
-        """``(rows, groups)`` of a 2-d-broadcastable scale for a ``shape`` weight, checked."""
-        n, k = shape[-2], shape[-1]
-        if scale.numel() == 1 and scale.dim() <= 1:
-            return 1, 1
-        if scale.dim() != 2 or scale.shape[0] != n or not 1 <= scale.shape[1] <= k:
-            raise ConversionError(
-                f"{self._split(key)[0]}.weight_scale has shape {tuple(scale.shape)}; a {shape} weight takes [1] "
-                f"(per tensor), [{n}, 1] (per channel) or [{n}, groups]."
-            )
-        return n, scale.shape[1]
-
     def _expand(
         self,
         scale: torch.Tensor,
@@ -411,7 +399,7 @@ class CompressedTensorsQuantizer:
             return meta.empty(tensor.shape, torch.float32)
         n, k = tensor.shape
         if region is None:  # a part's shape says nothing about the whole; planning checked the whole
-            self._scale_groups(key, (n, k), scale)
+            self._scale_check(key, s, (n, k), scale)
         rows, cols = _index(_intervals(region, 0, n)), _index(_intervals(region, 1, k))
         return tensor.to(torch.float32).mul_(self._expand(scale, rows, cols, None, s.group_size))
 
@@ -443,7 +431,7 @@ class CompressedTensorsQuantizer:
                 f"{key!r} has shape {tuple(tensor.shape)}; a [{n}, {k}] weight of {s.num_bits}-bit values packs "
                 f"into [{n}, {packed_length(k, s.num_bits)}] int32 (weight_shape says [{n}, {k}])."
             )
-        groups = self._packed_scale_check(key, s, (n, k), scale)
+        groups = self._scale_check(key, s, (n, k), scale)
         zp = self._zero_point(key, s, (n, k), groups, companions)
         g_idx = self._g_idx(key, s, k, groups, companions)
         if meta.is_meta(tensor):
@@ -459,9 +447,7 @@ class CompressedTensorsQuantizer:
             q.sub_(self._expand(zp.to(torch.float32), rows, cols, g_idx, s.group_size))
         return q.mul_(self._expand(scale, rows, cols, g_idx, s.group_size))
 
-    def _packed_scale_check(
-        self, key: str, s: WeightScheme, shape: tuple[int, int], scale: torch.Tensor
-    ) -> int:
+    def _scale_check(self, key: str, s: WeightScheme, shape: tuple[int, int], scale: torch.Tensor) -> int:
         n, k = shape
         groups = {"tensor": 1, "channel": 1, "group": math.ceil(k / (s.group_size or 1))}[s.strategy]
         want = (1,) if s.strategy == "tensor" else (n, groups)
@@ -528,7 +514,7 @@ class CompressedTensorsQuantizer:
             out[key], out[prefix + "weight_scale"] = q, new_scale
             return out
         n, k = tuple(w.shape)
-        groups = self._packed_scale_check(key, s, (n, k), scale)
+        groups = self._scale_check(key, s, (n, k), scale)
         zp = self._zero_point(key, s, (n, k), groups, recorded)
         g_idx = self._g_idx(key, s, k, groups, recorded)
         if meta.is_meta(w):
