@@ -28,7 +28,7 @@ from torch import nn
 
 from surgery.checkpoint import write_checkpoint
 
-__all__ = ["Net", "compress_state", "reference_weights", "scheme", "write_compressed"]
+__all__ = ["Net", "compress_state", "reference_weights", "scheme", "write_compressed", "write_model"]
 
 
 class Net(nn.Module):
@@ -129,6 +129,19 @@ def write_compressed(
     model = Net(shapes)
     for p in model.parameters():
         p.data.normal_(0, 0.05)
+    return write_model(model, quant, path, ignore=ignore, config={"model_type": "net"})
+
+
+def write_model(
+    model: nn.Module,
+    quant: QuantizationScheme,
+    path: Path,
+    *,
+    ignore: tuple[str, ...],
+    config: dict[str, Any],
+) -> dict[str, torch.Tensor]:
+    """``model`` quantized (every ``Linear`` not in ``ignore``) and compressed by compressed-tensors, written
+    to ``path`` with ``config`` as its ``config.json`` plus the package's ``quantization_config``."""
     apply_quantization_config(
         model, QuantizationConfig(config_groups={"group_0": quant}, ignore=list(ignore))
     )
@@ -140,7 +153,7 @@ def write_compressed(
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     path.mkdir(parents=True, exist_ok=True)
     write_checkpoint(state, path)
-    (path / "config.json").write_text(json.dumps({"model_type": "net"}))
+    (path / "config.json").write_text(json.dumps(config))
     compressor.update_config(str(path))
     return state
 
