@@ -37,6 +37,7 @@ from .choice import (
 from .compressed_tensors import FORMATS, CompressedTensorsQuantizer
 from .fp8 import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize, expand_block_scales
 from .int8 import Int8WeightOnlyLinear, Int8WeightOnlyQuantizer, int8_kernel_usable, quantize_per_channel
+from .packing import pack_int32, unpack_int32
 from .protocol import (
     QUANTIZATION_METADATA_KEY,
     SMALL_COMPANION_BYTES,
@@ -66,12 +67,14 @@ __all__ = [
     "config_metadata",
     "expand_block_scales",
     "int8_kernel_usable",
+    "pack_int32",
     "quantize_per_channel",
     "quantizer_by_name",
     "quantizer_from_config",
     "quantizer_from_metadata",
     "register_format",
     "registered_formats",
+    "unpack_int32",
 ]
 
 # The formats quantizer_from_config chooses among (one line per format module).
