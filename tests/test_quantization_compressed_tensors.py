@@ -97,8 +97,9 @@ def test_an_as_loaded_save_writes_every_tensor_and_the_quantization_config_back_
 ):
     path, _, shapes = written[name]
     model, _ = _load(path, shapes, dtype=dtype, strict=True)
-    surgery.save_checkpoint(model, tmp_path)
+    files = surgery.save_checkpoint(model, tmp_path)
     assert _tensors(tmp_path) == _tensors(path)
+    assert files.requantized == ()
     assert _qconfig(tmp_path) == _qconfig(path)
 
 
@@ -119,7 +120,9 @@ def test_weights_changed_after_the_load_are_saved_with_fresh_scales_where_they_o
     model, _ = _load(path, shapes)
     with torch.no_grad():
         model.a.weight[3] *= 4  # row 3 no longer fits its scales; every other row does
-    surgery.save_checkpoint(model, tmp_path)
+    files = surgery.save_checkpoint(model, tmp_path)
+    assert files.requantized == ("a.weight_packed",)  # the report says which; b is written as loaded
+    assert "re-quantized 1 tensor(s)" in files.summary()
     saved = load_file(str(tmp_path / "model.safetensors"))
     old, new = state["a.weight_scale"], saved["a.weight_scale"]
     assert torch.equal(torch.cat([old[:3], old[4:]]), torch.cat([new[:3], new[4:]]))
@@ -136,7 +139,9 @@ def test_a_saved_fp8_weight_that_outgrew_its_per_tensor_scale_gets_a_fresh_one(w
     model, _ = _load(path, shapes)
     with torch.no_grad():
         model.a.weight.mul_(3)
-    surgery.save_checkpoint(model, tmp_path)
+        model.b.weight[0, 0] += 0.01  # fits its scale: same scales, changed codes
+    files = surgery.save_checkpoint(model, tmp_path)
+    assert files.requantized == ("a.weight", "b.weight")
     saved = load_file(str(tmp_path / "model.safetensors"))
     assert saved["a.weight_scale"].float() > state["a.weight_scale"].float()
     assert torch.equal(saved["a.input_scale"], state["a.input_scale"])  # kept as loaded

@@ -34,8 +34,8 @@ def write_on_rank_zero(collective: Collective, state: Any, write: Callable[[], l
             for key in state.specs:
                 state[key]
         collective.agree()  # rank 0 has written (or failed): the files are there when this returns
-        return SavedFiles(casts=state.casts)
+        return SavedFiles(casts=state.casts, requantized=state.requantized)
     with collective.step():
         files = write()
     collective.agree()
-    return SavedFiles(files, casts=state.casts)
+    return SavedFiles(files, casts=state.casts, requantized=state.requantized)

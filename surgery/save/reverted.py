@@ -169,6 +169,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
             )
         self._dtype_override = check_save_dtype(dtype)
         self._casts: dict[str, Cast] = {}
+        self._requantized: set[str] = set()
         self._state: dict[str, Any] = _dedup_state(model)
         self._collective = collective or Collective.of_tensors(
             self._state.values(), what="computing the reverted state"
@@ -459,7 +460,10 @@ class RevertedState(Mapping[str, torch.Tensor]):
                     f"saving {name!r}: {self._encoder.name}.encode gave {found} for {k!r}, but the checkpoint "
                     f"had {spec.shape} {spec.dtype}; save with quantization='dequantized' to write floats."
                 )
-        return {k: encoded[k] for k in (name, *recorded)}
+        out = {k: encoded[k] for k in (name, *recorded)}
+        if not _encoded_as_loaded(self._encoder, name, t, out, recorded):
+            self._requantized.add(name)
+        return out
 
     def __getitem__(self, key: str) -> torch.Tensor:
         i = self._group_of.get(key)
@@ -505,6 +509,12 @@ class RevertedState(Mapping[str, torch.Tensor]):
         return tuple(n for g in self._groups if g.encoded for n in g.encoded)
 
     @property
+    def requantized(self) -> tuple[str, ...]:
+        """Keys computed so far that were re-quantized: written with fresh scales (or zero points), or
+        as codes that no longer decode to the model's values (the weights changed since the load)."""
+        return tuple(k for k in self._specs if k in self._requantized)
+
+    @property
     def casts(self) -> tuple[Cast, ...]:
         """The dtype casts of the values computed so far, in write order, each saying if it was lossy."""
         return tuple(self._casts[k] for k in self._specs if k in self._casts)
@@ -519,3 +529,32 @@ class RevertedState(Mapping[str, torch.Tensor]):
         for i, g in enumerate(self._groups):
             self._cache, self._current = {}, None
             yield self._computed(g, last=i == len(self._groups) - 1)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+def _encoded_as_loaded(
+    encoder: QuantizerHooks,
+    name: str,
+    t: torch.Tensor,
+    encoded: dict[str, torch.Tensor],
+    recorded: dict[str, torch.Tensor],
+) -> bool:
+    """Whether ``encoded`` keeps the recorded companions and decodes back to the model's ``t`` exactly.
+
+    One decode per re-encoded weight: a save that wrote codes of changed weights says so
+    (:attr:`RevertedState.requantized`) instead of writing a lossy tensor silently.
+    """
+    if encoded[name].device.type == "meta":
+        return True
+    if not all(_same_bytes(encoded[c], recorded[c].to(encoded[c].device)) for c in recorded):
+        return False
+    companions = {c: encoded[c] for c in recorded}
+    back = encoder.decode(name, encoded[name], companions)
+    return back.shape == t.shape and torch.equal(back.to(t.dtype), t)
