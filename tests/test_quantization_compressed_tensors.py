@@ -85,6 +85,14 @@ def test_every_quantized_weight_decodes_to_compressed_tensors_own_decompression_
     path, state, shapes = written[name]
     model, report = _load(path, shapes, strict=True)
     assert report.ok
+    stored = {k.removesuffix("_packed") for k in state if k.endswith("weight_packed")}
+    stored |= {k for k, v in state.items() if v.dtype == torch.float8_e4m3fn}
+    assert (
+        sorted(k.removesuffix("_packed") for k in report.decoded_keys)
+        == sorted(stored)
+        == ["a.weight", "b.weight"]
+    )
+    assert "decoded (stored quantized, dequantized on read) (2)" in str(report)
     for key, expected in reference_weights(path, state).items():
         assert torch.equal(model.get_parameter(key), expected.to(torch.float32)), key
     assert torch.equal(model.head.weight, state["head.weight"].float())  # ignored: stored in float

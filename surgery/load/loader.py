@@ -465,6 +465,7 @@ def _report(
         conflicts=list(prep.conflicts),
         conversion_errors=[f for _, f in sorted(failures, key=lambda p: p[0])],
         mapped_keys=sorted(mapped, key=order.__getitem__),
+        decoded_keys=_decoded(prep, set(loaded)),
         fusions=prep.plan.fusions,
         tp_world_size=prep.plan.tp_world_size,
         tp_rank=prep.plan.tp_rank,
@@ -476,6 +477,18 @@ def _report(
         notes=list(prep.plan.notes),
         plan=prep.plan,
     )
+
+
+def _decoded(prep: Prepared, loaded: set[str]) -> list[str]:
+    """The checkpoint keys a quantizer decoded for loaded targets, in checkpoint order."""
+    keys = {
+        k
+        for w in prep.work
+        if w.quantizing is not None and loaded.intersection(w.dest_keys)
+        for k in w.entry.source_keys
+        if k in w.quantizing.companions
+    }
+    return [k for k in prep.reader if k in keys]
 
 
 def _left_on_meta(model: nn.Module, filled: set[str] | None = None) -> list[str]:
