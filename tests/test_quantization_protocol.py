@@ -266,7 +266,7 @@ def test_a_quantizer_with_stored_region_may_decode_to_another_shape(tmp_path: Pa
     assert report.ok and report.decoded_keys == ["weight"]
     assert torch.equal(model.weight, w)
     with pytest.raises(surgery.ConversionError, match=r"Broken\.decode\('weight'\) turned shape \(4, 2, 2\)"):
-        QuantizerHooks(Broken()).decode(
+        QuantizerHooks(Broken(decode=Pairs().decode)).decode(
             "weight", w.reshape(4, 2, 2), {}, None
         )  # without stored_region: refused
 
