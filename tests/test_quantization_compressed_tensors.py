@@ -315,6 +315,35 @@ def test_a_stray_companion_whose_weight_is_not_quantized_is_an_error_naming_it(w
     )
 
 
+def test_packed_words_of_a_module_the_config_ignores_are_an_error_never_a_cast(written, tmp_path):
+    src, _, shapes = written["W4A16"]
+    path = _broken(src, tmp_path, lambda s: None)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["ignore"].append("a")
+    (path / "config.json").write_text(json.dumps(config))
+    model = Net(shapes)
+    before = model.a.weight.detach().clone()
+    report = surgery.load_checkpoint(model, path, quantizer=quantizer_by_name("auto", path))
+    assert any("'a.weight_packed' holds packed values" in f.message for f in report.conversion_errors), report
+    assert torch.equal(model.a.weight, before)
+
+
+def test_a_module_the_model_renames_takes_the_scheme_its_class_targeting_groups_share(written):
+    config = _qconfig(written["W4A16"][0])
+    q = CompressedTensorsQuantizer.from_config(config)
+    q.prepare(Net({"a": (4, 8)}))
+    assert q.scheme_of("fused.gate_proj") == q.schemes["group_0"]  # not a module of the model
+    assert q.scheme_of("a") == q.schemes["group_0"] and q.scheme_of("head") is None
+    other = {**config["config_groups"]["group_0"], "targets": ["Embedding"]}
+    other["weights"] = {**other["weights"], "num_bits": 8}
+    q2 = CompressedTensorsQuantizer.from_config(
+        {**config, "config_groups": {**config["config_groups"], "g1": other}}
+    )
+    q2.prepare(Net({"a": (4, 8)}))
+    with pytest.raises(surgery.ConversionError, match=r"'fused\.gate_proj' is not a module of the model"):
+        q2.scheme_of("fused.gate_proj")
+
+
 # --------------------------------------------------------------------------- choosing the quantizer
 
 

@@ -42,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
@@ -230,16 +231,35 @@ class CompressedTensorsQuantizer:
         self._classes = {path: type(m).__name__ for path, m in model.named_modules()}
 
     def scheme_of(self, module: str) -> WeightScheme | None:
-        """The scheme of the module at path ``module`` (``None``: ignored, or no group targets it)."""
+        """The scheme of the module at path ``module`` (``None``: ignored, or no group targets it).
+
+        A path the model does not have (the load renames or fuses it: ``gate_proj`` into
+        ``gate_up_proj``) has no class to match: the groups that target classes decide, when they
+        all quantize the same way.
+
+        Raises:
+            ConversionError: such a path, and class-targeting groups that quantize differently.
+        """
         cls = self._classes.get(module)
         if any(_matches(p, module, cls) for p in self.ignore):
             return None
         for scheme in self.schemes.values():
             if any(_matches(t, module, cls) for t in scheme.targets):
                 return scheme
-        if cls is None and len(self.schemes) == 1:  # a path the model does not know (renamed): the one group
-            return next(iter(self.schemes.values()))
-        return None
+        if cls is not None:
+            return None
+        by_class = {
+            dataclasses.replace(s, targets=()): s
+            for s in self.schemes.values()
+            if any(not t.startswith("re:") for t in s.targets)
+        }
+        if len(by_class) > 1:
+            raise ConversionError(
+                f"{module!r} is not a module of the model (the load renames or fuses it), and the config groups "
+                f"that target module classes ({', '.join(sorted(self.schemes))}) quantize differently: which one "
+                "stored it cannot be told. Load into a model that has the checkpoint's module paths."
+            )
+        return next(iter(by_class.values()), None)
 
     def _split(self, key: str) -> tuple[str, str]:
         module, _, name = key.rpartition(".")
@@ -263,6 +283,12 @@ class CompressedTensorsQuantizer:
     def companions(self, key: str, info: StoredTensor) -> tuple[str, ...]:
         owned = self._owned(key)
         if owned is None:
+            if self._split(key)[1] == "weight_packed":  # packed words never load as they are
+                raise ConversionError(
+                    f"{key!r} holds packed values, but no config group of the quantization_config quantizes "
+                    f"{self._split(key)[0]!r} as pack-quantized (it is ignored or untargeted): the config does not "
+                    "describe this checkpoint."
+                )
             return ()
         prefix, s = owned
         if s.format == _FLOAT:
@@ -279,7 +305,10 @@ class CompressedTensorsQuantizer:
         if name not in _COMPANIONS:
             return None
         prefix = f"{module}." if module else ""
-        scheme = self.scheme_of(module)
+        try:
+            scheme = self.scheme_of(module)
+        except ConversionError:  # the weight's own entry fails saying why
+            scheme = None
         packed = (
             scheme.format == _PACKED if scheme is not None else name not in ("weight_scale", "input_scale")
         )
