@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import ConversionError
 
@@ -63,11 +64,23 @@ def pack_int32(values: torch.Tensor, num_bits: int, *, dim: int = -1) -> torch.T
     if values.dtype.is_floating_point or values.dtype == torch.bool:
         raise ConversionError(f"pack_int32 takes integer values, got {values.dtype}.")
     offset = 1 << (num_bits - 1)
-    v = values.movedim(dim, -1).to(torch.int64) + offset
-    if v.numel() and (int(v.min()) < 0 or int(v.max()) >= 1 << num_bits):
-        raise ConversionError(f"values outside the signed {num_bits}-bit range [{-offset}, {offset - 1}].")
-    n = v.shape[-1]
+    if values.numel():
+        lo, hi = torch.aminmax(values)
+        if int(lo) < -offset or int(hi) >= offset:
+            raise ConversionError(
+                f"values outside the signed {num_bits}-bit range [{-offset}, {offset - 1}]."
+            )
+    moved = values.movedim(dim, -1)
+    n = moved.shape[-1]
     words = packed_length(n, num_bits)
+    if 32 % num_bits == 0:  # whole values per word (int1, 2, 4, 8): shift and add, in int32
+        per = 32 // num_bits
+        v32 = F.pad(moved.to(torch.int32) + offset, (0, words * per - n)).reshape(
+            *moved.shape[:-1], words, per
+        )
+        shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=moved.device)
+        return (v32 << shifts).sum(dim=-1, dtype=torch.int32).movedim(-1, dim).contiguous()
+    v = moved.to(torch.int64) + offset
     word, shift = _layout(n, num_bits)
     out = torch.zeros((*v.shape[:-1], words + 1), dtype=torch.int64, device=v.device)
     low = (v << shift.to(v.device)) & 0xFFFFFFFF
@@ -91,17 +104,23 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, n: int, *, dim: int = -1) 
     _check_bits(num_bits)
     if packed.dtype != torch.int32:
         raise ConversionError(f"packed values are {packed.dtype}; pack-quantized words are int32.")
-    p = packed.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
-    if p.shape[-1] < packed_length(n, num_bits):
+    if packed.shape[dim] < packed_length(n, num_bits):
         raise ConversionError(
-            f"{p.shape[-1]} int32 words hold fewer than the {n} values of {num_bits} bits asked for "
+            f"{packed.shape[dim]} int32 words hold fewer than the {n} values of {num_bits} bits asked for "
             f"({packed_length(n, num_bits)} words)."
         )
+    mask = (1 << num_bits) - 1
+    offset = 1 << (num_bits - 1)
+    if 32 % num_bits == 0:  # whole values per word: shift and mask, in int32
+        w = packed.movedim(dim, -1)[..., : packed_length(n, num_bits)]
+        shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=w.device)
+        v = ((w.unsqueeze(-1) >> shifts) & mask).reshape(*w.shape[:-1], -1)[..., :n]
+        return (v - offset).to(torch.int8).movedim(-1, dim).contiguous()
+    p = packed.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
     word, shift = _layout(n, num_bits)
     word, shift = word.to(p.device), shift.to(p.device)
     p = torch.cat([p, torch.zeros_like(p[..., :1])], dim=-1)  # the word after the last, for spills
-    mask = (1 << num_bits) - 1
     low = p.index_select(-1, word) >> shift
     high = p.index_select(-1, word + 1) << (32 - shift)
     v = torch.where(shift + num_bits > 32, low | high, low) & mask
-    return (v - (1 << (num_bits - 1))).to(torch.int8).movedim(-1, dim).contiguous()
+    return (v - offset).to(torch.int8).movedim(-1, dim).contiguous()
