@@ -404,6 +404,23 @@ def test_quantization_reads_an_fp8_checkpoint_and_convert_writes_it_back_bit_for
     assert filecmp.cmp(src / "model.safetensors", out / "model.safetensors", shallow=False)
 
 
+def test_quantization_auto_reads_a_compressed_tensors_checkpoint_and_convert_writes_it_back(
+    tmp_path: Path, capsys
+) -> None:
+    from ct_reference import compress_state, scheme
+
+    from surgery.examples.decoder import build_decoder_model
+
+    src = tmp_path / "src"
+    state = build_decoder_model(seed=0).state_dict()
+    compress_state(state, scheme(num_bits=4, strategy="channel"), src, quantized=lambda k: "_proj." in k)
+    assert main(["inspect", str(src), "--model", "example-decoder", "--quantization", "auto"]) == 0
+    assert "PROBLEMS" not in capsys.readouterr().out
+    out = tmp_path / "out"
+    assert main(["convert", str(src), str(out), "--model", "example-decoder", "--quantization", "auto"]) == 0
+    assert filecmp.cmp(src / "model.safetensors", out / "model.safetensors", shallow=False)
+
+
 def test_an_fp8_checkpoint_without_a_quantizer_fails_to_convert(tmp_path: Path, capsys) -> None:
     src = _decoder_checkpoint(tmp_path, fp8=True)
     assert main(["convert", str(src), str(tmp_path / "out"), "--model", "example-decoder"]) == 2
