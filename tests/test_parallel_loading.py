@@ -188,7 +188,7 @@ def test_an_fp8_checkpoint_decodes_each_ranks_slices_and_saves_back_bit_for_bit(
     assert ranks[0]["fp8"]["saved_identical"]
 
 
-@pytest.mark.parametrize("name", ["w4", "w4asym", "w8", "fp8"])
+@pytest.mark.parametrize("name", ["w4", "w4asym", "w8", "fp8", "moe-w4"])
 def test_a_compressed_tensors_checkpoint_reads_each_ranks_packed_share_and_saves_back_bit_for_bit(
     ranks, name
 ):

@@ -107,6 +107,10 @@ def write_checkpoints(work: Path) -> None:
     for name, quant in CT_SCHEMES.items():  # compressed-tensors, written by its own compressors
         original = dense.original_state_dict(dense.build_dense_model(DENSE, seed=6))
         compress_state(original, quant, work / f"dense-ct-{name}", quantized=lambda k: "_proj." in k)
+    experts = moe.original_state_dict(moe.build_moe_model(MOE, seed=7))  # per-expert packed weights, merged
+    compress_state(
+        experts, CT_SCHEMES["w4"], work / "moe-ct-w4", quantized=lambda k: "_proj." in k or ".experts." in k
+    )
 
 
 def _single(build, path: Path) -> nn.Module:
@@ -217,15 +221,16 @@ def _compressed_tensors(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     facts: dict[str, Any] = {}
-    for name in CT_SCHEMES:
-        ckpt = work / f"dense-ct-{name}"
+    for name in [*CT_SCHEMES, "moe-w4"]:
+        build = moe_build if name.startswith("moe") else dense_build
+        ckpt = work / (f"moe-ct-{name[4:]}" if name.startswith("moe") else f"dense-ct-{name}")
         quantizer = quantizer_by_name("auto", ckpt)
-        model = dense_build(device="meta")
+        model = build(device="meta")
         report = surgery.load_checkpoint(model, ckpt, tp_plan="auto", device_mesh=mesh, quantizer=quantizer)
         if name == "g16":
             facts[name] = {"errors": [f.message for f in report.conversion_errors]}
             continue
-        ref = dense_build(device="meta")
+        ref = build(device="meta")
         single = surgery.load_checkpoint(ref, ckpt, quantizer=quantizer_by_name("auto", ckpt))
         facts[name] = {
             "ok": report.ok and single.ok,
@@ -235,7 +240,7 @@ def _compressed_tensors(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
             "fallbacks": [str(f) for f in report.tp_fallbacks],
             **_compare(model, ref),
         }
-        out = work / f"dense-ct-{name}-saved"
+        out = work / f"{ckpt.name}-saved"
         surgery.save_checkpoint(model, out)
         dist.barrier()
         if rank == 0:
