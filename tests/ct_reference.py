@@ -51,7 +51,12 @@ def _observe(module: nn.Module) -> None:
     """min/max scales and zero points for the module's weight, as an observer would set them."""
     args = module.quantization_scheme.weights
     w = module.weight.detach().float()
-    if args.strategy == "group":
+    if args.strategy == "block":
+        (b0, b1), (n, k) = args.block_structure, w.shape
+        nb, kb = -(-n // b0), -(-k // b1)
+        blocks = torch.nn.functional.pad(w, (0, kb * b1 - k, 0, nb * b0 - n)).reshape(nb, b0, kb, b1)
+        lo, hi = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
+    elif args.strategy == "group":
         g = w.unflatten(-1, (-1, args.group_size))
         lo, hi = g.amin(-1), g.amax(-1)
     elif args.strategy == "channel":

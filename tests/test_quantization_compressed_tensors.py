@@ -47,6 +47,7 @@ SCHEMES = {
     "int3-channel": (scheme(num_bits=3, strategy="channel"), EDGE),  # values straddle words
     "FP8": (scheme("FP8"), EDGE),  # per-tensor weight scale, static input scale
     "FP8_DYNAMIC": (scheme("FP8_DYNAMIC"), EDGE),  # per-channel weight scale
+    "FP8_BLOCK": (scheme("FP8_BLOCK"), EDGE),  # 128x128 blocks, edge blocks in both dims
 }
 
 

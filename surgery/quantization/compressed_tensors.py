@@ -57,6 +57,7 @@ from ..checkpoint import StoredTensor
 from ..errors import ConfigurationError, ConversionError
 from ..parallel.regions import Region
 from ..transforms import WeightRenaming, WeightTransform
+from .fp8 import FP8BlockQuantizer, blockwise_dequantize
 from .packing import pack_int32, pack_unit, packed_length, unpack_int32
 from .protocol import bounded_repr, first_bad_scale
 
@@ -66,7 +67,7 @@ FORMATS = ("pack-quantized", "float-quantized")
 """The compressed-tensors formats this module reads (the others have quantizers of their own)."""
 
 _PACKED, _FLOAT = FORMATS
-_STRATEGIES = {_PACKED: ("tensor", "channel", "group"), _FLOAT: ("tensor", "channel", "group")}
+_STRATEGIES = {_PACKED: ("tensor", "channel", "group"), _FLOAT: ("tensor", "channel", "group", "block")}
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8 = torch.float8_e4m3fn
 _COMPANIONS = ("weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "input_scale")
@@ -80,6 +81,7 @@ class WeightScheme:
     num_bits: int
     strategy: str
     group_size: int | None
+    block: tuple[int, int] | None
     symmetric: bool
     g_idx: bool
     static_input: bool
@@ -127,6 +129,15 @@ def _scheme(name: str, group: Any, top_format: Any) -> WeightScheme:
     size = w.get("group_size")
     if strategy == "group" and not (isinstance(size, int) and not isinstance(size, bool) and size > 0):
         raise ConfigurationError(f"{where}.weights.group_size={bounded_repr(size)}; give a positive int.")
+    block = w.get("block_structure")
+    if strategy == "block" and not (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ConfigurationError(
+            f"{where}.weights.block_structure={bounded_repr(block)}; give two positive ints, e.g. [128, 128]."
+        )
     symmetric = w.get("symmetric", True)
     if not isinstance(symmetric, bool) or (fmt == _FLOAT and not symmetric):
         raise ConfigurationError(f"{where}.weights.symmetric={bounded_repr(symmetric)}.")
@@ -142,6 +153,7 @@ def _scheme(name: str, group: Any, top_format: Any) -> WeightScheme:
         num_bits=bits if isinstance(bits, int) else 8,
         strategy=strategy,
         group_size=size if strategy == "group" else None,
+        block=(block[0], block[1]) if strategy == "block" else None,
         symmetric=symmetric,
         g_idx=w.get("actorder") == "group",
         static_input=static,
@@ -429,6 +441,8 @@ class CompressedTensorsQuantizer:
         n, k = tensor.shape
         if region is None:  # a part's shape says nothing about the whole; planning checked the whole
             self._scale_check(key, s, (n, k), scale)
+        if s.block is not None:  # DeepSeek-style blocks, scales named weight_scale
+            return blockwise_dequantize(tensor, scale, s.block, region)
         rows, cols = _index(_intervals(region, 0, n)), _index(_intervals(region, 1, k))
         return tensor.to(torch.float32).mul_(self._expand(scale, rows, cols, None, s.group_size))
 
@@ -478,6 +492,14 @@ class CompressedTensorsQuantizer:
 
     def _scale_check(self, key: str, s: WeightScheme, shape: tuple[int, int], scale: torch.Tensor) -> int:
         n, k = shape
+        if s.block is not None:
+            want: tuple[int, ...] = (math.ceil(n / s.block[0]), math.ceil(k / s.block[1]))
+            if tuple(scale.shape) != want:
+                raise ConversionError(
+                    f"{self._split(key)[0]}.weight_scale has shape {tuple(scale.shape)}; a [{n}, {k}] weight in "
+                    f"{s.block[0]}x{s.block[1]} blocks needs {list(want)}."
+                )
+            return want[1]
         groups = {"tensor": 1, "channel": 1, "group": math.ceil(k / (s.group_size or 1))}[s.strategy]
         want = (1,) if s.strategy == "tensor" else (n, groups)
         if tuple(scale.shape) != want and not (s.strategy == "tensor" and scale.numel() == 1):
@@ -538,6 +560,9 @@ class CompressedTensorsQuantizer:
         w = tensor.to(torch.float32)
         scale = self._companion(key, "weight_scale", recorded)
         out = dict(recorded)
+        if s.block is not None:  # the FP8 block encoder, with this format's scale name
+            blocks = FP8BlockQuantizer(block_size=s.block, scale_suffix="_scale")
+            return {**out, **blocks.encode(key, tensor, {key + "_scale": scale})}
         if s.format == _FLOAT:
             q, new_scale = _encode_float(w, scale)
             out[key], out[prefix + "weight_scale"] = q, new_scale
