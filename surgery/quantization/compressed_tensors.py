@@ -153,7 +153,7 @@ def _scheme(name: str, group: Any, top_format: Any) -> WeightScheme:
         num_bits=bits if isinstance(bits, int) else 8,
         strategy=strategy,
         group_size=size if strategy == "group" else None,
-        block=(block[0], block[1]) if strategy == "block" else None,
+        block=(block[0], block[1]) if strategy == "block" and isinstance(block, list) else None,
         symmetric=symmetric,
         g_idx=w.get("actorder") == "group",
         static_input=static,
