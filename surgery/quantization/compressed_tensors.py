@@ -14,7 +14,8 @@ a ``format``; modules named in ``ignore`` are stored in float. Per quantized lin
   ``X.weight_g_idx`` int32 ``[K]``: column ``k`` uses the scale of group ``g_idx[k]``.
   Decoded: ``(q - zero_point) * scale``; the load renames ``X.weight_packed`` to ``X.weight``.
 * ``float-quantized`` (FP8 W8A8): ``X.weight`` float8_e4m3fn ``[N, K]``, ``X.weight_scale``
-  ``[1]`` (per tensor), ``[N, 1]`` (per channel) or ``[N, K/g]``, and with static activation
+  ``[1]`` (per tensor), ``[N, 1]`` (per channel), ``[N, K/g]`` or one per ``block_structure`` block
+  (the FP8 block layout of :mod:`~surgery.quantization.fp8`), and with static activation
   scales ``X.input_scale``, which decoding does not use but the load keeps (read whole on every
   tensor-parallel rank) and an ``as_loaded`` save writes back. Decoded: ``q * weight_scale``.
 
