@@ -335,6 +335,14 @@ def test_a_module_the_model_renames_takes_the_scheme_its_class_targeting_groups_
     q.prepare(Net({"a": (4, 8)}))
     assert q.scheme_of("fused.gate_proj") == q.schemes["group_0"]  # not a module of the model
     assert q.scheme_of("a") == q.schemes["group_0"] and q.scheme_of("head") is None
+
+    class FSDPLinear(torch.nn.Linear):  # fully_shard's class swap keeps Linear among the bases
+        pass
+
+    wrapped = Net({"a": (4, 8)})
+    wrapped.a.__class__ = FSDPLinear
+    q.prepare(wrapped)
+    assert q.scheme_of("a") == q.schemes["group_0"]
     other = {**config["config_groups"]["group_0"], "targets": ["Embedding"]}
     other["weights"] = {**other["weights"], "num_bits": 8}
     q2 = CompressedTensorsQuantizer.from_config(

@@ -162,10 +162,11 @@ def _scheme(name: str, group: Any, top_format: Any) -> WeightScheme:
     )
 
 
-def _matches(pattern: str, path: str, cls: str | None) -> bool:
+def _matches(pattern: str, path: str, classes: tuple[str, ...]) -> bool:
+    """compressed-tensors' target rule: ``re:`` regexes match the path, others a path or a class name."""
     if pattern.startswith("re:"):
         return re.match(pattern[3:], path) is not None
-    return pattern in (path, cls)
+    return pattern == path or pattern in classes
 
 
 def _intervals(region: Region | None, dim: int, n: int) -> list[tuple[int, int]]:
@@ -222,7 +223,7 @@ class CompressedTensorsQuantizer:
             )
         self.ignore = tuple(ignore)
         self._config = copy.deepcopy(dict(config))
-        self._classes: dict[str, str] = {}
+        self._classes: dict[str, tuple[str, ...]] = {}
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> CompressedTensorsQuantizer:
@@ -240,8 +241,14 @@ class CompressedTensorsQuantizer:
 
     # ------------------------------------------------------------------ which scheme a key has
     def prepare(self, model: nn.Module) -> None:
-        """Note each module's class name, for config groups that target classes (``"Linear"``)."""
-        self._classes = {path: type(m).__name__ for path, m in model.named_modules()}
+        """Note each module's class names, for config groups that target classes (``"Linear"``).
+
+        The names of its base classes count too: an FSDP2-wrapped ``Linear`` is an ``FSDPLinear``.
+        """
+        self._classes = {
+            path: tuple(c.__name__ for c in type(m).__mro__ if issubclass(c, nn.Module))
+            for path, m in model.named_modules()
+        }
 
     def scheme_of(self, module: str) -> WeightScheme | None:
         """The scheme of the module at path ``module`` (``None``: ignored, or no group targets it).
@@ -253,13 +260,13 @@ class CompressedTensorsQuantizer:
         Raises:
             ConversionError: such a path, and class-targeting groups that quantize differently.
         """
-        cls = self._classes.get(module)
-        if any(_matches(p, module, cls) for p in self.ignore):
+        classes = self._classes.get(module)
+        if any(_matches(p, module, classes or ()) for p in self.ignore):
             return None
         for scheme in self.schemes.values():
-            if any(_matches(t, module, cls) for t in scheme.targets):
+            if any(_matches(t, module, classes or ()) for t in scheme.targets):
                 return scheme
-        if cls is not None:
+        if classes is not None:
             return None
         by_class = {
             dataclasses.replace(s, targets=()): s
