@@ -7,8 +7,10 @@
 * :mod:`~surgery.quantization.int8`: :class:`Int8WeightOnlyQuantizer`, int8 weight-only
   quantization on the fly into :class:`Int8WeightOnlyLinear`.
 * :mod:`~surgery.quantization.compressed_tensors`: :class:`CompressedTensorsQuantizer`,
-  compressed-tensors ``pack-quantized`` (int4/int8) and ``float-quantized`` (FP8) checkpoints;
-  :mod:`~surgery.quantization.packing`: the int32 packing they use.
+  compressed-tensors ``pack-quantized`` (int4/int8) and ``float-quantized`` (FP8) checkpoints.
+* :mod:`~surgery.quantization.compressed_tensors_config`: the config groups of a compressed-tensors
+  ``quantization_config`` (:class:`WeightScheme`, target matching).
+* :mod:`~surgery.quantization.packing`: the int32 packing ``pack-quantized`` uses.
 * :mod:`~surgery.quantization.choice`: a quantizer by name (``fp8``, ``int8``, ``auto`` from a
   checkpoint's ``config.json``), as the command line takes it, and from a ``quantization_config``
   (:func:`quantizer_from_config`, over the formats :func:`register_format` registered).

@@ -45,9 +45,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,115 +56,16 @@ from ..checkpoint import StoredTensor
 from ..errors import ConfigurationError, ConversionError
 from ..parallel.regions import Region
 from ..transforms import WeightRenaming, WeightTransform
+from .compressed_tensors_config import FLOAT, FORMATS, PACKED, WeightScheme, parse_group, target_matches
 from .fp8 import FP8BlockQuantizer, blockwise_dequantize
 from .packing import pack_int32, pack_unit, packed_length, unpack_int32
 from .protocol import bounded_repr, first_bad_scale
 
 __all__ = ["FORMATS", "CompressedTensorsQuantizer", "WeightScheme"]
 
-FORMATS = ("pack-quantized", "float-quantized")
-"""The compressed-tensors formats this module reads (the others have quantizers of their own)."""
-
-_PACKED, _FLOAT = FORMATS
-_STRATEGIES = {_PACKED: ("tensor", "channel", "group"), _FLOAT: ("tensor", "channel", "group", "block")}
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8 = torch.float8_e4m3fn
 _COMPANIONS = ("weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "input_scale")
-
-
-@dataclass(frozen=True)
-class WeightScheme:
-    """One config group's weight quantization: what decoding a targeted module's weight needs."""
-
-    format: str
-    num_bits: int
-    strategy: str
-    group_size: int | None
-    block: tuple[int, int] | None
-    symmetric: bool
-    g_idx: bool
-    static_input: bool
-    targets: tuple[str, ...]
-
-    @property
-    def qmin(self) -> int:
-        return -(1 << (self.num_bits - 1))
-
-    @property
-    def qmax(self) -> int:
-        return (1 << (self.num_bits - 1)) - 1
-
-
-def _scheme(name: str, group: Any, top_format: Any) -> WeightScheme:
-    where = f"quantization_config.config_groups.{name}"
-    if not isinstance(group, Mapping):
-        raise ConfigurationError(f"{where} is {bounded_repr(group)}, not a dict.")
-    fmt = group.get("format") or top_format
-    if fmt not in FORMATS:
-        raise ConfigurationError(
-            f"{where}.format={bounded_repr(fmt)}; CompressedTensorsQuantizer reads {list(FORMATS)}."
-        )
-    w = group.get("weights")
-    if not isinstance(w, Mapping):
-        raise ConfigurationError(f"{where}.weights={bounded_repr(w)}; a quantized weight scheme is a dict.")
-    bits, kind, strategy = w.get("num_bits"), w.get("type", "int"), w.get("strategy")
-    want_type = "int" if fmt == _PACKED else "float"
-    if kind != want_type:
-        raise ConfigurationError(
-            f"{where}.weights.type={bounded_repr(kind)}; {fmt} weights are {want_type!r}."
-        )
-    if fmt == _PACKED and not (isinstance(bits, int) and not isinstance(bits, bool) and 1 <= bits <= 8):
-        raise ConfigurationError(
-            f"{where}.weights.num_bits={bounded_repr(bits)}; pack-quantized takes 1 to 8."
-        )
-    if fmt == _FLOAT and bits != 8:
-        raise ConfigurationError(
-            f"{where}.weights.num_bits={bounded_repr(bits)}; float-quantized is FP8 (8)."
-        )
-    if strategy not in _STRATEGIES[fmt]:
-        raise ConfigurationError(
-            f"{where}.weights.strategy={bounded_repr(strategy)}; valid for {fmt}: {list(_STRATEGIES[fmt])}."
-        )
-    size = w.get("group_size")
-    if strategy == "group" and not (isinstance(size, int) and not isinstance(size, bool) and size > 0):
-        raise ConfigurationError(f"{where}.weights.group_size={bounded_repr(size)}; give a positive int.")
-    block = w.get("block_structure")
-    if strategy == "block" and not (
-        isinstance(block, list)
-        and len(block) == 2
-        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
-    ):
-        raise ConfigurationError(
-            f"{where}.weights.block_structure={bounded_repr(block)}; give two positive ints, e.g. [128, 128]."
-        )
-    symmetric = w.get("symmetric", True)
-    if not isinstance(symmetric, bool) or (fmt == _FLOAT and not symmetric):
-        raise ConfigurationError(f"{where}.weights.symmetric={bounded_repr(symmetric)}.")
-    targets = group.get("targets", [])
-    if isinstance(targets, str):
-        targets = [targets]
-    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-        raise ConfigurationError(f"{where}.targets={bounded_repr(targets)}; give a list of strings.")
-    inputs = group.get("input_activations")
-    static = isinstance(inputs, Mapping) and inputs.get("dynamic") is False
-    return WeightScheme(
-        format=fmt,
-        num_bits=bits if isinstance(bits, int) else 8,
-        strategy=strategy,
-        group_size=size if strategy == "group" else None,
-        block=(block[0], block[1]) if strategy == "block" and isinstance(block, list) else None,
-        symmetric=symmetric,
-        g_idx=w.get("actorder") == "group",
-        static_input=static,
-        targets=tuple(targets),
-    )
-
-
-def _matches(pattern: str, path: str, classes: tuple[str, ...]) -> bool:
-    """compressed-tensors' target rule: ``re:`` regexes match the path, others a path or a class name."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], path) is not None
-    return pattern == path or pattern in classes
 
 
 def _intervals(region: Region | None, dim: int, n: int) -> list[tuple[int, int]]:
@@ -215,7 +114,7 @@ class CompressedTensorsQuantizer:
             raise ConfigurationError(
                 f"quantization_config.config_groups={bounded_repr(groups)}; give at least one group."
             )
-        self.schemes = {str(n): _scheme(str(n), g, config.get("format")) for n, g in groups.items()}
+        self.schemes = {str(n): parse_group(str(n), g, config.get("format")) for n, g in groups.items()}
         ignore = config.get("ignore") or []
         if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
             raise ConfigurationError(
@@ -261,10 +160,10 @@ class CompressedTensorsQuantizer:
             ConversionError: such a path, and class-targeting groups that quantize differently.
         """
         classes = self._classes.get(module)
-        if any(_matches(p, module, classes or ()) for p in self.ignore):
+        if any(target_matches(p, module, classes or ()) for p in self.ignore):
             return None
         for scheme in self.schemes.values():
-            if any(_matches(t, module, classes or ()) for t in scheme.targets):
+            if any(target_matches(t, module, classes or ()) for t in scheme.targets):
                 return scheme
         if classes is not None:
             return None
@@ -289,14 +188,14 @@ class CompressedTensorsQuantizer:
         """``(prefix, scheme)`` when ``key`` is the stored weight of a quantized module."""
         module, name = self._split(key)
         scheme = self.scheme_of(module)
-        if scheme is None or name != ("weight_packed" if scheme.format == _PACKED else "weight"):
+        if scheme is None or name != ("weight_packed" if scheme.format == PACKED else "weight"):
             return None
         return (f"{module}." if module else ""), scheme
 
     # ------------------------------------------------------------------ hooks
     def update_weight_conversions(self, transforms: list[WeightTransform]) -> list[WeightTransform]:
         """``X.weight_packed`` loads into ``X.weight`` (the model's parameter)."""
-        if not any(s.format == _PACKED for s in self.schemes.values()):
+        if not any(s.format == PACKED for s in self.schemes.values()):
             return transforms
         return [*transforms, WeightRenaming(r"\.weight_packed", ".weight")]
 
@@ -311,7 +210,7 @@ class CompressedTensorsQuantizer:
                 )
             return ()
         prefix, s = owned
-        if s.format == _FLOAT:
+        if s.format == FLOAT:
             if info.dtype.itemsize != 1:  # a float weight of a module no group quantizes (an embedding)
                 return ()
             return (prefix + "weight_scale", *((prefix + "input_scale",) if s.static_input else ()))
@@ -330,7 +229,7 @@ class CompressedTensorsQuantizer:
         except ConversionError:  # the weight's own entry fails saying why
             scheme = None
         packed = (
-            scheme.format == _PACKED if scheme is not None else name not in ("weight_scale", "input_scale")
+            scheme.format == PACKED if scheme is not None else name not in ("weight_scale", "input_scale")
         )
         return prefix + ("weight_packed" if packed else "weight")
 
@@ -383,7 +282,7 @@ class CompressedTensorsQuantizer:
                 on whole int32 words and whole groups; the message names the key, dim and sizes.
         """
         owned = self._owned(key)
-        if owned is None or owned[1].format != _PACKED or region.dim % len(info.shape) != len(info.shape) - 1:
+        if owned is None or owned[1].format != PACKED or region.dim % len(info.shape) != len(info.shape) - 1:
             return region
         s = owned[1]
         unit = pack_unit(s.num_bits)
@@ -413,7 +312,7 @@ class CompressedTensorsQuantizer:
         if owned is None:
             raise ConversionError(f"{key!r} is not a weight a compressed-tensors config group quantizes.")
         scale = self._companion(key, "weight_scale", companions)
-        if owned[1].format == _FLOAT:
+        if owned[1].format == FLOAT:
             return self._decode_float(key, owned[1], tensor, scale, region)
         return self._decode_packed(key, owned[1], tensor, scale, companions, region)
 
@@ -571,7 +470,7 @@ class CompressedTensorsQuantizer:
         if s.block is not None:  # the FP8 block encoder, with this format's scale name
             blocks = FP8BlockQuantizer(block_size=s.block, scale_suffix="_scale")
             return {**out, **blocks.encode(key, tensor, {key + "_scale": scale})}
-        if s.format == _FLOAT:
+        if s.format == FLOAT:
             q, new_scale = _encode_float(w, scale)
             out[key], out[prefix + "weight_scale"] = q, new_scale
             return out
