@@ -97,14 +97,31 @@ class Collective:
 
     @classmethod
     def of_tensors(cls, tensors: Iterable[torch.Tensor], *, what: str) -> Collective:
-        """The collective over the mesh of the first DTensor in ``tensors`` (one process if none)."""
+        """The collective over the ranks of the DTensors in ``tensors`` (one process if none).
+
+        DTensors on one 1-D mesh: its group. On an n-D mesh, or on several meshes (FSDP2 over TP
+        leaves some on a sub-mesh of the root mesh): the default process group, which every rank
+        of the root mesh belongs to.
+        """
+        meshes: dict[Any, Any] = {}  # equal meshes are one (DeviceMesh hashes by its ranks and shape)
         for t in tensors:
             if is_dtensor(t):
                 mesh = t.device_mesh  # type: ignore[attr-defined]
-                if mesh.size() > 1:
-                    return cls(mesh.get_group(), what=what, device_type=mesh.device_type)
-                break
-        return cls(None, what=what)
+                meshes.setdefault(mesh, mesh)
+        spread = [m for m in meshes.values() if m.size() > 1]
+        if not spread:
+            return cls(None, what=what)
+        mesh = spread[0]
+        if len(meshes) == 1 and mesh.ndim == 1:
+            return cls(mesh.get_group(), what=what, device_type=mesh.device_type)
+        import torch.distributed as dist
+
+        return cls(dist.group.WORLD, what=what, device_type=mesh.device_type)
+
+    @property
+    def group(self) -> Any:
+        """The ``torch.distributed`` process group (``None`` for one process)."""
+        return self._group
 
     @property
     def rank(self) -> int:
@@ -114,6 +131,23 @@ class Collective:
         import torch.distributed as dist
 
         return dist.get_rank(self._group)
+
+    @property
+    def size(self) -> int:
+        """How many ranks the group has (1 for one process)."""
+        if self._group is None:
+            return 1
+        import torch.distributed as dist
+
+        return dist.get_world_size(self._group)
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank (``torch.distributed``'s default group) of ``rank`` of this group."""
+        if self._group is None:
+            return rank
+        import torch.distributed as dist
+
+        return dist.get_global_rank(self._group, rank)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

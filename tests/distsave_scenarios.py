@@ -38,6 +38,7 @@ PG_TIMEOUT_S = 60
 DENSE = dense.ExampleDenseConfig()
 WRITE_LIMIT = 16 * 1024  # bytes per file rank 0 may write in the failing-write scenario (the file is ~27 KB)
 FILE_BYTES = b"not a directory\n"
+PROJECTION_SHARD = 400  # bytes per file: first.weight (768 B), ab.weight (384 B), last.weight (192 B) apart
 
 
 class RankRefusal(ops.ConversionOp):
@@ -83,12 +84,14 @@ class Projections(nn.Module):
 
     ``ab.weight`` is cut in two at load; saving gathers ``a`` and ``b`` (two DTensors, one group)
     and concatenates them, and the mapping's :class:`RankRefusal` then fails on rank 1 only: in
-    the middle of the save, or with ``with_last=False`` in its last group.
+    the middle of the save, or with ``with_last=False`` in its last group. Saved with
+    :data:`PROJECTION_SHARD` bytes per file, each key is a file: ``first`` (the largest) goes to
+    rank 0, ``ab.weight`` (and ``last``) to rank 1, which computes them.
     """
 
     def __init__(self, *, with_last: bool = True) -> None:
         super().__init__()
-        self.first = nn.Linear(8, 6, bias=False)
+        self.first = nn.Linear(8, 24, bias=False)
         self.a = nn.Linear(8, 6, bias=False)
         self.b = nn.Linear(8, 6, bias=False)
         if with_last:
@@ -215,14 +218,18 @@ def scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Callable[
     def conversion_error_on_rank_1_only() -> dict[str, Any]:
         projections = _projections_tp(mesh)
         target = work / "projections"
-        facts = _attempt(lambda: surgery.save_checkpoint(projections, target))
+        facts = _attempt(
+            lambda: surgery.save_checkpoint(projections, target, max_shard_size=PROJECTION_SHARD)
+        )
         facts["target_exists"] = target.exists()
         return facts
 
     def conversion_error_on_rank_1_only_in_the_last_group() -> dict[str, Any]:
         projections = _projections_tp(mesh, with_last=False)
         target = work / "projections-last"
-        facts = _attempt(lambda: surgery.save_checkpoint(projections, target))
+        facts = _attempt(
+            lambda: surgery.save_checkpoint(projections, target, max_shard_size=PROJECTION_SHARD)
+        )
         facts["target_exists"] = target.exists()
         return facts
 

@@ -405,6 +405,27 @@ class RevertedState(Mapping[str, torch.Tensor]):
             self._collective.agree()
         return out
 
+    def group_index(self, key: str) -> int:
+        """The index of the group whose computation produces ``key`` (see :attr:`group_keys`).
+
+        Raises:
+            KeyError: ``key`` is not written by this save.
+        """
+        return self._group_of[key]
+
+    def group_sources(self, index: int) -> tuple[str, ...]:
+        """The runtime keys group ``index`` is computed from."""
+        return self._groups[index].sources
+
+    def source(self, key: str) -> Any:
+        """The model's tensor under runtime ``key`` (a DTensor stays one), as a group is computed from it."""
+        return self._state[key]
+
+    def compute_group(self, index: int, sources: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Group ``index``'s outputs from its ``sources`` given whole (:meth:`source` values,
+        DTensors assembled by the caller); runs no collective and keeps nothing."""
+        return self._compute(self._groups[index], sources)
+
     def _compute(self, g: _Group, sources: dict[str, Any]) -> dict[str, torch.Tensor]:
         if g.converter is None:
             (output,) = (

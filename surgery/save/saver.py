@@ -22,13 +22,14 @@ from torch import nn
 
 from ..casting import SavedFiles, is_castable
 from ..checkpoint import check_write_arguments, write_checkpoint, write_file_atomically
+from ..checkpoint.writer import plan_files
 from ..collective import Collective
 from ..fusion import fusion_config_of
 from ..persist import persisted_metadata
 from ..quantization import QuantizerHooks
 from ..record import record_of
 from ..saved_config import SavedConfig, saved_config, write_config_json
-from .distributed import write_on_rank_zero
+from .distributed import write_distributed
 from .quantized import quantized_on_the_fly
 from .reverted import RevertedState
 
@@ -168,14 +169,19 @@ def save_checkpoint(
         described = _describe_written(model, state, written_quantized, original_format=original_format)
         described = replace(described, dtype=_written_dtype(state), dtype_requested=dtype is not None)
 
-    def write() -> list[Path]:
-        files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
+    def finish() -> None:
         _carry_configs(model, Path(path))
         target = Path(path)
         write_config_json(target if target.is_dir() else target.parent, described)
-        return files
 
-    return write_on_rank_zero(collective, state, write)
+    if collective.group is None:
+        files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
+        finish()
+        return SavedFiles(files, casts=state.casts)
+    with collective.step():
+        plan = plan_files(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
+    collective.agree()  # every rank accepted the arguments and planned the same files: nothing touched yet
+    return write_distributed(collective, state, plan, finish)
 
 
 _CARRIED_CONFIGS = ("config.json", "generation_config.json")

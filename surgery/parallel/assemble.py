@@ -1,0 +1,159 @@
+"""A DTensor assembled whole on one rank, from the local shards of the ranks that hold its parts.
+
+A rank's local shard of a DTensor is the whole tensor indexed, on each tensor dim, by a list of
+global indices (:func:`local_indices`): every ``Shard(d)`` and ``_StridedShard(d, sf)`` placement
+narrows the list of dim ``d`` in mesh-dim order (torch's left-to-right convention), ``Replicate``
+leaves it. So the shard is a product of per-dim index lists, and its place in the whole tensor
+is a few boxes (:func:`boxes`: one per combination of contiguous runs; one box for ``Shard``,
+``split_factor`` runs on a dim for ``_StridedShard``).
+
+:func:`assemble_on` moves one DTensor to an ``owner`` rank with point-to-point messages: the
+ranks of the owner's mesh whose shards are distinct (one rank per region: the replicas on a
+``Replicate`` mesh dim are skipped) send theirs, the owner writes each into place, and every
+other rank does nothing. No rank ever holds the whole tensor but the owner, who holds it once.
+
+Example:
+    >>> from torch.distributed.tensor import Shard, Replicate
+    >>> local_indices((4, 6), (2, 2), (1, 0), [Shard(0), Shard(1)])
+    ([2, 3], [0, 1, 2])
+    >>> boxes(([2, 3], [0, 1, 2]))
+    [((2, 0), (0, 0), (2, 3))]
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import ConfigurationError
+
+__all__ = ["assemble_on", "boxes", "local_indices"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+"""``(start in the whole tensor, start in the local shard, size)``, per tensor dim."""
+
+
+def _chunk(indices: Sequence[int], chunks: int, i: int) -> list[int]:
+    """Chunk ``i`` of ``chunks`` of ``indices``, as ``torch.chunk`` cuts (the last ones may be short or empty)."""
+    size = -(-len(indices) // chunks)
+    return list(indices[min(i * size, len(indices)) : min((i + 1) * size, len(indices))])
+
+
+def local_indices(
+    shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any]
+) -> tuple[list[int], ...]:
+    """The global indices, per tensor dim, of the local shard at mesh ``coordinate``.
+
+    ``_StridedShard(d, split_factor=sf)`` cuts the current indices of ``d`` into ``sf`` pieces and
+    keeps chunk ``coordinate`` of each (what FSDP2 over TP does to a TP-sharded dim).
+
+    Raises:
+        ConfigurationError: a placement that is neither ``Replicate``, ``Shard`` nor
+            ``_StridedShard`` (``Partial``: the values are not known until they are reduced).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    indices = [list(range(n)) for n in shape]
+    for mesh_dim, p in enumerate(placements):
+        chunks, i = int(mesh_shape[mesh_dim]), int(coordinate[mesh_dim])
+        if isinstance(p, _StridedShard):
+            sf = int(p.split_factor)
+            pieces = [_chunk(indices[p.dim], sf, j) for j in range(sf)]
+            indices[p.dim] = [k for piece in pieces for k in _chunk(piece, chunks, i)]
+        elif isinstance(p, Shard):
+            indices[p.dim] = _chunk(indices[p.dim], chunks, i)
+        elif not isinstance(p, Replicate):
+            raise ConfigurationError(
+                f"Cannot assemble a DTensor with placement {p!r} on mesh dim {mesh_dim}: only Replicate, "
+                "Shard and _StridedShard are known. Redistribute it (e.g. to Replicate()) before saving."
+            )
+    return tuple(indices)
+
+
+def _runs(indices: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``indices`` as contiguous runs: ``(global start, local start, length)``."""
+    runs: list[tuple[int, int, int]] = []
+    for local, g in enumerate(indices):
+        if runs and runs[-1][0] + runs[-1][2] == g:
+            start, at, n = runs[-1]
+            runs[-1] = (start, at, n + 1)
+        else:
+            runs.append((g, local, 1))
+    return runs
+
+
+def boxes(indices: Sequence[Sequence[int]]) -> list[Box]:
+    """The boxes a local shard with per-dim ``indices`` fills in the whole tensor (none if it is empty)."""
+    per_dim = [_runs(ix) for ix in indices]
+    return [
+        (tuple(r[0] for r in combo), tuple(r[1] for r in combo), tuple(r[2] for r in combo))
+        for combo in itertools.product(*per_dim)
+    ]
+
+
+def _narrow(t: torch.Tensor, start: Sequence[int], size: Sequence[int]) -> torch.Tensor:
+    for d, (a, n) in enumerate(zip(start, size)):
+        t = t.narrow(d, a, n)
+    return t
+
+
+def _coordinate(mesh_ranks: torch.Tensor, rank: int) -> tuple[int, ...]:
+    return tuple(int(c) for c in (mesh_ranks == rank).nonzero()[0])
+
+
+def _senders(mesh: Any, placements: Sequence[Any], owner: int) -> list[tuple[int, tuple[int, ...]]]:
+    """``(global rank, coordinate)`` of the ranks whose shards make up the tensor, seen from ``owner``:
+    on every mesh dim that does not shard, the owner's own coordinate (no replica is sent twice)."""
+    from torch.distributed.tensor import Replicate
+
+    ranks = mesh.mesh
+    at = _coordinate(ranks, owner)
+    out = []
+    for r in sorted(int(x) for x in ranks.flatten()):
+        c = _coordinate(ranks, r)
+        if all(c[d] == at[d] for d, p in enumerate(placements) if isinstance(p, Replicate)):
+            out.append((r, c))
+    return out
+
+
+def assemble_on(t: Any, owner: int, group: Any) -> torch.Tensor | None:
+    """The whole value of DTensor ``t`` on global rank ``owner``; ``None`` on every other rank.
+
+    Collective over the ranks of ``owner``'s mesh (point-to-point on ``group``, which holds them):
+    every rank of ``group`` calls it with the same ``owner``, in the same order as the others;
+    a rank outside the owner's mesh (another sub-mesh of the same root) returns at once.
+    The bytes travel as ``uint8`` (any dtype, float8 included, over any backend).
+    """
+    import torch.distributed as dist
+
+    mesh, placements, shape = t.device_mesh, tuple(t.placements), tuple(t.shape)
+    me = dist.get_rank()
+    if owner not in {int(x) for x in mesh.mesh.flatten()}:
+        return None
+    senders = _senders(mesh, placements, owner)
+    if me != owner:
+        if any(r == me for r, _ in senders):
+            local = t.to_local().contiguous()
+            dist.send(local.reshape(-1).view(torch.uint8), dst=owner, group=group)
+        return None
+    whole = torch.empty(shape, dtype=t.dtype, device=t.to_local().device)
+    for r, coordinate in senders:
+        indices = local_indices(shape, tuple(mesh.mesh.shape), coordinate, placements)
+        local_shape = tuple(len(ix) for ix in indices)
+        if r == me:
+            local = t.to_local()
+        else:
+            buffer = torch.empty(
+                math.prod(local_shape) * t.dtype.itemsize, dtype=torch.uint8, device=whole.device
+            )
+            dist.recv(buffer, src=r, group=group)
+            local = buffer.view(t.dtype).view(local_shape)
+        for start, at, size in boxes(indices):
+            _narrow(whole, start, size).copy_(_narrow(local, at, size))
+        del local
+    return whole
