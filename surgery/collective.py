@@ -99,9 +99,10 @@ class Collective:
     def of_tensors(cls, tensors: Iterable[torch.Tensor], *, what: str) -> Collective:
         """The collective over the ranks of the DTensors in ``tensors`` (one process if none).
 
-        DTensors on one 1-D mesh: its group. On an n-D mesh, or on several meshes (FSDP2 over TP
-        leaves some on a sub-mesh of the root mesh): the default process group, which every rank
-        of the root mesh belongs to.
+        DTensors on one 1-D mesh of every rank: its group. On an n-D mesh, a sub-mesh (TP on
+        ``mesh["tp"]``, replicated over the other dims) or several meshes (FSDP2 over TP leaves
+        some on a sub-mesh of the root mesh): the default process group, so that every rank of
+        the root mesh takes part once (not one call per sub-mesh).
         """
         meshes: dict[Any, Any] = {}  # equal meshes are one (DeviceMesh hashes by its ranks and shape)
         for t in tensors:
@@ -111,11 +112,11 @@ class Collective:
         spread = [m for m in meshes.values() if m.size() > 1]
         if not spread:
             return cls(None, what=what)
-        mesh = spread[0]
-        if len(meshes) == 1 and mesh.ndim == 1:
-            return cls(mesh.get_group(), what=what, device_type=mesh.device_type)
         import torch.distributed as dist
 
+        mesh = spread[0]
+        if len(meshes) == 1 and mesh.ndim == 1 and mesh.size() == dist.get_world_size():
+            return cls(mesh.get_group(), what=what, device_type=mesh.device_type)
         return cls(dist.group.WORLD, what=what, device_type=mesh.device_type)
 
     @property

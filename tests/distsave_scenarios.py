@@ -32,10 +32,11 @@ from surgery import WeightConverter, ops
 from surgery.checkpoint import write_checkpoint
 from surgery.collective import Collective
 from surgery.errors import ConversionError
-from surgery.examples import dense
+from surgery.examples import dense, moe
 
 PG_TIMEOUT_S = 60
 DENSE = dense.ExampleDenseConfig()
+MOE = moe.ExampleMoEConfig(num_attention_heads=4, num_key_value_heads=2)
 WRITE_LIMIT = 16 * 1024  # bytes per file rank 0 may write in the failing-write scenario (the file is ~27 KB)
 FILE_BYTES = b"not a directory\n"
 PROJECTION_SHARD = 400  # bytes per file: first.weight (768 B), ab.weight (384 B), last.weight (192 B) apart
@@ -292,8 +293,219 @@ def scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Callable[
     }.items()
 
 
+# ------------------------------------------------------------------ 4 ranks, a (dp_shard=2, tp=2) mesh
+
+MESH_SHARD = 4096  # bytes per file of the 4-rank saves: several files for every rank to write
+_OPENED: list[str] = []  # files this process opened for writing (an audit hook appends them)
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "open" and isinstance(args[0], (str, os.PathLike)) and any(c in str(args[1]) for c in "wxa"):
+        _OPENED.append(os.fspath(args[0]))
+
+
+class AllocationTracker:
+    """Bytes of tensor storage created while it is active, live and at their peak.
+
+    A ``TorchDispatchMode`` sees every tensor an operator returns; each new storage is counted from
+    then until it is freed (a ``weakref.finalize`` on it). Storages that existed before (the model's
+    local shards) are not counted: the peak is the *extra* memory of what runs inside.
+    """
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker._count(out)
+                return out
+
+        self.mode = _Mode()
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def _count(self, out: Any) -> None:
+        import weakref
+
+        from torch.utils._pytree import tree_flatten
+
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or type(t) is not torch.Tensor:
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in self.live:
+                self.live[key] = storage.nbytes()
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(storage, self._freed, key)
+
+    def _freed(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+
+def write_mesh_inputs(work: Path) -> None:
+    """The checkpoints of the 4-rank scenarios, and a previous sharded checkpoint to overwrite."""
+    write_checkpoint(dense.original_state_dict(dense.build_dense_model(DENSE, seed=1)), work / "dense")
+    write_checkpoint(moe.original_state_dict(moe.build_moe_model(MOE, seed=2)), work / "moe")
+    previous = dense.original_state_dict(dense.build_dense_model(DENSE, seed=5))
+    write_checkpoint(previous, work / "previous", max_shard_size=MESH_SHARD)
+
+
+def _build(family: str) -> nn.Module:
+    if family == "moe":
+        return moe.build_moe_model(MOE, seed=None, device="meta")
+    return dense.build_dense_model(DENSE, seed=None, device="meta")
+
+
+def _loaded(work: Path, family: str) -> nn.Module:
+    model = _build(family)
+    report = surgery.load_checkpoint(model, work / family)
+    assert report.ok, report
+    return model
+
+
+def _fsdp_over_tp(model: nn.Module, mesh: Any) -> nn.Module:
+    """torchtitan's layout on a model loaded in one process: TP on ``mesh["tp"]``, then FSDP2 on
+    ``mesh["dp_shard"]`` per decoder layer and at the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    from surgery.parallel import parallelize
+
+    parallelize(model, "auto", mesh["tp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    return model
+
+
+def _locals_match(model: nn.Module, whole: dict[str, torch.Tensor]) -> tuple[bool, list[str]]:
+    """Every DTensor's local shard equals the whole tensor at the indices ``local_indices`` computes."""
+    from torch.distributed.tensor import DTensor
+
+    from surgery.parallel.assemble import local_indices
+
+    placements: set[str] = set()
+    match = True
+    for key, t in model.state_dict().items():
+        if not isinstance(t, DTensor):
+            continue
+        placements.add(repr(tuple(t.placements)))
+        mesh = t.device_mesh
+        indices = local_indices(tuple(t.shape), tuple(mesh.mesh.shape), mesh.get_coordinate(), t.placements)
+        expected = whole[key]
+        for d, ix in enumerate(indices):
+            expected = expected.index_select(d, torch.tensor(ix, dtype=torch.long))
+        match = match and torch.equal(t.to_local(), expected)
+    return match, sorted(placements)
+
+
+def _memory_bound(model: nn.Module) -> dict[str, int]:
+    """This rank's local shard bytes, and the largest group (its sources whole plus its outputs)."""
+    import math
+
+    from torch.distributed.tensor import DTensor
+
+    from surgery.save.reverted import RevertedState
+
+    local = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        v = t.to_local() if isinstance(t, DTensor) else t
+        local += v.numel() * v.element_size()
+    state = RevertedState(model)
+    largest = 0
+    for i, keys in enumerate(state.group_keys):
+        sources = [state.source(k) for k in state.group_sources(i)]
+        size = sum(math.prod(t.shape) * t.dtype.itemsize for t in sources)
+        size += sum(math.prod(state.spec(k).shape) * state.spec(k).dtype.itemsize for k in keys)
+        largest = max(largest, size)
+    model_bytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in state.specs.values())
+    return {"local_bytes": local, "largest_group_bytes": largest, "model_bytes": model_bytes}
+
+
+def _staged_names(opened: list[str], directory: Path) -> list[str]:
+    """The checkpoint files behind the temporary files this process opened in ``directory``."""
+    from surgery.checkpoint import LEFTOVER_NAME
+
+    names = []
+    for path in opened:
+        m = LEFTOVER_NAME.fullmatch(Path(path).name)
+        if Path(path).parent == directory and m is not None and m["kind"] == "tmp":
+            names.append(m["name"])
+    return sorted(names)
+
+
+def _mesh_family(work: Path, family: str, rank: int, mesh: Any) -> dict[str, Any]:
+    ref = _loaded(work, family)
+    single = work / f"{family}-single-{rank}"
+    surgery.save_checkpoint(ref, single, max_shard_size=MESH_SHARD)
+    model = _fsdp_over_tp(_loaded(work, family), mesh)
+    facts: dict[str, Any] = dict(_memory_bound(model))
+    facts["locals_match"], facts["placements"] = _locals_match(model, ref.state_dict())
+    out = work / f"{family}-mesh"
+    tracker = AllocationTracker()
+    _OPENED.clear()
+    with tracker.mode:
+        facts.update(_attempt(lambda: surgery.save_checkpoint(model, out, max_shard_size=MESH_SHARD)))
+    facts["peak_bytes"] = tracker.peak
+    facts["staged"] = _staged_names(list(_OPENED), out)
+    facts["identical_to_single"] = _files(out) == _files(single)
+    facts["files"] = sorted(_files(out))
+    return facts
+
+
+def mesh_scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
+    """``(name, scenario)`` of the 4-rank spawn: failures first, then the saves that must succeed."""
+    sys.addaudithook(_audit)
+
+    def conversion_error_on_rank_1_only() -> dict[str, Any]:
+        projections = _projections_tp(mesh["tp"])  # TP on the sub-meshes, replicated over dp_shard
+        target = work / "projections"
+        facts = _attempt(
+            lambda: surgery.save_checkpoint(projections, target, max_shard_size=PROJECTION_SHARD)
+        )
+        facts["target_exists"] = target.exists()
+        return facts
+
+    def write_fails_on_rank_2_only() -> dict[str, Any]:
+        model = _fsdp_over_tp(_loaded(work, "dense"), mesh)
+        before = _files(work / "previous")
+        save = lambda: surgery.save_checkpoint(model, work / "previous", max_shard_size=MESH_SHARD)  # noqa: E731
+        if rank == 2:
+            with _file_size_limit(MESH_SHARD // 2):
+                facts = _attempt(save)
+        else:
+            facts = _attempt(save)
+        facts["previous_unchanged"] = _files(work / "previous") == before  # hidden files included
+        facts["hidden"] = sorted(p.name for p in (work / "previous").iterdir() if p.name.startswith("."))
+        return facts
+
+    yield from {
+        "conversion_error_on_rank_1_only": conversion_error_on_rank_1_only,
+        "write_fails_on_rank_2_only": write_fails_on_rank_2_only,
+        "dense": lambda: _mesh_family(work, "dense", rank, mesh),
+        "moe": lambda: _mesh_family(work, "moe", rank, mesh),
+    }.items()
+
+
 def run(rank: int, world: int, workdir: str) -> None:
     run_scenarios(rank, world, workdir, lambda work, mesh: dict(scenarios(work, rank, mesh)))
+
+
+def run_mesh(rank: int, world: int, workdir: str) -> None:
+    """The 4-rank spawn: :func:`mesh_scenarios` on a (dp_shard=2, tp=2) mesh."""
+    run_scenarios(
+        rank,
+        world,
+        workdir,
+        lambda work, mesh: dict(mesh_scenarios(work, rank, mesh)),
+        mesh_shape=(2, world // 2),
+        mesh_dim_names=("dp_shard", "tp"),
+        barrier=True,
+    )
 
 
 def run_scenarios(
@@ -303,10 +515,13 @@ def run_scenarios(
     make: Callable[[Path, Any], dict[str, Callable[[], Any]]],
     *,
     barrier: bool = False,
+    mesh_shape: tuple[int, ...] | None = None,
+    mesh_dim_names: tuple[str, ...] | None = None,
 ) -> None:
     """One rank's body: join the gloo group, run ``make(work, mesh)``'s scenarios in order, write
     their facts to ``<workdir>/rank<r>.json``, leave. ``barrier``: wait for every rank before the
-    group is destroyed (when no scenario leaves a rank behind)."""
+    group is destroyed (when no scenario leaves a rank behind). The mesh is 1-D over every rank
+    unless ``mesh_shape`` (and ``mesh_dim_names``) say otherwise."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -319,7 +534,7 @@ def run_scenarios(
         world_size=world,
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", mesh_shape or (world,), mesh_dim_names=mesh_dim_names)
     facts: dict[str, Any] = {}
     try:
         for name, scenario in make(work, mesh).items():

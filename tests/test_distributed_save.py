@@ -197,3 +197,160 @@ def test_a_single_process_save_raises_the_writers_own_error_before_computing_any
         str(raised.value)
         == f"'{tmp_path / 'a-file'}' exists and is not a directory; pass a directory or a .safetensors path."
     )
+
+
+# ------------------------------------------------------------------ 4 ranks: FSDP2 over TP, distributed
+
+
+@pytest.fixture(scope="module")
+def mesh_ranks(tmp_path_factory) -> list[dict]:
+    """Every rank's facts from one spawn of 4 gloo ranks on a (dp_shard=2, tp=2) mesh."""
+    import torch.multiprocessing as mp
+
+    work = tmp_path_factory.mktemp("distsave-mesh")
+    scenarios = _scenarios_module()
+    scenarios.write_mesh_inputs(work)
+    context = mp.spawn(scenarios.run_mesh, args=(4, str(work)), nprocs=4, join=False)
+    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the ranks did not finish within {SPAWN_DEADLINE_S} s")
+    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(4)]
+    for f in facts:
+        assert "crash" not in f, f["crash"]
+    return facts
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_a_save_from_fsdp2_over_tp_writes_the_single_process_files_byte_for_byte(mesh_ranks, family):
+    for facts in (r[family] for r in mesh_ranks):
+        assert "returned" in facts, facts
+        assert facts["identical_to_single"], facts["files"]
+        assert len(facts["files"]) > 4  # several tensor files, an index
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_fsdp2_over_tp_gives_strided_shards_whose_local_indices_are_computed_exactly(mesh_ranks, family):
+    placements = set(mesh_ranks[0][family]["placements"])
+    assert any("_StridedShard" in p for p in placements), placements  # FSDP's dim 0 over TP's
+    assert any(p.count("Shard") == 1 and "Replicate" not in p for p in placements)  # the dp_shard sub-mesh
+    assert all(r[family]["locals_match"] for r in mesh_ranks)
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_each_rank_writes_exactly_its_assigned_files_and_every_file_is_written_once(mesh_ranks, family):
+    from surgery.checkpoint import SAFE_WEIGHTS_INDEX_NAME
+
+    returned = [r[family]["returned"] for r in mesh_ranks]
+    staged = [r[family]["staged"] for r in mesh_ranks]
+    tensor_files = [f for f in mesh_ranks[0][family]["files"] if f.endswith(".safetensors")]
+    for rank, (files, opened) in enumerate(zip(returned, staged)):
+        assert files, f"rank {rank} wrote nothing"
+        assert sorted(f for f in files if f != SAFE_WEIGHTS_INDEX_NAME) == [
+            f for f in opened if f != SAFE_WEIGHTS_INDEX_NAME
+        ]
+    assert SAFE_WEIGHTS_INDEX_NAME in returned[0] and SAFE_WEIGHTS_INDEX_NAME in staged[0]  # rank 0 commits
+    written = sorted(f for files in returned for f in files if f != SAFE_WEIGHTS_INDEX_NAME)
+    assert written == sorted(tensor_files)  # disjoint, and together every file
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_no_rank_allocates_more_than_its_local_shards_plus_one_group(mesh_ranks, family):
+    for facts in (r[family] for r in mesh_ranks):
+        bound = facts["local_bytes"] + facts["largest_group_bytes"]
+        assert bound < facts["model_bytes"], facts  # the bound excludes a gather of the model
+        assert 0 < facts["peak_bytes"] <= bound, facts
+
+
+def test_a_conversion_error_on_one_of_4_ranks_is_raised_on_every_rank_and_nothing_is_committed(mesh_ranks):
+    facts = [r["conversion_error_on_rank_1_only"] for r in mesh_ranks]
+    for f in facts:
+        assert f.get("raised") == "ConversionError" and f["elapsed"] < WITHIN_S, f
+        assert f["message"] == facts[0]["message"]
+        assert not f["target_exists"]
+    assert (
+        "failed on rank 1 of 4" in facts[0]["message"]
+        and "RankRefusal: rank 1 refuses" in facts[0]["message"]
+    )
+
+
+def test_a_write_failing_on_one_of_4_ranks_is_raised_everywhere_and_keeps_the_previous_checkpoint(mesh_ranks):
+    facts = [r["write_fails_on_rank_2_only"] for r in mesh_ranks]
+    for f in facts:
+        assert f.get("raised") == "CheckpointError" and f["elapsed"] < WITHIN_S, f
+        assert f["message"] == facts[0]["message"]
+        assert f["previous_unchanged"] and f["hidden"] == [], f
+    assert "failed on rank 2 of 4" in facts[0]["message"] and "File too large" in facts[0]["message"]
+
+
+@pytest.mark.parametrize(
+    ("shape", "mesh_shape", "placements"),
+    [
+        ((8, 6), (2, 2), "S0 S0"),
+        ((8, 6), (2, 2), "SS0/2 S0"),
+        ((7, 5), (2, 2), "SS0/2 S0"),
+        ((9, 5), (3, 2), "SS0/2 S1"),
+        ((6, 10), (2, 2), "S1 S1"),
+        ((5, 3), (2, 2), "R S0"),
+        ((12, 4), (2, 3), "SS0/3 S0"),
+        ((3, 4), (2, 2), "SS0/2 S0"),
+        ((10, 4, 6), (2, 2, 2), "S2 SS0/2 S0"),
+    ],
+)
+def test_local_indices_agree_with_torchs_own_shard_arithmetic(shape, mesh_shape, placements):
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from surgery.parallel.assemble import local_indices
+
+    def parse(p: str):
+        if p == "R":
+            return Replicate()
+        if p.startswith("SS"):
+            dim, sf = p[2:].split("/")
+            return _StridedShard(int(dim), split_factor=int(sf))
+        return Shard(int(p[1:]))
+
+    parsed = [parse(p) for p in placements.split()]
+    seen: list[list[tuple[int, ...]]] = []
+    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+        indices = local_indices(shape, mesh_shape, coordinate, parsed)
+        local_shape, offset = _compute_local_shape_and_global_offset(
+            shape, mesh_shape, list(coordinate), parsed
+        )
+        assert tuple(len(ix) for ix in indices) == tuple(local_shape), coordinate
+        assert tuple(ix[0] if ix else offset[d] for d, ix in enumerate(indices)) == tuple(offset), coordinate
+        seen.append(list(itertools.product(*indices)))
+    # the shards of the ranks that differ on the sharded mesh dims tile the tensor exactly once
+    replicated = [m for m, p in enumerate(parsed) if isinstance(p, Replicate)]
+    coords = list(itertools.product(*(range(n) for n in mesh_shape)))
+    tiles = [cells for c, cells in zip(coords, seen) if all(c[m] == 0 for m in replicated)]
+    cells = sorted(cell for tile in tiles for cell in tile)
+    assert cells == sorted(itertools.product(*(range(n) for n in shape)))
+
+
+def test_files_go_to_ranks_largest_first_to_the_least_loaded_rank():
+    from surgery.save.distributed import assign_files
+
+    assert assign_files((10, 40, 30, 20), 2) == (0, 0, 1, 1)  # 40 and 10 on rank 0, 30 and 20 on rank 1
+    assert assign_files((5, 5, 5), 4) == (0, 1, 2)
+    assert assign_files((), 3) == ()
+    owners = assign_files(tuple(range(1, 30)), 4)
+    loads = [sum(n for n, o in zip(range(1, 30), owners) if o == r) for r in range(4)]
+    assert max(loads) - min(loads) <= 29  # never worse than one file apart
+
+
+def test_fsdp2_over_a_packed_tp_shard_is_read_as_fsdp2_holds_it_a_chunk_of_what_tp_left():
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from surgery.parallel.assemble import local_indices
+
+    # TP packed_colwise: each half of 8 rows split over tp=2; FSDP2 then chunks each rank's rows over dp=2
+    placements = [_StridedShard(0, split_factor=2), _StridedShard(0, split_factor=2)]
+    got = {(dp, tp): local_indices((8,), (2, 2), (dp, tp), placements)[0] for dp in (0, 1) for tp in (0, 1)}
+    assert got == {(0, 0): [0, 1], (1, 0): [4, 5], (0, 1): [2, 3], (1, 1): [6, 7]}

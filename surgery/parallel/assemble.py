@@ -48,8 +48,15 @@ def local_indices(
 ) -> tuple[list[int], ...]:
     """The global indices, per tensor dim, of the local shard at mesh ``coordinate``.
 
-    ``_StridedShard(d, split_factor=sf)`` cuts the current indices of ``d`` into ``sf`` pieces and
-    keeps chunk ``coordinate`` of each (what FSDP2 over TP does to a TP-sharded dim).
+    Mesh dims apply in order, each narrowing the indices of the dim it shards; ``_StridedShard(d,
+    split_factor=sf)`` cuts the current indices of ``d`` into ``sf`` pieces and keeps chunk
+    ``coordinate`` of each (a packed weight's halves, each sharded). One exception, for what
+    FSDP2 builds: a ``_StridedShard`` whose ``sf`` is the product of the sizes of the later mesh
+    dims that shard the same tensor dim marks a shard taken *after* them ("right to left": FSDP2
+    chunks dim 0 of the tensor TP left); it applies once they have, as a plain chunk. Where the
+    later dims are plain ``Shard`` both readings give the same indices (torch's arithmetic); where
+    one is itself a ``_StridedShard`` (FSDP2 over a packed TP placement) only this one matches
+    the data FSDP2 holds.
 
     Raises:
         ConfigurationError: a placement that is neither ``Replicate``, ``Shard`` nor
@@ -59,10 +66,19 @@ def local_indices(
     from torch.distributed.tensor.placement_types import _StridedShard
 
     indices = [list(range(n)) for n in shape]
+    after: list[tuple[int, int, int]] = []  # (dim, chunks, coordinate) of right-to-left shards
     for mesh_dim, p in enumerate(placements):
         chunks, i = int(mesh_shape[mesh_dim]), int(coordinate[mesh_dim])
         if isinstance(p, _StridedShard):
             sf = int(p.split_factor)
+            later = math.prod(
+                int(mesh_shape[j])
+                for j in range(mesh_dim + 1, len(placements))
+                if isinstance(placements[j], (Shard, _StridedShard)) and placements[j].dim == p.dim
+            )
+            if later == sf:
+                after.append((p.dim, chunks, i))
+                continue
             pieces = [_chunk(indices[p.dim], sf, j) for j in range(sf)]
             indices[p.dim] = [k for piece in pieces for k in _chunk(piece, chunks, i)]
         elif isinstance(p, Shard):
@@ -72,6 +88,8 @@ def local_indices(
                 f"Cannot assemble a DTensor with placement {p!r} on mesh dim {mesh_dim}: only Replicate, "
                 "Shard and _StridedShard are known. Redistribute it (e.g. to Replicate()) before saving."
             )
+    for dim, chunks, i in reversed(after):
+        indices[dim] = _chunk(indices[dim], chunks, i)
     return tuple(indices)
 
 

@@ -48,7 +48,7 @@ def assign_files(nbytes: tuple[int, ...], ranks: int) -> tuple[int, ...]:
 
     Example:
         >>> assign_files((10, 40, 30, 20), 2)
-        (1, 0, 1, 0)
+        (0, 0, 1, 1)
         >>> assign_files((5,), 4)
         (0,)
     """
