@@ -1,7 +1,7 @@
 """Collective work that fails on every rank together: agreement points between the ranks.
 
-A collective call (a tensor-parallel save: every rank gathers each group's DTensors, rank 0
-writes) hangs when one rank fails and the others wait in a collective it will never enter:
+A collective call (a distributed save: the ranks send each other the parts of each group's
+DTensors, each writes its files, rank 0 commits) hangs when one rank fails and the others wait in a collective it will never enter:
 until the process group's timeout (30 minutes by default), whose error then hides the cause.
 :class:`Collective` prevents that with *agreement points*: places in the call that every rank
 reaches, in the same order, where the ranks exchange whether one of them failed. Local work

@@ -9,6 +9,9 @@
 * :mod:`~surgery.parallel.regions`: :class:`Region` (a rank's part of a tensor) and
   :class:`TPSlice` (what a load plan records of it); a leaf module.
 * :mod:`~surgery.parallel.dtensors`: DTensors recognized, gathered and built at run time.
+* :mod:`~surgery.parallel.assemble`: where each rank's shard of a DTensor lies in the whole
+  tensor (:func:`~surgery.parallel.assemble.local_indices`, any placements on an n-D mesh), and
+  a DTensor assembled whole on one rank (:func:`~surgery.parallel.assemble.assemble_on`).
 
 What one rank reads of a checkpoint is planned in :mod:`surgery.load.sharding`. Every name is
 imported on first use, so ``import surgery.parallel`` imports no ``torch.distributed.tensor``.
