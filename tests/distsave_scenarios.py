@@ -113,6 +113,7 @@ def write_inputs(work: Path) -> None:
     write_checkpoint(dense.original_state_dict(dense.build_dense_model(DENSE, seed=1)), work / "dense")
     (work / "a-file").write_bytes(FILE_BYTES)
     write_checkpoint(dense.original_state_dict(dense.build_dense_model(DENSE, seed=5)), work / "previous")
+    write_killed_inputs(work)
 
 
 def _attempt(call: Callable[[], Any]) -> dict[str, Any]:
@@ -290,6 +291,7 @@ def scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Callable[
         "ctrl_c_in_a_step_on_rank_1_only": ctrl_c_in_a_step_on_rank_1_only,
         "revert_fails_on_rank_1_only": revert_fails_on_rank_1_only,
         "then_a_save_succeeds": then_a_save_succeeds,
+        "killed_in_the_commit": lambda: killed_save(work, model, rank, "commit"),
     }.items()
 
 
@@ -353,6 +355,7 @@ def write_mesh_inputs(work: Path) -> None:
     write_checkpoint(moe.original_state_dict(moe.build_moe_model(MOE, seed=2)), work / "moe")
     previous = dense.original_state_dict(dense.build_dense_model(DENSE, seed=5))
     write_checkpoint(previous, work / "previous", max_shard_size=MESH_SHARD)
+    write_killed_inputs(work)
 
 
 def _build(family: str) -> nn.Module:
@@ -488,7 +491,49 @@ def mesh_scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Call
         "write_fails_on_rank_2_only": write_fails_on_rank_2_only,
         "dense": lambda: _mesh_family(work, "dense", rank, mesh),
         "moe": lambda: _mesh_family(work, "moe", rank, mesh),
+        "killed_between_file_writes": lambda: killed_save(
+            work, _fsdp_over_tp(_loaded(work, "dense"), mesh), rank, "staged"
+        ),
     }.items()
+
+
+# ------------------------------------------------------------------ a distributed save killed midway
+
+KILLED_SHARD = 2048  # bytes per file of the killed saves: several files for each of 2 ranks
+
+
+def write_killed_inputs(work: Path) -> dict[str, torch.Tensor]:
+    """The previous checkpoint (sharded) that the killed save of a spawn's last scenario replaces."""
+    previous = dense.original_state_dict(dense.build_dense_model(DENSE, seed=5))
+    write_checkpoint(previous, work / "killed", max_shard_size=KILLED_SHARD)
+    return previous
+
+
+def _die_after_first(name: str) -> None:
+    """SIGKILL this process right after its next ``os.<name>`` call completes."""
+    real = getattr(os, name)
+
+    def call(*args, **kwargs):
+        result = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    setattr(os, name, call)
+
+
+def killed_save(work: Path, model: nn.Module, rank: int, where: str) -> dict[str, Any]:
+    """A save into ``<work>/killed`` killed at ``where`` (a spawn's last scenario: nothing runs after).
+
+    ``"staged"``: every rank right after its first file is written and fsynced (between the file
+    writes, before the commit). ``"commit"``: rank 0 right after the first rename of its commit
+    (the previous index moved away); the other ranks, waiting at the agreement point after it,
+    are killed by the test.
+    """
+    if where == "staged":
+        _die_after_first("fsync")
+    elif rank == 0:
+        _die_after_first("replace")
+    return _attempt(lambda: surgery.save_checkpoint(model, work / "killed", max_shard_size=KILLED_SHARD))
 
 
 def run(rank: int, world: int, workdir: str) -> None:
@@ -539,6 +584,7 @@ def run_scenarios(
     try:
         for name, scenario in make(work, mesh).items():
             facts[name] = scenario()
+            (work / f"rank{rank}.json").write_text(json.dumps(facts, default=str))  # before a kill
     except Exception:
         facts["crash"] = traceback.format_exc()
     (work / f"rank{rank}.json").write_text(json.dumps(facts, default=str))

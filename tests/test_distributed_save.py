@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -39,25 +38,39 @@ def _scenarios_module():
     return distsave_scenarios
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+def spawn(run, world: int, work: Path) -> list[dict]:
+    """Every rank's facts from ``run`` on ``world`` gloo ranks. The last scenario kills rank 0 in a
+    save (see ``killed_save``); the ranks still alive then are waiting for it, and are killed."""
+    import signal
+
     import torch.multiprocessing as mp
 
+    context = mp.spawn(run, args=(world, str(work)), nprocs=world, join=False)
+    rank0 = context.processes[0]
+    rank0.join(SPAWN_DEADLINE_S)
+    for process in context.processes:
+        if process.exitcode is None:
+            process.kill()
+        process.join()
+    assert rank0.exitcode == -signal.SIGKILL, f"rank 0 was not killed in its last save: {rank0.exitcode}"
+    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(world)]
+    for f in facts:
+        assert "crash" not in f, f["crash"]
+    return facts
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory) -> tuple[list[dict], Path]:
     work = tmp_path_factory.mktemp("distsave")
     scenarios = _scenarios_module()
     scenarios.write_inputs(work)
-    context = mp.spawn(scenarios.run, args=(2, str(work)), nprocs=2, join=False)
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0)):  # True once every rank exited
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {SPAWN_DEADLINE_S} s")
-    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(2)]
-    for f in facts:
-        assert "crash" not in f, f["crash"]
     assert scenarios.PG_TIMEOUT_S > 5 * WITHIN_S
-    return facts
+    return spawn(scenarios.run, 2, work), work
+
+
+@pytest.fixture(scope="module")
+def ranks(spawned) -> list[dict]:
+    return spawned[0]
 
 
 def _raised_alike(ranks: list[dict], scenario: str, error: str) -> str:
@@ -203,24 +216,17 @@ def test_a_single_process_save_raises_the_writers_own_error_before_computing_any
 
 
 @pytest.fixture(scope="module")
-def mesh_ranks(tmp_path_factory) -> list[dict]:
+def mesh_spawned(tmp_path_factory) -> tuple[list[dict], Path]:
     """Every rank's facts from one spawn of 4 gloo ranks on a (dp_shard=2, tp=2) mesh."""
-    import torch.multiprocessing as mp
-
     work = tmp_path_factory.mktemp("distsave-mesh")
     scenarios = _scenarios_module()
     scenarios.write_mesh_inputs(work)
-    context = mp.spawn(scenarios.run_mesh, args=(4, str(work)), nprocs=4, join=False)
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {SPAWN_DEADLINE_S} s")
-    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(4)]
-    for f in facts:
-        assert "crash" not in f, f["crash"]
-    return facts
+    return spawn(scenarios.run_mesh, 4, work), work
+
+
+@pytest.fixture(scope="module")
+def mesh_ranks(mesh_spawned) -> list[dict]:
+    return mesh_spawned[0]
 
 
 @pytest.mark.parametrize("family", ["dense", "moe"])
@@ -354,3 +360,30 @@ def test_fsdp2_over_a_packed_tp_shard_is_read_as_fsdp2_holds_it_a_chunk_of_what_
     placements = [_StridedShard(0, split_factor=2), _StridedShard(0, split_factor=2)]
     got = {(dp, tp): local_indices((8,), (2, 2), (dp, tp), placements)[0] for dp in (0, 1) for tp in (0, 1)}
     assert got == {(0, 0): [0, 1], (1, 0): [4, 5], (0, 1): [2, 3], (1, 1): [6, 7]}
+
+
+# ------------------------------------------------------------------ killed midway
+
+
+@pytest.mark.parametrize(
+    "fixture",
+    ["spawned", "mesh_spawned"],
+    ids=["2 ranks, rank 0 killed in its commit", "4 ranks, every rank killed between its file writes"],
+)
+def test_a_distributed_save_killed_before_its_commit_leaves_the_previous_checkpoint(request, fixture):
+    """The spawns' last save is killed: the directory still loads as exactly the previous
+    checkpoint, and the next save removes what the killed one left."""
+    import torch
+
+    from surgery.checkpoint import LEFTOVER_NAME, open_checkpoint, write_checkpoint
+
+    _, work = request.getfixturevalue(fixture)
+    target = work / "killed"
+    previous = {k: v for k, v in _scenarios_module().write_killed_inputs(work / "expected").items()}
+    left = [p.name for p in target.iterdir() if LEFTOVER_NAME.fullmatch(p.name)]
+    assert left, "the kill came after the save had cleaned up"
+    with open_checkpoint(target) as reader:
+        assert sorted(reader.keys()) == sorted(previous)
+        assert all(torch.equal(reader.get_tensor(k), v) for k, v in previous.items())
+    write_checkpoint({"w": torch.ones(2)}, target)  # the next save recovers and removes the leftovers
+    assert sorted(p.name for p in target.iterdir()) == ["model.safetensors"]
