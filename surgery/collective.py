@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 
 from . import errors
-from .errors import CheckpointError, SurgeryError
+from .errors import CheckpointError, ConfigurationError, SurgeryError
 from .parallel import is_dtensor
 
 __all__ = ["Collective"]
@@ -112,12 +112,8 @@ class Collective:
         spread = [m for m in meshes.values() if m.size() > 1]
         if not spread:
             return cls(None, what=what)
-        import torch.distributed as dist
-
         mesh = spread[0]
-        if len(meshes) == 1 and mesh.ndim == 1 and mesh.size() == dist.get_world_size():
-            return cls(mesh.get_group(), what=what, device_type=mesh.device_type)
-        return cls(dist.group.WORLD, what=what, device_type=mesh.device_type)
+        return cls(_root_group(mesh, several=len(meshes) > 1), what=what, device_type=mesh.device_type)
 
     @property
     def group(self) -> Any:
@@ -213,6 +209,31 @@ class Collective:
         error = _shared_error([_Failure(*f) for f in gathered if f is not None], len(gathered))
         self._shared = error
         raise error
+
+
+def _root_group(mesh: Any, *, several: bool) -> Any:
+    """The process group of every rank of ``mesh``'s root mesh (the mesh it was sliced from).
+
+    A 1-D root mesh: its own group. Otherwise the default group, which must then hold exactly
+    the root mesh's ranks (``torch.distributed`` makes a group over other ranks only with every
+    rank of the default group taking part).
+
+    Raises:
+        ConfigurationError: the root mesh is n-D and covers only some ranks of the default group.
+    """
+    import torch.distributed as dist
+
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh  # torch's one way to it
+    if root.ndim == 1 and not several:
+        return root.get_group()
+    if root.size() != dist.get_world_size():
+        raise ConfigurationError(
+            f"The model's DTensors live on a {root.ndim}-D mesh of {root.size()} ranks inside a process "
+            f"group of {dist.get_world_size()}; a collective save or revert runs over every rank of the "
+            "mesh through the default group. Launch the job with one rank per mesh device, or save from "
+            "a model on a 1-D mesh."
+        )
+    return dist.group.WORLD
 
 
 def _shared_error(failures: list[_Failure], size: int) -> SurgeryError:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 import resource
 import signal
@@ -486,7 +487,33 @@ def mesh_scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Call
         facts["hidden"] = sorted(p.name for p in (work / "previous").iterdir() if p.name.startswith("."))
         return facts
 
+    def assembled_on_every_owner() -> dict[str, Any]:
+        """torch's ``distribute_tensor`` shards a tensor; each rank in turn gets it back whole."""
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        from surgery.parallel.assemble import assemble_on
+
+        cases = {
+            "S0 S1": ((5, 7), [Shard(0), Shard(1)]),
+            "S1 S1": ((3, 9), [Shard(1), Shard(1)]),
+            "R S0": ((3, 4), [Replicate(), Shard(0)]),  # 3 rows over 2: one rank short
+            "S0 R": ((1, 4), [Shard(0), Replicate()]),  # 1 row over 2: one rank empty
+            "R R": ((2, 2), [Replicate(), Replicate()]),
+            "bf16 S0 S0": ((9, 3), [Shard(0), Shard(0)]),
+        }
+        equal: dict[str, bool] = {}
+        for name, (shape, placements) in cases.items():
+            dtype = torch.bfloat16 if name.startswith("bf16") else torch.float32
+            whole = torch.arange(math.prod(shape), dtype=dtype).reshape(shape)
+            dt = distribute_tensor(whole, mesh, placements)
+            for owner in range(mesh.size()):
+                got = assemble_on(dt, owner, None)
+                ok = got is None if owner != rank else got is not None and torch.equal(got, whole)
+                equal[f"{name} on {owner}"] = bool(ok)
+        return equal
+
     yield from {
+        "assembled_on_every_owner": assembled_on_every_owner,
         "conversion_error_on_rank_1_only": conversion_error_on_rank_1_only,
         "write_fails_on_rank_2_only": write_fails_on_rank_2_only,
         "dense": lambda: _mesh_family(work, "dense", rank, mesh),

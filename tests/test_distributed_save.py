@@ -387,3 +387,10 @@ def test_a_distributed_save_killed_before_its_commit_leaves_the_previous_checkpo
         assert all(torch.equal(reader.get_tensor(k), v) for k, v in previous.items())
     write_checkpoint({"w": torch.ones(2)}, target)  # the next save recovers and removes the leftovers
     assert sorted(p.name for p in target.iterdir()) == ["model.safetensors"]
+
+
+def test_a_dtensor_sharded_by_torch_is_assembled_exactly_on_any_owner_and_nowhere_else(mesh_ranks):
+    for rank, facts in enumerate(mesh_ranks):
+        cases = facts["assembled_on_every_owner"]
+        assert len(cases) == 6 * 4
+        assert all(cases.values()), (rank, [k for k, ok in cases.items() if not ok])

@@ -157,8 +157,11 @@ def assemble_on(t: Any, owner: int, group: Any) -> torch.Tensor | None:
     if me != owner:
         if any(r == me for r, _ in senders):
             local = t.to_local().contiguous()
-            dist.send(local.reshape(-1).view(torch.uint8), dst=owner, group=group)
+            if local.numel():
+                dist.send(local.reshape(-1).view(torch.uint8), dst=owner, group=group)
         return None
+    if [r for r, _ in senders] == [me]:
+        return t.to_local()  # replicated on every mesh dim: the owner holds it whole already
     whole = torch.empty(shape, dtype=t.dtype, device=t.to_local().device)
     for r, coordinate in senders:
         indices = local_indices(shape, tuple(mesh.mesh.shape), coordinate, placements)
@@ -169,7 +172,8 @@ def assemble_on(t: Any, owner: int, group: Any) -> torch.Tensor | None:
             buffer = torch.empty(
                 math.prod(local_shape) * t.dtype.itemsize, dtype=torch.uint8, device=whole.device
             )
-            dist.recv(buffer, src=r, group=group)
+            if buffer.numel():  # an empty shard (uneven sharding) is not sent
+                dist.recv(buffer, src=r, group=group)
             local = buffer.view(t.dtype).view(local_shape)
         for start, at, size in boxes(indices):
             _narrow(whole, start, size).copy_(_narrow(local, at, size))
