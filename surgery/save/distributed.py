@@ -93,7 +93,6 @@ class _Rounds(Mapping[str, torch.Tensor]):
         self._round = 0
         self._rounds = max((len(r) for r in runs), default=0)
         self._cache: dict[str, torch.Tensor] = {}
-        self.assembled: list[int] = []  # bytes of DTensors assembled here, per round
 
     def __getitem__(self, key: str) -> torch.Tensor:
         mine = self._runs[self._me]
@@ -142,7 +141,6 @@ class _Rounds(Mapping[str, torch.Tensor]):
             if is_dtensor(t):
                 whole = assemble_on(t, dst, self._collective.group)
                 if whole is not None:
-                    self.assembled.append(whole.numel() * whole.element_size())
                     out[key] = whole
             elif owner == self._me:
                 out[key] = t
