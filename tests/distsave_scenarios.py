@@ -40,6 +40,7 @@ DENSE = dense.ExampleDenseConfig()
 MOE = moe.ExampleMoEConfig(num_attention_heads=4, num_key_value_heads=2)
 WRITE_LIMIT = 16 * 1024  # bytes per file rank 0 may write in the failing-write scenario (the file is ~27 KB)
 FILE_BYTES = b"not a directory\n"
+FP8_BLOCK = (6, 10)  # blocks that straddle every rank boundary (as in tests/tp_scenarios.py)
 PROJECTION_SHARD = 400  # bytes per file: first.weight (768 B), ab.weight (384 B), last.weight (192 B) apart
 
 
@@ -113,6 +114,10 @@ def write_inputs(work: Path) -> None:
     """What the scenarios read: the dense checkpoint, a file where a directory goes, an old checkpoint."""
     write_checkpoint(dense.original_state_dict(dense.build_dense_model(DENSE, seed=1)), work / "dense")
     (work / "a-file").write_bytes(FILE_BYTES)
+    from fp8_reference import quantize_state
+
+    fp8 = quantize_state(dense.original_state_dict(dense.build_dense_model(DENSE, seed=4)), FP8_BLOCK)
+    write_checkpoint(fp8, work / "dense-fp8")
     write_checkpoint(dense.original_state_dict(dense.build_dense_model(DENSE, seed=5)), work / "previous")
     write_killed_inputs(work)
 
@@ -272,6 +277,27 @@ def scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Callable[
         projections = _projections_tp(mesh)
         return _attempt(lambda: surgery.revert_state_dict(projections))
 
+    def sharded_saves_are_shared_and_identical() -> dict[str, Any]:
+        """Dense and FP8 (re-encoded as loaded) TP models saved in several files: each rank
+        writes some, and the files equal a single-process save's."""
+        from surgery.quantization import FP8BlockQuantizer
+
+        facts: dict[str, Any] = {}
+        for name in ("dense", "dense-fp8"):
+            options = {"quantizer": FP8BlockQuantizer(block_size=FP8_BLOCK)} if name == "dense-fp8" else {}
+            ref = dense.build_dense_model(DENSE, seed=None, device="meta")
+            assert surgery.load_checkpoint(ref, work / name, **options).ok
+            single = work / f"{name}-single-{rank}"
+            surgery.save_checkpoint(ref, single, max_shard_size=KILLED_SHARD)
+            tp = dense.build_dense_model(DENSE, seed=None, device="meta")
+            assert surgery.load_checkpoint(tp, work / name, tp_plan="auto", device_mesh=mesh, **options).ok
+            target = work / f"{name}-sharded"
+            got = _attempt(lambda m=tp, t=target: surgery.save_checkpoint(m, t, max_shard_size=KILLED_SHARD))
+            got["identical_to_single"] = _files(target) == _files(single)
+            got["files"] = len(_files(target))
+            facts[name] = got
+        return facts
+
     def then_a_save_succeeds() -> dict[str, Any]:
         target = work / "after"
         facts = _attempt(lambda: surgery.save_checkpoint(model, target))
@@ -291,6 +317,7 @@ def scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Callable[
         "foreign_error_in_a_step_on_rank_1_only": foreign_error_in_a_step_on_rank_1_only,
         "ctrl_c_in_a_step_on_rank_1_only": ctrl_c_in_a_step_on_rank_1_only,
         "revert_fails_on_rank_1_only": revert_fails_on_rank_1_only,
+        "sharded_saves_are_shared_and_identical": sharded_saves_are_shared_and_identical,
         "then_a_save_succeeds": then_a_save_succeeds,
         "killed_in_the_commit": lambda: killed_save(work, model, rank, "commit"),
     }.items()

@@ -394,3 +394,15 @@ def test_a_dtensor_sharded_by_torch_is_assembled_exactly_on_any_owner_and_nowher
         cases = facts["assembled_on_every_owner"]
         assert len(cases) == 6 * 4
         assert all(cases.values()), (rank, [k for k, ok in cases.items() if not ok])
+
+
+@pytest.mark.parametrize("name", ["dense", "dense-fp8"])
+def test_a_tp_save_in_several_files_is_shared_by_the_ranks_and_equals_a_single_process_save(ranks, name):
+    facts = [r["sharded_saves_are_shared_and_identical"][name] for r in ranks]
+    for f in facts:
+        assert f["identical_to_single"] and f["files"] > 3, f
+        assert f["returned"], f  # every rank wrote files
+    written = sorted(n for f in facts for n in f["returned"])
+    assert (
+        len(written) == len(set(written)) == facts[0]["files"]
+    )  # each file once (the source has no config.json to carry)
