@@ -476,6 +476,11 @@ def _mesh_family(work: Path, family: str, rank: int, mesh: Any) -> dict[str, Any
     model = _fsdp_over_tp(_loaded(work, family), mesh)
     facts: dict[str, Any] = dict(_memory_bound(model))
     facts["locals_match"], facts["placements"] = _locals_match(model, ref.state_dict())
+    reverted, expected = surgery.revert_state_dict(model), surgery.revert_state_dict(ref)
+    facts["reverted_equal"] = sorted(reverted) == sorted(expected) and all(
+        torch.equal(reverted[k], expected[k]) for k in expected
+    )
+    del reverted, expected
     out = work / f"{family}-mesh"
     tracker = AllocationTracker()
     _OPENED.clear()

@@ -246,6 +246,13 @@ def test_fsdp2_over_tp_gives_strided_shards_whose_local_indices_are_computed_exa
 
 
 @pytest.mark.parametrize("family", ["dense", "moe"])
+def test_revert_state_dict_from_fsdp2_over_tp_gives_every_rank_the_single_process_tensors(mesh_ranks, family):
+    assert all(
+        r[family]["reverted_equal"] for r in mesh_ranks
+    )  # dense: torch's full_tensor() misplaces gate_up
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
 def test_each_rank_writes_exactly_its_assigned_files_and_every_file_is_written_once(mesh_ranks, family):
     from surgery.checkpoint import SAFE_WEIGHTS_INDEX_NAME
 
@@ -406,3 +413,15 @@ def test_a_tp_save_in_several_files_is_shared_by_the_ranks_and_equals_a_single_p
     assert (
         len(written) == len(set(written)) == facts[0]["files"]
     )  # each file once (the source has no config.json to carry)
+
+
+def test_torch_misreads_only_a_strided_shard_over_a_later_strided_shard_of_the_same_dim():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from surgery.parallel.assemble import torch_misreads
+
+    assert torch_misreads([_StridedShard(0, split_factor=2), _StridedShard(0, split_factor=2)])
+    assert not torch_misreads([_StridedShard(0, split_factor=2), Shard(0)])  # FSDP2 over plain TP
+    assert not torch_misreads([Shard(0), _StridedShard(1, split_factor=2)])
+    assert not torch_misreads([Replicate(), _StridedShard(0, split_factor=2)])

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import ConfigurationError
 
-__all__ = ["assemble_on", "boxes", "local_indices"]
+__all__ = ["assemble_on", "boxes", "local_indices", "torch_misreads", "whole_on_every_rank"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 """``(start in the whole tensor, start in the local shard, size)``, per tensor dim."""
@@ -179,3 +179,35 @@ def assemble_on(t: Any, owner: int, group: Any) -> torch.Tensor | None:
             _narrow(whole, start, size).copy_(_narrow(local, at, size))
         del local
     return whole
+
+
+def torch_misreads(placements: Sequence[Any]) -> bool:
+    """Whether torch's own ``full_tensor()`` misplaces the parts of a DTensor with ``placements``:
+    a ``_StridedShard`` read right to left (see :func:`local_indices`) over a later
+    ``_StridedShard`` of the same dim, as FSDP2 over a packed TP placement makes (torch 2.13)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    strided = [(m, p) for m, p in enumerate(placements) if isinstance(p, _StridedShard)]
+    return any(a.dim == b.dim for i, (_, a) in enumerate(strided) for _, b in strided[i + 1 :])
+
+
+def whole_on_every_rank(t: Any, group: Any) -> torch.Tensor:
+    """The whole value of DTensor ``t`` on every rank of its mesh: assembled on the mesh's lowest
+    rank (:func:`assemble_on`), then sent to the others. Collective over ``t``'s mesh (several
+    sub-meshes of one root each work on their own)."""
+    import torch.distributed as dist
+
+    ranks = sorted(int(x) for x in t.device_mesh.mesh.flatten())
+    owner = ranks[0]
+    whole = assemble_on(t, owner, group)
+    if whole is not None:  # this rank is the owner
+        data = whole.reshape(-1).view(torch.uint8)
+        for r in ranks[1:]:
+            if data.numel():
+                dist.send(data, dst=r, group=group)
+        return whole
+    local = t.to_local()
+    out = torch.empty(tuple(t.shape), dtype=t.dtype, device=local.device)
+    if out.numel():
+        dist.recv(out.reshape(-1).view(torch.uint8), src=owner, group=group)
+    return out
