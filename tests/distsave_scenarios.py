@@ -469,11 +469,25 @@ def _staged_names(opened: list[str], directory: Path) -> list[str]:
     return sorted(names)
 
 
-def _mesh_family(work: Path, family: str, rank: int, mesh: Any) -> dict[str, Any]:
+def _hsdp(model: nn.Module, mesh: Any) -> nn.Module:
+    """HSDP without TP: ``fully_shard`` per decoder layer and at the root on a (dp_replicate,
+    dp_shard) mesh: every parameter ``(Replicate(), Shard(0))``."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _mesh_family(work: Path, family: str, rank: int, mesh: Any, *, hsdp: Any = None) -> dict[str, Any]:
+    """``family`` loaded in one process, parallelized (FSDP2 over TP on ``mesh``, or HSDP on the
+    ``hsdp`` mesh), then saved by every rank: what it wrote, what it allocated."""
     ref = _loaded(work, family)
     single = work / f"{family}-single-{rank}"
     surgery.save_checkpoint(ref, single, max_shard_size=MESH_SHARD)
-    model = _fsdp_over_tp(_loaded(work, family), mesh)
+    model = _fsdp_over_tp(_loaded(work, family), mesh) if hsdp is None else _hsdp(_loaded(work, family), hsdp)
+    family = family if hsdp is None else f"{family}-hsdp"
     facts: dict[str, Any] = dict(_memory_bound(model))
     facts["locals_match"], facts["placements"] = _locals_match(model, ref.state_dict())
     reverted, expected = surgery.revert_state_dict(model), surgery.revert_state_dict(ref)
@@ -519,6 +533,11 @@ def mesh_scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Call
         facts["hidden"] = sorted(p.name for p in (work / "previous").iterdir() if p.name.startswith("."))
         return facts
 
+    def hsdp_mesh() -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+
     def assembled_on_every_owner() -> dict[str, Any]:
         """torch's ``distribute_tensor`` shards a tensor; each rank in turn gets it back whole."""
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -550,6 +569,7 @@ def mesh_scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Call
         "write_fails_on_rank_2_only": write_fails_on_rank_2_only,
         "dense": lambda: _mesh_family(work, "dense", rank, mesh),
         "moe": lambda: _mesh_family(work, "moe", rank, mesh),
+        "dense-hsdp": lambda: _mesh_family(work, "dense", rank, mesh, hsdp=hsdp_mesh()),
         "killed_between_file_writes": lambda: killed_save(
             work, _fsdp_over_tp(_loaded(work, "dense"), mesh), rank, "staged"
         ),

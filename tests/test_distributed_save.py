@@ -229,8 +229,8 @@ def mesh_ranks(mesh_spawned) -> list[dict]:
     return mesh_spawned[0]
 
 
-@pytest.mark.parametrize("family", ["dense", "moe"])
-def test_a_save_from_fsdp2_over_tp_writes_the_single_process_files_byte_for_byte(mesh_ranks, family):
+@pytest.mark.parametrize("family", ["dense", "moe", "dense-hsdp"])
+def test_a_save_from_fsdp2_over_tp_or_hsdp_writes_the_single_process_files_byte_for_byte(mesh_ranks, family):
     for facts in (r[family] for r in mesh_ranks):
         assert "returned" in facts, facts
         assert facts["identical_to_single"], facts["files"]
@@ -252,7 +252,7 @@ def test_revert_state_dict_from_fsdp2_over_tp_gives_every_rank_the_single_proces
     )  # dense: torch's full_tensor() misplaces gate_up
 
 
-@pytest.mark.parametrize("family", ["dense", "moe"])
+@pytest.mark.parametrize("family", ["dense", "moe", "dense-hsdp"])
 def test_each_rank_writes_exactly_its_assigned_files_and_every_file_is_written_once(mesh_ranks, family):
     from surgery.checkpoint import SAFE_WEIGHTS_INDEX_NAME
 
@@ -269,7 +269,7 @@ def test_each_rank_writes_exactly_its_assigned_files_and_every_file_is_written_o
     assert written == sorted(tensor_files)  # disjoint, and together every file
 
 
-@pytest.mark.parametrize("family", ["dense", "moe"])
+@pytest.mark.parametrize("family", ["dense", "moe", "dense-hsdp"])
 def test_no_rank_allocates_more_than_its_local_shards_plus_one_group(mesh_ranks, family):
     for facts in (r[family] for r in mesh_ranks):
         bound = facts["local_bytes"] + facts["largest_group_bytes"]
