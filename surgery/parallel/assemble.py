@@ -120,8 +120,10 @@ def _narrow(t: torch.Tensor, start: Sequence[int], size: Sequence[int]) -> torch
     return t
 
 
-def _coordinate(mesh_ranks: torch.Tensor, rank: int) -> tuple[int, ...]:
-    return tuple(int(c) for c in (mesh_ranks == rank).nonzero()[0])
+def _coordinates(mesh_ranks: torch.Tensor) -> dict[int, tuple[int, ...]]:
+    """Each global rank of a mesh's rank tensor, with its coordinate."""
+    flat = mesh_ranks.flatten().tolist()
+    return dict(zip(flat, itertools.product(*(range(n) for n in mesh_ranks.shape))))
 
 
 def _senders(mesh: Any, placements: Sequence[Any], owner: int) -> list[tuple[int, tuple[int, ...]]]:
@@ -129,14 +131,10 @@ def _senders(mesh: Any, placements: Sequence[Any], owner: int) -> list[tuple[int
     on every mesh dim that does not shard, the owner's own coordinate (no replica is sent twice)."""
     from torch.distributed.tensor import Replicate
 
-    ranks = mesh.mesh
-    at = _coordinate(ranks, owner)
-    out = []
-    for r in sorted(int(x) for x in ranks.flatten()):
-        c = _coordinate(ranks, r)
-        if all(c[d] == at[d] for d, p in enumerate(placements) if isinstance(p, Replicate)):
-            out.append((r, c))
-    return out
+    coordinates = _coordinates(mesh.mesh)
+    at = coordinates[owner]
+    keep = [d for d, p in enumerate(placements) if isinstance(p, Replicate)]
+    return sorted((r, c) for r, c in coordinates.items() if all(c[d] == at[d] for d in keep))
 
 
 def assemble_on(t: Any, owner: int, group: Any) -> torch.Tensor | None:
