@@ -7,6 +7,11 @@ goes to a temporary name in the target directory, is fsynced and renamed into pl
 of a previous checkpoint are removed only once the new one is complete. A failed save (an
 exception, Ctrl-C) undoes its renames and removes its temporary files before it raises.
 
+:func:`write_checkpoint` is :func:`plan_files` (every file planned from the keys and specs),
+:func:`stage_file` per file (under a temporary name) and :func:`commit_files`, inside
+:func:`staging` (which removes the staged files on failure); a distributed save runs the same
+steps with the files staged by different ranks (:mod:`surgery.save.distributed`).
+
 The files keep the names transformers gives them; one rename is the commit point, and a save
 killed at any moment (SIGKILL, OOM) leaves the previous checkpoint or the new one: the protocol,
 and the rule by which readers find the previous checkpoint before the commit, are in
