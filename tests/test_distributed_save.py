@@ -1,11 +1,17 @@
-"""A collective save fails on every rank, with the same error, within seconds; it never hangs.
+"""A collective save is distributed, exact, and fails on every rank together; it never hangs.
 
 One spawn of 2 gloo ranks runs every scenario of ``tests/distsave_scenarios.py`` in one process
 group whose timeout is 60 s. A rank left waiting on a collective that a failed rank never
 enters would wait that long and then raise the timeout instead of the cause; here every rank
 raises the failed rank's error (same class, same message, naming the rank and the cause) in a
-few seconds. The last scenario, a successful save after all the failures, shows that no failure
-left a collective half-entered: the ranks are still in step.
+few seconds. A successful save after all the failures shows that no failure left a collective
+half-entered: the ranks are still in step.
+
+One spawn of 4 gloo ranks on a (dp_shard=2, tp=2) mesh saves models parallelized the torchtitan
+way (TP, then FSDP2 per layer and at the root; and HSDP): the files equal a single-process save's
+byte for byte, each rank writes only the files assigned to it (seen by an audit hook on ``open``),
+and no rank allocates more than its local shards plus one group (storages counted by a
+``TorchDispatchMode``). The last scenario of each spawn is a save killed before its commit.
 """
 
 from __future__ import annotations
