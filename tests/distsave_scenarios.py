@@ -1,12 +1,14 @@
-"""Failing collective saves, run by every rank of a real 2-process gloo group.
+"""Collective saves, failing and succeeding, run by every rank of real gloo groups.
 
-:func:`run` is the body each rank executes (spawned by ``tests/test_distributed_save.py``). The
-process group's timeout is :data:`PG_TIMEOUT_S`: a rank left waiting on a collective that a
-failed rank never enters would sit there that long, so a scenario that returns in a few seconds
-proves nobody waited. Every scenario runs on both ranks, in order, in one group, and records per
-rank what the call returned or raised and how long it took, in ``<workdir>/rank<r>.json``.
-The scenarios after a failure only pass if the ranks are still in step, so the last one, a
-successful save, also checks that no failure left a collective behind.
+:func:`run` is the body each rank of a 2-process group executes, :func:`run_mesh` that of a
+4-process group on a (dp_shard=2, tp=2) mesh (both spawned by ``tests/test_distributed_save.py``,
+through :func:`run_scenarios`). The process group's timeout is :data:`PG_TIMEOUT_S`: a rank left
+waiting on a collective that a failed rank never enters would sit there that long, so a scenario
+that returns in a few seconds proves nobody waited. Every scenario runs on every rank, in order,
+in one group, and records per rank what the call returned or raised and how long it took, in
+``<workdir>/rank<r>.json`` (written after each scenario). The scenarios after a failure only pass
+if the ranks are still in step; the last one of each spawn is a save killed before its commit
+(:func:`killed_save`), which ends the ranks.
 """
 
 from __future__ import annotations
