@@ -431,3 +431,32 @@ def test_torch_misreads_only_a_strided_shard_over_a_later_strided_shard_of_the_s
     assert not torch_misreads([_StridedShard(0, split_factor=2), Shard(0)])  # FSDP2 over plain TP
     assert not torch_misreads([Shard(0), _StridedShard(1, split_factor=2)])
     assert not torch_misreads([Replicate(), _StridedShard(0, split_factor=2)])
+
+
+def test_the_schedule_computes_a_group_once_per_file_it_spans_in_each_owners_write_order(tmp_path):
+    from surgery.checkpoint import write_checkpoint
+    from surgery.checkpoint.writer import plan_files
+    from surgery.examples import moe
+    from surgery.save import RevertedState
+    from surgery.save.distributed import assign_files, schedule
+
+    write_checkpoint(moe.original_state_dict(moe.build_moe_model(seed=2)), tmp_path / "ckpt")
+    model = moe.build_moe_model(seed=None, device="meta")
+    assert surgery.load_checkpoint(model, tmp_path / "ckpt").ok
+    state = RevertedState(model)
+    plan = plan_files(state, tmp_path / "out", max_shard_size=5000, specs=state.specs)
+    owners = assign_files(plan.nbytes, 3)
+    runs = schedule(plan, state, owners, 3)
+    every = [run for mine in runs for run in mine]
+    for rank, mine in enumerate(runs):
+        assert [r.file for r in mine] == sorted(r.file for r in mine)  # file by file
+        assert all(owners[r.file] == rank for r in mine)
+    for run in every:  # one group per run
+        assert {state.group_index(k) for k in run.keys} == {run.group}
+    for i, keys in enumerate(plan.keys):  # every key once, in its file's write order
+        assert [k for run in every if run.file == i for k in run.keys] == list(keys)
+    files_of: dict[int, set[int]] = {}
+    for run in every:
+        assert (run.file, run.group) not in {(r.file, r.group) for r in every if r is not run}
+        files_of.setdefault(run.group, set()).add(run.file)
+    assert any(len(files) > 1 for files in files_of.values())  # a layer's experts straddle two files
