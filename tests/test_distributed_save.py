@@ -460,3 +460,47 @@ def test_the_schedule_computes_a_group_once_per_file_it_spans_in_each_owners_wri
         assert (run.file, run.group) not in {(r.file, r.group) for r in every if r is not run}
         files_of.setdefault(run.group, set()).add(run.file)
     assert any(len(files) > 1 for files in files_of.values())  # a layer's experts straddle two files
+
+
+@pytest.mark.parametrize(
+    ("shape", "mesh_shape", "placements"),
+    [
+        ((8, 6), (2, 2), "SS0/2 S0"),
+        ((8, 6), (2, 2), "SS0/2 SS0/2"),  # FSDP2 over packed TP
+        ((16, 4), (2, 2), "SS0/2 SS0/2"),
+        ((8, 6), (2, 2), "S0 S1"),
+        ((6, 10), (2, 2), "S1 S1"),
+        ((5, 3), (2, 2), "R S0"),
+        ((8, 4, 6), (2, 2, 2), "S2 SS0/2 S0"),
+    ],
+)
+def test_the_save_and_the_load_read_placements_alike(shape, mesh_shape, placements):
+    """assemble.local_indices (what a save puts where) and plan.local_region (what a load reads)
+    are the same arithmetic wherever the load accepts the placements."""
+    import itertools
+    import math
+
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from surgery.parallel import local_region
+    from surgery.parallel.assemble import local_indices
+
+    def parse(p: str):
+        if p == "R":
+            return Replicate()
+        if p.startswith("SS"):
+            dim, sf = p[2:].split("/")
+            return _StridedShard(int(dim), split_factor=int(sf))
+        return Shard(int(p[1:]))
+
+    parsed = tuple(parse(p) for p in placements.split())
+    whole = torch.arange(math.prod(shape)).reshape(shape)
+    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+        region = local_region(parsed, shape, mesh_shape, coordinate)
+        loaded = whole if region is None else region.take(whole)
+        saved = whole
+        for d, ix in enumerate(local_indices(shape, mesh_shape, coordinate, parsed)):
+            saved = saved.index_select(d, torch.tensor(ix, dtype=torch.long))
+        assert torch.equal(loaded, saved), coordinate

@@ -36,7 +36,7 @@ from ..converter import WeightConverter
 from ..errors import ConfigurationError, ConversionError, SurgeryError
 from ..model_state import dtype_name, lossy_cast
 from ..ops import OpContext
-from ..parallel.regions import local_shape
+from ..parallel.regions import Box, local_shape
 from ..placement import all_contiguous, placement_views, source_slot_shapes
 from ..quantization import QuantizerHooks
 from ..record import Origin
@@ -453,7 +453,8 @@ def shard(ctx: Planning, c: Candidate) -> None:
     in_place = c.device.type == "cpu" and not (c.cast or c.decoded or c.produced)
     if chain is None:
         region = sh.regions[0]
-        entry.mode = Mode.DIRECT if in_place and region is not None and region.dim == 0 else Mode.CONVERT
+        whole_rows = isinstance(region, Box) or (region is not None and region.dim == 0)
+        entry.mode = Mode.DIRECT if in_place and whole_rows else Mode.CONVERT
         return
     param = ctx.runtime[entry.target_keys[0]]
     local = local_shape(tuple(param.shape), sh.regions[0])
