@@ -12,6 +12,9 @@
 * :mod:`~surgery.parallel.mesh_shape`: :class:`~surgery.parallel.mesh_shape.MeshShape`, a named
   n-D mesh as plain numbers, and the placements FSDP2 over TP gives a parameter (dry runs).
 * :mod:`~surgery.parallel.dtensors`: DTensors recognized, gathered and built at run time.
+* :mod:`~surgery.parallel.assemble`: where each rank's shard of a DTensor lies in the whole
+  tensor (:func:`~surgery.parallel.assemble.local_indices`, any placements on an n-D mesh), and
+  a DTensor assembled whole on one rank (:func:`~surgery.parallel.assemble.assemble_on`).
 
 What one rank reads of a checkpoint is planned in :mod:`surgery.load.sharding`. Every name is
 imported on first use, so ``import surgery.parallel`` imports no ``torch.distributed.tensor``.

@@ -401,12 +401,44 @@ class RevertedState(Mapping[str, torch.Tensor]):
         writes the last values and commits only once every rank has computed everything.
         """
         self._collective.agree()
-        sources = {k: full_tensor(self._state[k]) for k in g.sources}
+        sources = {k: self._whole(self._state[k]) for k in g.sources}
         with self._collective.step():
             out = self._compute(g, sources)
         if last:
             self._collective.agree()
         return out
+
+    def group_index(self, key: str) -> int:
+        """The index of the group whose computation produces ``key`` (see :attr:`group_keys`).
+
+        Raises:
+            KeyError: ``key`` is not written by this save.
+        """
+        return self._group_of[key]
+
+    def group_sources(self, index: int) -> tuple[str, ...]:
+        """The runtime keys group ``index`` is computed from."""
+        return self._groups[index].sources
+
+    def source(self, key: str) -> Any:
+        """The model's tensor under runtime ``key`` (a DTensor stays one), as a group is computed from it."""
+        return self._state[key]
+
+    def compute_group(self, index: int, sources: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Group ``index``'s outputs from its ``sources`` given whole (:meth:`source` values,
+        DTensors assembled by the caller); runs no collective and keeps nothing."""
+        return self._compute(self._groups[index], sources)
+
+    def _whole(self, t: Any) -> Any:
+        """A source gathered whole on every rank (a collective for a DTensor); torch's
+        ``full_tensor()`` unless it misplaces the parts (FSDP2 over a packed TP placement)."""
+        if not is_dtensor(t):
+            return t
+        from ..parallel.assemble import torch_misreads, whole_on_every_rank
+
+        if torch_misreads(t.placements):
+            return whole_on_every_rank(t, self._collective.group)
+        return full_tensor(t)
 
     def _compute(self, g: _Group, sources: dict[str, Any]) -> dict[str, torch.Tensor]:
         if g.converter is None:
