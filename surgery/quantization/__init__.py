@@ -6,6 +6,9 @@
   (DeepSeek-V3 layout) decoded on read and re-encoded bit for bit on save.
 * :mod:`~surgery.quantization.int8`: :class:`Int8WeightOnlyQuantizer`, int8 weight-only
   quantization on the fly into :class:`Int8WeightOnlyLinear`.
+* :mod:`~surgery.quantization.mxfp4`: :class:`Mxfp4Quantizer`, gpt-oss MXFP4 experts
+  (``*_blocks``/``*_scales``) decoded on read and saved back byte for byte (bit-level FP4
+  helpers in :mod:`~surgery.quantization.fp4`).
 * :mod:`~surgery.quantization.compressed_tensors`: :class:`CompressedTensorsQuantizer`,
   compressed-tensors ``pack-quantized`` (int4/int8) and ``float-quantized`` (FP8) checkpoints.
 * :mod:`~surgery.quantization.compressed_tensors_config`: the config groups of a compressed-tensors
@@ -39,6 +42,7 @@ from .choice import (
 from .compressed_tensors import FORMATS, CompressedTensorsQuantizer
 from .fp8 import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize, expand_block_scales
 from .int8 import Int8WeightOnlyLinear, Int8WeightOnlyQuantizer, int8_kernel_usable, quantize_per_channel
+from .mxfp4 import Mxfp4Quantizer, mxfp4_dequantize
 from .packing import pack_int32, unpack_int32
 from .protocol import (
     QUANTIZATION_METADATA_KEY,
@@ -59,6 +63,7 @@ __all__ = [
     "FP8BlockQuantizer",
     "Int8WeightOnlyLinear",
     "Int8WeightOnlyQuantizer",
+    "Mxfp4Quantizer",
     "QuantizedModule",
     "Quantizer",
     "QuantizerHooks",
@@ -69,6 +74,7 @@ __all__ = [
     "config_metadata",
     "expand_block_scales",
     "int8_kernel_usable",
+    "mxfp4_dequantize",
     "pack_int32",
     "quantize_per_channel",
     "quantizer_by_name",
@@ -83,6 +89,7 @@ __all__ = [
 register_format("fp8", FP8BlockQuantizer.from_config)
 register_format(Int8WeightOnlyQuantizer.method, Int8WeightOnlyQuantizer.from_config)
 register_format(CompressedTensorsQuantizer.method, CompressedTensorsQuantizer.from_config, formats=FORMATS)
+register_format(Mxfp4Quantizer.method, Mxfp4Quantizer.from_config)
 
 BUILTIN_QUANTIZERS: dict[str, Any] = {Int8WeightOnlyQuantizer.method: Int8WeightOnlyQuantizer}
 """``quant_method`` → quantizer class with ``from_config``, for checkpoints that persisted one."""

@@ -19,7 +19,8 @@ A quantizer is any object; the loader looks up each hook by name and uses the on
 * ``stored_region(key, region, info) -> Region``: for a format whose decoded tensor has another
   shape than the stored one (values packed several to a word: compressed-tensors
   ``weight_packed``), the part of the stored ``key`` that holds ``region`` of the decoded values;
-  a tensor-parallel rank reads only that. Its ``decode`` may change the shape; planning learns
+  a tensor-parallel rank reads only that (on another dim where decoding transposes: gpt-oss MXFP4
+  blocks). Its ``decode`` may change the shape; planning learns
   the decoded shape from a ``meta`` run, with the values of small companions (at most
   :data:`SMALL_COMPANION_BYTES`: a stored ``weight_shape``) read.
 * ``companion_of(key) -> str | None``: the key ``key`` would be a companion of (``X.weight`` for
@@ -246,11 +247,10 @@ class QuantizerHooks:
         if "stored_region" not in self._hooks:
             return region
         result = self._call("stored_region", key, key, region, info)
-        if not isinstance(result, Region) or result.dim % max(len(info.shape), 1) != region.dim % max(
-            len(info.shape), 1
-        ):
+        if not isinstance(result, Region) or not -len(info.shape) <= result.dim < max(len(info.shape), 1):
             raise ConfigurationError(
-                f"{self.name}.stored_region({key!r}) returned {bounded_repr(result)}; return a Region of the same dim."
+                f"{self.name}.stored_region({key!r}) returned {bounded_repr(result)}; return a Region of a dim of "
+                f"the stored {tuple(info.shape)} tensor."
             )
         return result
 

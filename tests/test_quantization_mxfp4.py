@@ -1,0 +1,285 @@
+"""gpt-oss MXFP4 experts: decoded exactly as transformers decodes them, saved back byte for byte.
+
+The fixture is a tiny transformers ``GptOssForCausalLM`` whose expert weights are written in the
+layout gpt-oss ships (``*_blocks`` uint8 ``[E, R, G, 16]``, ``*_scales`` E8M0 ``[E, R, G]``) from
+random codes and exponents; the oracle is transformers' own ``integrations/mxfp4.py``
+dequantize, run in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+from transformers import GptOssConfig, GptOssForCausalLM
+from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
+
+import surgery
+from surgery.checkpoint import write_checkpoint
+from surgery.parallel.regions import Region
+from surgery.quantization import Mxfp4Quantizer, mxfp4_dequantize, quantizer_by_name, quantizer_from_config
+from surgery.quantization.fp4 import E2M1_VALUES, e2m1_decode, e2m1_encode, pack_nibbles, unpack_nibbles
+
+QCONFIG = {
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
+    "quant_method": "mxfp4",
+}
+PROJS = ("gate_up_proj", "down_proj")
+
+
+def _config() -> GptOssConfig:
+    return GptOssConfig(
+        vocab_size=64,
+        hidden_size=64,  # H: two 32-value blocks per gate_up row
+        intermediate_size=96,  # I: three blocks per down_proj row; 2I = 192 gate_up rows
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+    )
+
+
+def _model(dtype: torch.dtype = torch.float32) -> GptOssForCausalLM:
+    torch.manual_seed(0)
+    return GptOssForCausalLM(_config()).to(dtype).eval()
+
+
+def _write(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A gpt-oss MXFP4 checkpoint of the tiny model: experts as random blocks and scales."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for k, v in _model().state_dict().items():
+        name = k.rpartition(".")[2]
+        if name in PROJS:
+            e, a, b = v.shape  # [E, K, R] in the model: stored [E, R, K/32, 16]
+            state[k + "_blocks"] = torch.randint(0, 256, (e, b, a // 32, 16), dtype=torch.uint8, generator=g)
+            state[k + "_scales"] = torch.randint(118, 132, (e, b, a // 32), dtype=torch.uint8, generator=g)
+        else:  # bf16 as gpt-oss ships them; random, so a bias loaded as zeros or misplaced shows
+            state[k] = (torch.randn(v.shape, generator=g) * 0.1).to(torch.bfloat16)
+    write_checkpoint(state, path)
+    (path / "config.json").write_text(json.dumps({**_config().to_dict(), "quantization_config": QCONFIG}))
+    return state
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    path = tmp_path_factory.mktemp("gptoss-mxfp4")
+    return path, _write(path)
+
+
+def _tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    return {
+        k: (str(v.dtype), tuple(v.shape), v.contiguous().view(torch.uint8).numpy().tobytes())
+        for k, v in load_file(str(path / "model.safetensors")).items()
+    }
+
+
+def _load(path: Path, dtype: torch.dtype = torch.float32) -> tuple[GptOssForCausalLM, surgery.LoadReport]:
+    model = _model(dtype)
+    report = surgery.load_checkpoint(model, path, quantizer=quantizer_by_name("auto", path), strict=True)
+    return model, report
+
+
+# --------------------------------------------------------------------------- decode and save
+
+
+def test_auto_picks_the_mxfp4_quantizer_from_quant_method():
+    q = quantizer_from_config(QCONFIG)
+    assert isinstance(q, Mxfp4Quantizer)
+    assert q.quantization_config() == QCONFIG
+
+
+def test_every_expert_weight_decodes_to_transformers_own_dequantize_bit_for_bit(written):
+    path, state = written
+    model, report = _load(path)
+    assert report.ok, report
+    blocks = sorted(k for k in state if k.endswith("_blocks"))
+    assert sorted(report.decoded_keys) == blocks and len(blocks) == 4
+    for key in blocks:
+        name = key.removesuffix("_blocks")
+        expected = convert_moe_packed_tensors(state[key], state[name + "_scales"], dtype=torch.float32)
+        got = model.get_parameter(name)
+        assert got.shape == expected.shape, name
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), name  # -0.0 included
+    bias = "model.layers.0.mlp.experts.gate_up_proj_bias"
+    assert torch.equal(model.get_parameter(bias), state[bias].float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_as_loaded_save_writes_every_tensor_and_the_quantization_config_back_byte_for_byte(
+    written, dtype, tmp_path
+):
+    path, _ = written
+    model, _ = _load(path, dtype)
+    files = surgery.save_checkpoint(model, tmp_path)
+    assert _tensors(tmp_path) == _tensors(path)
+    assert files.requantized == ()
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"] == QCONFIG
+
+
+def test_the_loaded_model_runs_like_transformers_dequantized_experts(written):
+    path, state = written
+    model, _ = _load(path)
+    reference = _model()
+    floats = {
+        k.removesuffix("_blocks"): convert_moe_packed_tensors(
+            v, state[k.replace("_blocks", "_scales")], dtype=torch.float32
+        )
+        for k, v in state.items()
+        if k.endswith("_blocks")
+    }
+    floats |= {k: v.float() for k, v in state.items() if not k.endswith(("_blocks", "_scales"))}
+    reference.load_state_dict(floats)
+    ids = torch.tensor([[1, 5, 9, 2, 33, 7]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_expert_weights_changed_after_the_load_get_fresh_scales_only_where_they_outgrew_theirs(
+    written, tmp_path
+):
+    path, state = written
+    model, _ = _load(path)
+    experts = model.model.layers[1].mlp.experts
+    with torch.no_grad():
+        experts.down_proj[2, :32, 5] *= 64  # one block (expert 2, row 5, block 0) outgrows its scale
+    files = surgery.save_checkpoint(model, tmp_path)
+    assert files.requantized == ("model.layers.1.mlp.experts.down_proj_blocks",)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    old, new = (
+        state["model.layers.1.mlp.experts.down_proj_scales"],
+        saved["model.layers.1.mlp.experts.down_proj_scales"],
+    )
+    changed = (old != new).nonzero().tolist()
+    assert changed == [[2, 5, 0]] and int(new[2, 5, 0]) == int(old[2, 5, 0]) + 6
+    decoded = mxfp4_dequantize(saved["model.layers.1.mlp.experts.down_proj_blocks"], new)
+    assert torch.equal(decoded, experts.down_proj.detach())  # x64 of E2M1 values is exact: nothing clipped
+    for key in (
+        "model.layers.0.mlp.experts.down_proj_blocks",
+        "model.layers.1.mlp.experts.gate_up_proj_blocks",
+    ):
+        assert torch.equal(saved[key], state[key])
+
+
+def test_decode_of_a_parallel_region_equals_the_slice_of_the_whole_decode(written):
+    path, state = written
+    q = Mxfp4Quantizer(QCONFIG)
+    key = "model.layers.0.mlp.experts.down_proj_blocks"
+    blocks, scales = state[key], state[key.replace("_blocks", "_scales")]
+    whole = q.decode(key, blocks, {key.replace("_blocks", "_scales"): scales})  # [E, I, H] = [4, 96, 64]
+    info = surgery.open_checkpoint(path).info(key)
+    for region in (
+        Region.of(0, [(2, 4)]),
+        Region.of(1, [(32, 96)]),
+        Region.of(2, [(16, 48)]),
+        Region.of(0, [(0, 1), (3, 4)]),
+    ):
+        stored = q.stored_region(key, region, info)
+        idx = torch.cat([torch.arange(a, b) for a, b in stored.intervals])
+        part = blocks.index_select(stored.dim, idx)
+        got = q.decode(key, part, {key.replace("_blocks", "_scales"): scales}, region)
+        want = whole.index_select(region.dim, torch.cat([torch.arange(a, b) for a, b in region.intervals]))
+        assert torch.equal(got, want), region
+        assert part.numel() * 2 == want.numel()  # only the packed share is read
+
+
+def test_a_split_inside_a_32_value_block_is_a_configuration_error_naming_key_dim_and_block_size(written):
+    path, _ = written
+    key = "model.layers.0.mlp.experts.down_proj_blocks"
+    info = surgery.open_checkpoint(path).info(key)
+    with pytest.raises(
+        surgery.ConfigurationError, match=r"down_proj_blocks.*dim 1.*\[0, 48\).*block size 32"
+    ):
+        Mxfp4Quantizer().stored_region(key, Region.of(1, [(0, 48)]), info)
+
+
+def _broken(src: Path, dst: Path, change) -> Path:
+    state = load_file(str(src / "model.safetensors"))
+    change(state)
+    write_checkpoint(state, dst)
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    return dst
+
+
+K = "model.layers.0.mlp.experts.gate_up_proj"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda s: s.pop(K + "_scales"), rf"{re.escape(K)}_blocks.*needs.*{re.escape(K)}_scales"),
+        (lambda s: s.__setitem__(K + "_scale", s.pop(K + "_scales")), rf"{re.escape(K)}_scales"),
+        (
+            lambda s: s.__setitem__(K + "_scales", s[K + "_scales"].float()),
+            r"_scales.*torch.float32.*uint8 E8M0",
+        ),
+        (lambda s: s[K + "_scales"].__setitem__((1, 3, 0), 255), r"_scales.*\(1, 3, 0\).*byte 255.*NaN"),
+        (lambda s: s.__setitem__(K + "_scales", s[K + "_scales"][:, :, :1].clone()), r"_scales.*shape"),
+        (
+            lambda s: s.__setitem__(K + "_blocks", s[K + "_blocks"].to(torch.int8)),
+            r"_blocks.*torch.int8.*uint8",
+        ),
+    ],
+    ids=["missing-scales", "misnamed-scales", "float-scales", "nan-scale", "scale-shape", "int8-blocks"],
+)
+def test_missing_misnamed_or_wrong_scales_are_an_error_naming_the_key_never_raw_codes(
+    written, tmp_path, change, message
+):
+    src, _ = written
+    path = _broken(src, tmp_path, change)
+    model = _model()
+    before = model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
+    report = surgery.load_checkpoint(model, path, quantizer=quantizer_by_name("auto", path))
+    assert not report.ok
+    messages = [f.message for f in report.conversion_errors] + [str(report)]
+    assert any(re.search(message, m, re.S) for m in messages), report
+    assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, before)
+
+
+def test_a_config_that_is_not_mxfp4_is_refused_naming_the_field():
+    with pytest.raises(surgery.ConfigurationError, match="modules_to_not_convert"):
+        Mxfp4Quantizer({"quant_method": "mxfp4", "modules_to_not_convert": "router"})
+    with pytest.raises(surgery.ConfigurationError, match="mxfp4"):
+        Mxfp4Quantizer({"quant_method": "fp8"})
+
+
+# --------------------------------------------------------------------------- bit-level properties
+
+
+def test_the_e2m1_table_is_the_ocp_one_transformers_uses():
+    assert list(E2M1_VALUES) == FP4_VALUES
+    assert [torch.signbit(torch.tensor(v)).item() for v in E2M1_VALUES] == [c >= 8 for c in range(16)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 255), min_size=1, max_size=64), st.integers(1, 3))
+def test_unpacking_then_packing_gives_the_bytes_back_and_encoding_decoded_codes_gives_the_codes(raw, rows):
+    packed = torch.tensor(raw * rows, dtype=torch.uint8).reshape(rows, -1)
+    codes = unpack_nibbles(packed)
+    assert torch.equal(codes[..., 0::2], packed & 15) and torch.equal(codes[..., 1::2], packed >> 4)
+    assert torch.equal(pack_nibbles(codes), packed)
+    assert torch.equal(e2m1_encode(e2m1_decode(codes)), codes)  # -0.0 is code 8 again
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=1, max_size=64))
+def test_encoding_rounds_to_the_nearest_e2m1_value_ties_to_even(values):
+    x = torch.tensor(values, dtype=torch.float32)
+    got = e2m1_decode(e2m1_encode(x))
+    grid = torch.tensor(E2M1_VALUES[:8])
+    dist = (x.abs().clamp(max=6).unsqueeze(-1) - grid).abs()
+    best = dist.min(dim=-1).values
+    assert torch.equal((got.abs() - x.abs().clamp(max=6)).abs(), best)  # nearest
+    ties = (dist == best.unsqueeze(-1)).sum(-1) > 1
+    even = (e2m1_encode(x) & 1) == 0
+    assert bool(even[ties].all())  # a value halfway goes to the even mantissa
