@@ -3,21 +3,24 @@
 The fixture is a tiny transformers ``GptOssForCausalLM`` whose expert weights are written in the
 layout gpt-oss ships (``*_blocks`` uint8 ``[E, R, G, 16]``, ``*_scales`` E8M0 ``[E, R, G]``) from
 random codes and exponents; the oracle is transformers' own ``integrations/mxfp4.py``
-dequantize, run in float32.
+dequantize, run in float32. One spawn of 2 gloo ranks (``tests/mxfp4_scenarios.py``) loads it
+expert-parallel and tensor-parallel.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mxfp4_scenarios import QCONFIG, tiny_model, write_mxfp4
 from safetensors.torch import load_file
-from transformers import GptOssConfig, GptOssForCausalLM
+from transformers import GptOssForCausalLM
 from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
 
 import surgery
@@ -26,55 +29,11 @@ from surgery.parallel.regions import Region
 from surgery.quantization import Mxfp4Quantizer, mxfp4_dequantize, quantizer_by_name, quantizer_from_config
 from surgery.quantization.fp4 import E2M1_VALUES, e2m1_decode, e2m1_encode, pack_nibbles, unpack_nibbles
 
-QCONFIG = {
-    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
-    "quant_method": "mxfp4",
-}
-PROJS = ("gate_up_proj", "down_proj")
-
-
-def _config() -> GptOssConfig:
-    return GptOssConfig(
-        vocab_size=64,
-        hidden_size=64,  # H: two 32-value blocks per gate_up row
-        intermediate_size=96,  # I: three blocks per down_proj row; 2I = 192 gate_up rows
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=8,
-    )
-
-
-def _model(dtype: torch.dtype = torch.float32) -> GptOssForCausalLM:
-    torch.manual_seed(0)
-    return GptOssForCausalLM(_config()).to(dtype).eval()
-
-
-def _write(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A gpt-oss MXFP4 checkpoint of the tiny model: experts as random blocks and scales."""
-    g = torch.Generator().manual_seed(seed)
-    state = {}
-    for k, v in _model().state_dict().items():
-        name = k.rpartition(".")[2]
-        if name in PROJS:
-            e, a, b = v.shape  # [E, K, R] in the model: stored [E, R, K/32, 16]
-            state[k + "_blocks"] = torch.randint(0, 256, (e, b, a // 32, 16), dtype=torch.uint8, generator=g)
-            state[k + "_scales"] = torch.randint(118, 132, (e, b, a // 32), dtype=torch.uint8, generator=g)
-        else:  # bf16 as gpt-oss ships them; random, so a bias loaded as zeros or misplaced shows
-            state[k] = (torch.randn(v.shape, generator=g) * 0.1).to(torch.bfloat16)
-    write_checkpoint(state, path)
-    (path / "config.json").write_text(json.dumps({**_config().to_dict(), "quantization_config": QCONFIG}))
-    return state
-
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     path = tmp_path_factory.mktemp("gptoss-mxfp4")
-    return path, _write(path)
+    return path, write_mxfp4(path)
 
 
 def _tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
@@ -85,7 +44,7 @@ def _tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
 
 
 def _load(path: Path, dtype: torch.dtype = torch.float32) -> tuple[GptOssForCausalLM, surgery.LoadReport]:
-    model = _model(dtype)
+    model = tiny_model(dtype)
     report = surgery.load_checkpoint(model, path, quantizer=quantizer_by_name("auto", path), strict=True)
     return model, report
 
@@ -130,7 +89,7 @@ def test_an_as_loaded_save_writes_every_tensor_and_the_quantization_config_back_
 def test_the_loaded_model_runs_like_transformers_dequantized_experts(written):
     path, state = written
     model, _ = _load(path)
-    reference = _model()
+    reference = tiny_model()
     floats = {
         k.removesuffix("_blocks"): convert_moe_packed_tensors(
             v, state[k.replace("_blocks", "_scales")], dtype=torch.float32
@@ -237,7 +196,7 @@ def test_missing_misnamed_or_wrong_scales_are_an_error_naming_the_key_never_raw_
 ):
     src, _ = written
     path = _broken(src, tmp_path, change)
-    model = _model()
+    model = tiny_model()
     before = model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
     report = surgery.load_checkpoint(model, path, quantizer=quantizer_by_name("auto", path))
     assert not report.ok
@@ -283,3 +242,67 @@ def test_encoding_rounds_to_the_nearest_e2m1_value_ties_to_even(values):
     ties = (dist == best.unsqueeze(-1)).sum(-1) > 1
     even = (e2m1_encode(x) & 1) == 0
     assert bool(even[ties].all())  # a value halfway goes to the even mantissa
+
+
+# --------------------------------------------------------------------------- expert and tensor parallel
+
+SPAWN_DEADLINE_S = 600
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    import mxfp4_scenarios
+    import torch.multiprocessing as mp
+
+    work = tmp_path_factory.mktemp("mxfp4-parallel")
+    write_mxfp4(work / "gptoss-mxfp4")
+    context = mp.spawn(mxfp4_scenarios.run, args=(2, str(work)), nprocs=2, join=False)
+    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the ranks did not finish within {SPAWN_DEADLINE_S} s")
+    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(2)]
+    for f in facts:
+        assert "crash" not in f, f["crash"]
+    return facts
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["ep", "tp"])
+def test_each_rank_decodes_exactly_its_slice_of_the_full_decode(ranks, layout):
+    for rank in ranks:
+        facts = rank[layout]
+        assert facts["ok"], facts["errors"]
+        assert facts["local_equals_slice_of_full_decode"] and all(
+            facts["local_equals_slice_of_full_decode"].values()
+        )
+        assert len(facts["decoded_keys"]) == 4
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["ep", "tp"])
+def test_each_rank_reads_only_its_share_of_the_sharded_blocks(ranks, layout):
+    for rank in ranks:
+        facts = rank[layout]
+        saved = facts["sharded_blocks_bytes"] // 2 + facts["sharded_bias_bytes"] // 2
+        assert facts["bytes_read"] == facts["single_bytes"] - saved, facts
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["ep", "tp"])
+def test_the_parallel_model_saves_back_byte_for_byte(ranks, layout):
+    assert ranks[0][layout]["saved_identical"]
+    assert ranks[0][layout]["saved_quantization_config"] == QCONFIG
+    assert all(rank[layout]["requantized"] == [] for rank in ranks)
+
+
+@pytest.mark.distributed
+def test_a_split_inside_a_block_fails_on_every_rank_naming_key_dim_and_block_size(ranks):
+    for rank in ranks:
+        facts = rank["misaligned"]
+        assert not facts["ok"]
+        assert any(
+            re.search(r"down_proj_blocks.*dim 1.*\[\d+, \d+\).*block size 32", m) for m in facts["errors"]
+        ), facts["errors"]
