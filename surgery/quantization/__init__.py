@@ -6,6 +6,8 @@
   (DeepSeek-V3 layout) decoded on read and re-encoded bit for bit on save.
 * :mod:`~surgery.quantization.int8`: :class:`Int8WeightOnlyQuantizer`, int8 weight-only
   quantization on the fly into :class:`Int8WeightOnlyLinear`.
+* :mod:`~surgery.quantization.compressed_fp4`: :class:`CompressedFp4Quantizer`, compressed-tensors
+  ``nvfp4-pack-quantized`` and ``mxfp4-pack-quantized`` decoded on read and saved back byte for byte.
 * :mod:`~surgery.quantization.mxfp4`: :class:`Mxfp4Quantizer`, gpt-oss MXFP4 experts
   (``*_blocks``/``*_scales``) decoded on read and saved back byte for byte (bit-level FP4
   helpers in :mod:`~surgery.quantization.fp4`).
@@ -39,6 +41,7 @@ from .choice import (
     register_format,
     registered_formats,
 )
+from .compressed_fp4 import FP4_FORMATS, CompressedFp4Quantizer
 from .compressed_tensors import FORMATS, CompressedTensorsQuantizer
 from .fp8 import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize, expand_block_scales
 from .int8 import Int8WeightOnlyLinear, Int8WeightOnlyQuantizer, int8_kernel_usable, quantize_per_channel
@@ -59,6 +62,7 @@ __all__ = [
     "QUANTIZATION_CHOICES",
     "QUANTIZATION_METADATA_KEY",
     "SMALL_COMPANION_BYTES",
+    "CompressedFp4Quantizer",
     "CompressedTensorsQuantizer",
     "FP8BlockQuantizer",
     "Int8WeightOnlyLinear",
@@ -89,6 +93,7 @@ __all__ = [
 register_format("fp8", FP8BlockQuantizer.from_config)
 register_format(Int8WeightOnlyQuantizer.method, Int8WeightOnlyQuantizer.from_config)
 register_format(CompressedTensorsQuantizer.method, CompressedTensorsQuantizer.from_config, formats=FORMATS)
+register_format(CompressedFp4Quantizer.method, CompressedFp4Quantizer.from_config, formats=FP4_FORMATS)
 register_format(Mxfp4Quantizer.method, Mxfp4Quantizer.from_config)
 
 BUILTIN_QUANTIZERS: dict[str, Any] = {Int8WeightOnlyQuantizer.method: Int8WeightOnlyQuantizer}

@@ -46,6 +46,8 @@ __all__ = ["Mxfp4Quantizer", "mxfp4_dequantize"]
 
 _BLOCKS, _SCALES = "_blocks", "_scales"
 _BLOCK = 32  # values per scale
+_OVERFLOW = E2M1_MAX * (1 + 2**-8)
+"""Above this a value outgrew its scale; below it, it rounds to 6 (a decoded 6 rounded up by a last bit)."""
 _MAX_SCALE = 252
 """The largest E8M0 byte whose blocks decode finite in float32 (6 * 2**125 < float32 max)."""
 
@@ -237,7 +239,7 @@ class Mxfp4Quantizer:
             )
         exp = e8m0_exponent(scales.to(w.device))
         q = torch.ldexp(w, -exp.unsqueeze(-1))
-        over = q.abs().amax(dim=-1) > E2M1_MAX
+        over = q.abs().amax(dim=-1) > _OVERFLOW
         if bool(over.any()):
             amax = w.abs().amax(dim=-1)
             fresh = torch.ceil(torch.log2(amax / E2M1_MAX)).clamp(-E8M0_BIAS, _MAX_SCALE - E8M0_BIAS)
