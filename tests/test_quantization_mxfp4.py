@@ -3,22 +3,20 @@
 The fixture is a tiny transformers ``GptOssForCausalLM`` whose expert weights are written in the
 layout gpt-oss ships (``*_blocks`` uint8 ``[E, R, G, 16]``, ``*_scales`` E8M0 ``[E, R, G]``) from
 random codes and exponents; the oracle is transformers' own ``integrations/mxfp4.py``
-dequantize, run in float32. One spawn of 2 gloo ranks (``tests/mxfp4_scenarios.py``) loads it
-expert-parallel and tensor-parallel.
+dequantize, run in float32. Expert- and tensor-parallel loads: ``tests/test_quantization_fp4_parallel.py``.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from fp4_scenarios import QCONFIG, tiny_model, write_mxfp4
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mxfp4_scenarios import QCONFIG, tiny_model, write_mxfp4
 from safetensors.torch import load_file
 from transformers import GptOssForCausalLM
 from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
@@ -242,67 +240,3 @@ def test_encoding_rounds_to_the_nearest_e2m1_value_ties_to_even(values):
     ties = (dist == best.unsqueeze(-1)).sum(-1) > 1
     even = (e2m1_encode(x) & 1) == 0
     assert bool(even[ties].all())  # a value halfway goes to the even mantissa
-
-
-# --------------------------------------------------------------------------- expert and tensor parallel
-
-SPAWN_DEADLINE_S = 600
-
-
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    import mxfp4_scenarios
-    import torch.multiprocessing as mp
-
-    work = tmp_path_factory.mktemp("mxfp4-parallel")
-    write_mxfp4(work / "gptoss-mxfp4")
-    context = mp.spawn(mxfp4_scenarios.run, args=(2, str(work)), nprocs=2, join=False)
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {SPAWN_DEADLINE_S} s")
-    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(2)]
-    for f in facts:
-        assert "crash" not in f, f["crash"]
-    return facts
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["ep", "tp"])
-def test_each_rank_decodes_exactly_its_slice_of_the_full_decode(ranks, layout):
-    for rank in ranks:
-        facts = rank[layout]
-        assert facts["ok"], facts["errors"]
-        assert facts["local_equals_slice_of_full_decode"] and all(
-            facts["local_equals_slice_of_full_decode"].values()
-        )
-        assert len(facts["decoded_keys"]) == 4
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["ep", "tp"])
-def test_each_rank_reads_only_its_share_of_the_sharded_blocks(ranks, layout):
-    for rank in ranks:
-        facts = rank[layout]
-        saved = facts["sharded_blocks_bytes"] // 2 + facts["sharded_bias_bytes"] // 2
-        assert facts["bytes_read"] == facts["single_bytes"] - saved, facts
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["ep", "tp"])
-def test_the_parallel_model_saves_back_byte_for_byte(ranks, layout):
-    assert ranks[0][layout]["saved_identical"]
-    assert ranks[0][layout]["saved_quantization_config"] == QCONFIG
-    assert all(rank[layout]["requantized"] == [] for rank in ranks)
-
-
-@pytest.mark.distributed
-def test_a_split_inside_a_block_fails_on_every_rank_naming_key_dim_and_block_size(ranks):
-    for rank in ranks:
-        facts = rank["misaligned"]
-        assert not facts["ok"]
-        assert any(
-            re.search(r"down_proj_blocks.*dim 1.*\[\d+, \d+\).*block size 32", m) for m in facts["errors"]
-        ), facts["errors"]

@@ -1,11 +1,14 @@
-"""gpt-oss MXFP4 checkpoints and the expert- and tensor-parallel loads of them, run by every rank of a gloo group.
+"""FP4 checkpoints loaded expert- and tensor-parallel, run by every rank of a 2-process gloo group.
 
-:func:`write_mxfp4` writes the fixture (a tiny ``GptOssForCausalLM`` whose experts are stored as
-gpt-oss ships them: ``*_blocks``/``*_scales``) and is shared with ``tests/test_quantization_mxfp4.py``.
-:func:`run` is the body each rank of its 2-process spawn executes: every scenario parallelizes
-the experts of a fresh model with ``distribute_tensor`` (expert parallel: ``Shard(0)``; tensor
-parallel: the model's last dims), loads the checkpoint into it and records what the rank read,
-what its local shards hold and whether the parallel save wrote the files back unchanged.
+:func:`write_mxfp4` writes the gpt-oss fixture (a tiny ``GptOssForCausalLM`` whose experts are
+stored as gpt-oss ships them: ``*_blocks``/``*_scales``), shared with
+``tests/test_quantization_mxfp4.py``; :func:`write_inputs` writes it and the compressed-tensors
+NVFP4 and MXFP4 checkpoints (``tests/ct_fp4_reference.py``). :func:`run` is the body each rank
+executes: the gpt-oss scenarios parallelize the experts of a fresh model with ``distribute_tensor``
+(expert parallel: ``Shard(0)``; tensor parallel: the model's last dims), the compressed-tensors
+ones load with a ``tp_plan`` (``colwise``: rows; ``rowwise``: columns, in whole groups); each
+records what the rank read, what its local shards hold and whether the parallel save wrote the
+files back unchanged.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ct_fp4_reference import SHAPES, reference_weights, write_fp4
+from ct_reference import Net
 from distsave_scenarios import run_scenarios
 from torch import nn
 from transformers import GptOssConfig, GptOssForCausalLM
@@ -153,11 +158,65 @@ def _scenario(work: Path, rank: int, mesh: Any, name: str) -> dict[str, Any]:
     return facts
 
 
-def run(rank: int, world: int, workdir: str) -> None:
-    run_scenarios(
-        rank,
-        world,
-        workdir,
-        lambda work, mesh: {name: (lambda n=name: _scenario(work, rank, mesh, n)) for name in LAYOUTS},
-        barrier=True,
+def write_inputs(work: Path) -> None:
+    write_mxfp4(work / "gptoss-mxfp4")
+    for preset in SHAPES:
+        write_fp4(work / f"ct-{preset}", preset)
+
+
+CT_PLANS = {  # a: [32, 64]; b: 48 (NVFP4) or 96 (MXFP4) columns, halves of 24 or 48 cut a group
+    "rows": {"a": "colwise"},
+    "columns": {"a": "rowwise"},
+    "misaligned": {"b": "rowwise"},
+}
+
+
+def _ct_scenario(work: Path, rank: int, mesh: Any, preset: str, plan_name: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    ckpt = work / f"ct-{preset}"
+    plan = CT_PLANS[plan_name]
+    model = Net(SHAPES[preset], dtype=torch.float32)
+    report = surgery.load_checkpoint(
+        model, ckpt, tp_plan=plan, device_mesh=mesh, quantizer=quantizer_by_name("auto", ckpt)
     )
+    facts: dict[str, Any] = {"ok": report.ok, "errors": [f.message for f in report.conversion_errors]}
+    if not report.ok:
+        return facts
+    single = surgery.load_checkpoint(
+        Net(SHAPES[preset], dtype=torch.float32), ckpt, quantizer=quantizer_by_name("auto", ckpt)
+    )
+    with open_checkpoint(ckpt) as r:
+        state = {k: r.get_tensor(k) for k in r.keys()}  # noqa: SIM118
+    full = reference_weights(ckpt, state)["a.weight"]
+    dim = 0 if plan["a"] == "colwise" else 1
+    local = model.a.weight.to_local()
+    want = full.chunk(2, dim)[rank].contiguous()
+    facts["local_equals_slice_of_full_decode"] = torch.equal(local.view(torch.int32), want.view(torch.int32))
+    facts["bytes_read"], facts["single_bytes"] = report.bytes_read, single.bytes_read
+    facts["half_packed_bytes"] = state["a.weight_packed"].numel() // 2
+    out = work / f"saved-ct-{preset}-{plan_name}"
+    files = surgery.save_checkpoint(model, out)
+    facts["requantized"] = list(files.requantized)
+    dist.barrier()
+    if rank == 0:
+        facts["saved_identical"] = _files(out)["model.safetensors"] == _files(ckpt)["model.safetensors"]
+        facts["saved_config_equal"] = (
+            json.loads((out / "config.json").read_text())["quantization_config"]
+            == json.loads((ckpt / "config.json").read_text())["quantization_config"]
+        )
+    return facts
+
+
+def _scenarios(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {name: (lambda n=name: _scenario(work, rank, mesh, n)) for name in LAYOUTS}
+    for preset in SHAPES:
+        for plan_name in CT_PLANS:
+            out[f"ct-{preset}-{plan_name}"] = lambda p=preset, n=plan_name: _ct_scenario(
+                work, rank, mesh, p, n
+            )
+    return out
+
+
+def run(rank: int, world: int, workdir: str) -> None:
+    run_scenarios(rank, world, workdir, lambda work, mesh: _scenarios(work, rank, mesh), barrier=True)
