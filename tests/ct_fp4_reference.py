@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from compressed_tensors.compressors import ModelCompressor
@@ -25,10 +26,11 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.lifecycle.forward import dequantize
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 from ct_reference import Net
+from torch import nn
 
 from surgery.checkpoint import write_checkpoint
 
-__all__ = ["SHAPES", "reference_weights", "write_fp4"]
+__all__ = ["SHAPES", "reference_weights", "write_fp4", "write_fp4_model"]
 
 SHAPES = {  # compressed-tensors needs whole groups: 48 columns are 3 NVFP4 groups, 96 are 3 MXFP4 groups
     "NVFP4": {"a": (32, 64), "b": (8, 48), "head": (16, 40)},
@@ -43,8 +45,18 @@ def write_fp4(path: Path, preset: str, *, seed: int = 0) -> dict[str, torch.Tens
     for p in model.parameters():
         p.data.normal_(0, 0.05)
     model.a.weight.data[3, :16] = 0  # an all-zero group
+    return write_fp4_model(model, preset, path, ignore=("head",), config={"model_type": "net"})
+
+
+def write_fp4_model(
+    model: nn.Module, preset: str, path: Path, *, ignore: tuple[str, ...], config: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """``model`` (every ``Linear`` not in ``ignore``) quantized with ``preset`` and compressed by
+    compressed-tensors, written to ``path`` with ``config`` plus the package's ``quantization_config``."""
     quant = preset_name_to_scheme(preset, ["Linear"])
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": quant}, ignore=["head"]))
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": quant}, ignore=list(ignore))
+    )
     for m in model.modules():
         if getattr(m, "quantization_scheme", None) is None:
             continue
@@ -64,7 +76,7 @@ def write_fp4(path: Path, preset: str, *, seed: int = 0) -> dict[str, torch.Tens
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     path.mkdir(parents=True, exist_ok=True)
     write_checkpoint(state, path)
-    (path / "config.json").write_text(json.dumps({"model_type": "net"}))
+    (path / "config.json").write_text(json.dumps(config))
     compressor.update_config(str(path))
     return state
 
