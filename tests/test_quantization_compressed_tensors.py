@@ -364,14 +364,20 @@ def test_auto_chooses_from_quant_method_and_the_formats_of_the_config_groups(wri
     config = _qconfig(written["FP8"][0])
     assert config_formats(config) == ("float-quantized",)
     assert quantizer_from_config({"quantization_config": config}).quantization_config() == config
-    assert registered_formats()["compressed-tensors"] == ("pack-quantized", "float-quantized")
+    assert registered_formats()["compressed-tensors"] == (
+        "pack-quantized",
+        "float-quantized",
+        "nvfp4-pack-quantized",  # CompressedFp4Quantizer
+        "mxfp4-pack-quantized",
+    )
 
 
 def test_a_format_no_registered_quantizer_reads_is_an_error_listing_those_that_are(written):
     config = {**_qconfig(written["W4A16"][0]), "format": "marlin-24"}
     config["config_groups"] = {"g": {**config["config_groups"]["group_0"], "format": "marlin-24"}}
     with pytest.raises(
-        surgery.ConfigurationError, match=r"\['marlin-24'\].*'float-quantized', 'pack-quantized'"
+        surgery.ConfigurationError,
+        match=r"\['marlin-24'\].*'float-quantized', 'mxfp4-pack-quantized', 'nvfp4-pack-quantized', 'pack-quantized'",
     ):
         quantizer_from_config(config)
     with pytest.raises(
