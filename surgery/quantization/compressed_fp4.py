@@ -29,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +41,7 @@ from ..checkpoint import StoredTensor
 from ..errors import ConfigurationError, ConversionError
 from ..parallel.regions import Region
 from ..transforms import WeightRenaming, WeightTransform
+from .compressed_tensors_config import target_matches
 from .fp4 import E2M1_MAX, E8M0_BIAS, e2m1_decode, e2m1_encode, e8m0_exponent, pack_nibbles, unpack_nibbles
 from .protocol import bounded_repr, first_bad_scale
 
@@ -107,12 +107,6 @@ def _scheme(name: str, group: Any, top_format: Any) -> Fp4Scheme:
     return Fp4Scheme(fmt, tuple(targets), isinstance(inputs, Mapping) and inputs.get("dynamic") is not True)
 
 
-def _matches(pattern: str, path: str, cls: str | None) -> bool:
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], path) is not None
-    return pattern in (path, cls)
-
-
 def _index(intervals: tuple[tuple[int, int], ...] | list[tuple[int, int]]) -> torch.Tensor:
     pieces = [torch.arange(a, b) for a, b in intervals]
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
@@ -159,7 +153,7 @@ class CompressedFp4Quantizer:
             )
         self.ignore = tuple(ignore)
         self._config = copy.deepcopy(dict(config))
-        self._classes: dict[str, str] = {}
+        self._classes: dict[str, tuple[str, ...]] = {}
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> CompressedFp4Quantizer:
@@ -177,8 +171,12 @@ class CompressedFp4Quantizer:
 
     # ------------------------------------------------------------------ which scheme a key has
     def prepare(self, model: nn.Module) -> None:
-        """Note each module's class name, for config groups that target classes (``"Linear"``)."""
-        self._classes = {path: type(m).__name__ for path, m in model.named_modules()}
+        """Note each module's class names (its bases' too: an FSDP2-wrapped ``Linear`` is still a
+        ``Linear``), for config groups that target classes."""
+        self._classes = {
+            path: tuple(c.__name__ for c in type(m).__mro__ if issubclass(c, nn.Module))
+            for path, m in model.named_modules()
+        }
 
     def scheme_of(self, module: str) -> Fp4Scheme | None:
         """The scheme of the module at path ``module`` (``None``: ignored, or no group targets it).
@@ -189,13 +187,13 @@ class CompressedFp4Quantizer:
         Raises:
             ConversionError: such a path, and class-targeting groups that quantize differently.
         """
-        cls = self._classes.get(module)
-        if any(_matches(p, module, cls) for p in self.ignore):
+        classes = self._classes.get(module)
+        if any(target_matches(p, module, classes or ()) for p in self.ignore):
             return None
         for scheme in self.schemes.values():
-            if any(_matches(t, module, cls) for t in scheme.targets):
+            if any(target_matches(t, module, classes or ()) for t in scheme.targets):
                 return scheme
-        if cls is not None:
+        if classes is not None:
             return None
         by_class = {
             (s.format, s.input_scale): s
