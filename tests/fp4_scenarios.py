@@ -70,7 +70,12 @@ def write_mxfp4(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
         else:  # bf16 as gpt-oss ships them; random, so a bias loaded as zeros or misplaced shows
             state[k] = (torch.randn(v.shape, generator=g) * 0.1).to(torch.bfloat16)
     write_checkpoint(state, path)
-    (path / "config.json").write_text(json.dumps({**tiny_config().to_dict(), "quantization_config": QCONFIG}))
+    config = {
+        **tiny_config().to_dict(),
+        "architectures": ["GptOssForCausalLM"],
+        "quantization_config": QCONFIG,
+    }
+    (path / "config.json").write_text(json.dumps(config))
     return state
 
 

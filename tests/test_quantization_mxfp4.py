@@ -240,3 +240,16 @@ def test_encoding_rounds_to_the_nearest_e2m1_value_ties_to_even(values):
     ties = (dist == best.unsqueeze(-1)).sum(-1) > 1
     even = (e2m1_encode(x) & 1) == 0
     assert bool(even[ties].all())  # a value halfway goes to the even mantissa
+
+
+def test_the_command_line_converts_a_gpt_oss_checkpoint_back_byte_for_byte(written, tmp_path, capsys):
+    import filecmp
+
+    from surgery.cli import main
+
+    path, _ = written
+    out = tmp_path / "out"
+    args = ["convert", str(path), str(out), "--model", "transformers:auto", "--quantization", "auto"]
+    assert main(args) == 0, capsys.readouterr()
+    assert filecmp.cmp(path / "model.safetensors", out / "model.safetensors", shallow=False)
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == QCONFIG
