@@ -13,6 +13,10 @@ import re
 import time
 
 import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
 from fp4_scenarios import QCONFIG
 
 pytestmark = pytest.mark.distributed
