@@ -175,6 +175,11 @@ def _broken(src: Path, dst: Path, change) -> Path:
 K = "model.layers.0.mlp.experts.gate_up_proj"
 
 
+def _float_with_stray_scales(s: dict) -> None:
+    """The experts stored in float (dequantized), their scales left behind."""
+    s[K] = mxfp4_dequantize(s.pop(K + "_blocks"), s[K + "_scales"])
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -191,7 +196,14 @@ K = "model.layers.0.mlp.experts.gate_up_proj"
             r"_blocks.*torch.int8.*uint8",
         ),
     ],
-    ids=["missing-scales", "misnamed-scales", "float-scales", "nan-scale", "scale-shape", "int8-blocks"],
+    ids=[
+        "missing-scales",
+        "misnamed-scales",
+        "float-scales",
+        "nan-scale",
+        "scale-shape",
+        "int8-blocks",
+    ],
 )
 def test_missing_misnamed_or_wrong_scales_are_an_error_naming_the_key_never_raw_codes(
     written, tmp_path, change, message
@@ -205,6 +217,14 @@ def test_missing_misnamed_or_wrong_scales_are_an_error_naming_the_key_never_raw_
     messages = [f.message for f in report.conversion_errors] + [str(report)]
     assert any(re.search(message, m, re.S) for m in messages), report
     assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, before)
+
+
+def test_scales_whose_blocks_are_stored_in_float_are_an_error_naming_them(written, tmp_path):
+    src, _ = written
+    path = _broken(src, tmp_path, _float_with_stray_scales)
+    report = surgery.load_checkpoint(tiny_model(), path, quantizer=quantizer_by_name("auto", path))
+    assert not report.ok
+    assert re.search(rf"{re.escape(K)}_scales", str(report)), report
 
 
 def test_a_config_that_is_not_mxfp4_is_refused_naming_the_field():
