@@ -229,3 +229,16 @@ def test_a_config_group_of_another_scheme_is_refused_naming_the_field(written):
     config["config_groups"]["group_0"]["weights"]["group_size"] = 32
     with pytest.raises(surgery.ConfigurationError, match=r"group_0\.weights\.group_size=32.*16"):
         CompressedFp4Quantizer(config)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_dequantized_save_writes_floats_under_the_weight_names(written, preset, tmp_path):
+    path, _ = written[preset]
+    model, _ = _load(path, preset)
+    surgery.save_checkpoint(model, tmp_path, quantization="dequantized")
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(saved) == ["a.weight", "b.weight", "head.bias", "head.weight"]
+    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
+    again = Net(SHAPES[preset], dtype=torch.float32)
+    surgery.load_checkpoint(again, tmp_path)
+    assert torch.equal(again.a.weight, model.a.weight) and torch.equal(again.b.weight, model.b.weight)

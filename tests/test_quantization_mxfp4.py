@@ -277,3 +277,16 @@ def test_the_command_line_converts_a_gpt_oss_checkpoint_back_byte_for_byte(writt
     assert main(args) == 0, capsys.readouterr()
     assert filecmp.cmp(path / "model.safetensors", out / "model.safetensors", shallow=False)
     assert json.loads((out / "config.json").read_text())["quantization_config"] == QCONFIG
+
+
+def test_a_dequantized_save_writes_the_experts_as_floats_under_the_models_names(written, tmp_path):
+    path, _ = written
+    model, _ = _load(path)
+    surgery.save_checkpoint(model, tmp_path, quantization="dequantized")
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert not any(k.endswith(("_blocks", "_scales")) for k in saved)
+    assert saved[K].dtype == torch.float32 and tuple(saved[K].shape) == (4, 64, 192)
+    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
+    again = tiny_model()
+    assert surgery.load_checkpoint(again, tmp_path, strict=True).ok  # floats: no quantizer
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))

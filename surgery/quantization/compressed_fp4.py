@@ -219,6 +219,10 @@ class CompressedFp4Quantizer:
         """``X.weight_packed`` loads into ``X.weight`` (the model's parameter)."""
         return [*transforms, WeightRenaming(r"\.weight_packed$", ".weight")]
 
+    def dequantized_name(self, key: str) -> str:
+        """A dequantized save writes the floats of ``X.weight_packed`` as ``X.weight``."""
+        return key.removesuffix("_packed") if key.endswith(".weight_packed") else key
+
     def companions(self, key: str, info: StoredTensor) -> tuple[str, ...]:
         if key.rpartition(".")[2] != "weight_packed":
             return ()

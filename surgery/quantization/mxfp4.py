@@ -111,6 +111,10 @@ class Mxfp4Quantizer:
         """``X_blocks`` loads into the model's ``X``."""
         return [*transforms, WeightRenaming(r"_proj_blocks$", "_proj")]
 
+    def dequantized_name(self, key: str) -> str:
+        """A dequantized save writes the floats of ``X_blocks`` as the model's ``X`` (transformers' layout)."""
+        return key.removesuffix(_BLOCKS)
+
     def companions(self, key: str, info: StoredTensor) -> tuple[str, ...]:
         if not key.endswith(_BLOCKS):
             return ()

@@ -43,6 +43,9 @@ A quantizer is any object; the loader looks up each hook by name and uses the on
   instead of reading quantized values as floats (:mod:`surgery.saved_config`).
 * ``encode(key, tensor, recorded) -> dict[str, Tensor]``: re-encode an original-layout tensor
   for a save, given the companion tensors recorded when it was loaded.
+* ``dequantized_name(key) -> str``: the name a ``quantization="dequantized"`` save writes the
+  floats of the stored ``key`` under, for a format whose stored name is not the float one
+  (``X.weight_packed`` → ``X.weight``, gpt-oss ``X_blocks`` → ``X``); ``key`` itself without it.
 
 Every hook except ``check`` is called on ``meta`` tensors during planning (nothing is read yet),
 so shapes, dtypes and key names are checked before a byte of weight data moves; the built-in
@@ -205,6 +208,7 @@ class QuantizerHooks:
         "metadata",
         "quantization_config",
         "encode",
+        "dequantized_name",
     )
 
     def __init__(self, quantizer: object) -> None:
@@ -375,6 +379,17 @@ class QuantizerHooks:
                 "quantization='dequantized' to write floats."
             )
         return self._tensors("encode", key, self._call("encode", key, key, tensor, recorded))
+
+    def dequantized_name(self, key: str) -> str:
+        """The name the floats of the stored ``key`` are written under by a dequantized save."""
+        if "dequantized_name" not in self._hooks:
+            return key
+        result = self._call("dequantized_name", key, key)
+        if not isinstance(result, str) or not result:
+            raise ConfigurationError(
+                f"{self.name}.dequantized_name({key!r}) returned {bounded_repr(result)}; return a checkpoint key."
+            )
+        return result
 
     # ------------------------------------------------------------------ quantized on the fly
     def quantizes(self, key: str, module: nn.Module) -> bool:
