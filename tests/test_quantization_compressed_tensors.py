@@ -436,3 +436,15 @@ def test_a_run_of_whole_pack_units_is_a_run_of_whole_words(bits, units, extra, s
 def test_packing_refuses_values_outside_the_signed_range():
     with pytest.raises(surgery.ConversionError, match=r"signed 4-bit range \[-8, 7\]"):
         pack_int32(torch.tensor([[8]], dtype=torch.int8), 4)
+
+
+def test_a_dequantized_save_writes_packed_weights_as_floats_under_their_weight_names(written, tmp_path):
+    path, _, shapes = written["W4A16_ASYM"]
+    model, _ = _load(path, shapes)
+    surgery.save_checkpoint(model, tmp_path, quantization="dequantized")
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(saved) == ["a.weight", "b.weight", "head.bias", "head.weight"]
+    assert saved["a.weight"].dtype == torch.float32
+    again = Net(shapes, dtype=torch.float32)
+    surgery.load_checkpoint(again, tmp_path)
+    assert torch.equal(again.a.weight, model.a.weight)
