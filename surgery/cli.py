@@ -477,7 +477,8 @@ _MODEL_HELP = (
 _QUANTIZATION_HELP = (
     "decode or quantize with a built-in quantizer: fp8 (block-wise FP8, as config.json's quantization_config "
     "says), int8 (int8 weight-only, on the fly), auto (the quantizer registered for config.json's quantization_config: "
-    "fp8, int8_weight_only, compressed-tensors pack-quantized/float-quantized, ...)"
+    "fp8, int8_weight_only, mxfp4 (gpt-oss), compressed-tensors pack-quantized/float-quantized/nvfp4-pack-quantized/"
+    "mxfp4-pack-quantized, ...)"
 )
 
 

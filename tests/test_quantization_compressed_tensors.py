@@ -364,14 +364,20 @@ def test_auto_chooses_from_quant_method_and_the_formats_of_the_config_groups(wri
     config = _qconfig(written["FP8"][0])
     assert config_formats(config) == ("float-quantized",)
     assert quantizer_from_config({"quantization_config": config}).quantization_config() == config
-    assert registered_formats()["compressed-tensors"] == ("pack-quantized", "float-quantized")
+    assert registered_formats()["compressed-tensors"] == (
+        "pack-quantized",
+        "float-quantized",
+        "nvfp4-pack-quantized",  # CompressedFp4Quantizer
+        "mxfp4-pack-quantized",
+    )
 
 
 def test_a_format_no_registered_quantizer_reads_is_an_error_listing_those_that_are(written):
     config = {**_qconfig(written["W4A16"][0]), "format": "marlin-24"}
     config["config_groups"] = {"g": {**config["config_groups"]["group_0"], "format": "marlin-24"}}
     with pytest.raises(
-        surgery.ConfigurationError, match=r"\['marlin-24'\].*'float-quantized', 'pack-quantized'"
+        surgery.ConfigurationError,
+        match=r"\['marlin-24'\].*'float-quantized', 'mxfp4-pack-quantized', 'nvfp4-pack-quantized', 'pack-quantized'",
     ):
         quantizer_from_config(config)
     with pytest.raises(
@@ -430,3 +436,15 @@ def test_a_run_of_whole_pack_units_is_a_run_of_whole_words(bits, units, extra, s
 def test_packing_refuses_values_outside_the_signed_range():
     with pytest.raises(surgery.ConversionError, match=r"signed 4-bit range \[-8, 7\]"):
         pack_int32(torch.tensor([[8]], dtype=torch.int8), 4)
+
+
+def test_a_dequantized_save_writes_packed_weights_as_floats_under_their_weight_names(written, tmp_path):
+    path, _, shapes = written["W4A16_ASYM"]
+    model, _ = _load(path, shapes)
+    surgery.save_checkpoint(model, tmp_path, quantization="dequantized")
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(saved) == ["a.weight", "b.weight", "head.bias", "head.weight"]
+    assert saved["a.weight"].dtype == torch.float32
+    again = Net(shapes, dtype=torch.float32)
+    surgery.load_checkpoint(again, tmp_path)
+    assert torch.equal(again.a.weight, model.a.weight)

@@ -280,3 +280,22 @@ def test_stored_region_must_return_a_region_of_the_same_dim() -> None:
     info = surgery.checkpoint.StoredTensor("weight", torch.float32, (4, 2, 2), Path("x"), 0, 64)
     with pytest.raises(surgery.ConfigurationError, match=r"Bad\.stored_region\('weight'\) returned \(0, 2\)"):
         hooks.stored_region("weight", surgery.parallel.Region(1, ((0, 2),)), info)
+
+
+def test_stored_region_may_name_another_dim_of_the_stored_tensor_but_not_one_it_lacks() -> None:
+    """A decode that transposes (gpt-oss MXFP4 blocks) reads its part on another stored dim."""
+
+    class Transposed(Pairs):
+        def __init__(self, dim: int) -> None:
+            self.dim = dim
+
+        def stored_region(self, key, region, info):
+            return surgery.parallel.Region(self.dim, region.intervals)
+
+    info = surgery.checkpoint.StoredTensor("weight", torch.float32, (4, 2, 2), Path("x"), 0, 64)
+    region = surgery.parallel.Region(1, ((0, 1),))
+    assert QuantizerHooks(Transposed(2)).stored_region("weight", region, info).dim == 2
+    with pytest.raises(
+        surgery.ConfigurationError, match=r"stored_region\('weight'\) returned .*dim of the stored"
+    ):
+        QuantizerHooks(Transposed(3)).stored_region("weight", region, info)

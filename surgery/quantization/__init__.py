@@ -6,6 +6,11 @@
   (DeepSeek-V3 layout) decoded on read and re-encoded bit for bit on save.
 * :mod:`~surgery.quantization.int8`: :class:`Int8WeightOnlyQuantizer`, int8 weight-only
   quantization on the fly into :class:`Int8WeightOnlyLinear`.
+* :mod:`~surgery.quantization.compressed_fp4`: :class:`CompressedFp4Quantizer`, compressed-tensors
+  ``nvfp4-pack-quantized`` and ``mxfp4-pack-quantized`` decoded on read and saved back byte for byte.
+* :mod:`~surgery.quantization.mxfp4`: :class:`Mxfp4Quantizer`, gpt-oss MXFP4 experts
+  (``*_blocks``/``*_scales``) decoded on read and saved back byte for byte (bit-level FP4
+  helpers in :mod:`~surgery.quantization.fp4`).
 * :mod:`~surgery.quantization.compressed_tensors`: :class:`CompressedTensorsQuantizer`,
   compressed-tensors ``pack-quantized`` (int4/int8) and ``float-quantized`` (FP8) checkpoints.
 * :mod:`~surgery.quantization.compressed_tensors_config`: the config groups of a compressed-tensors
@@ -36,9 +41,11 @@ from .choice import (
     register_format,
     registered_formats,
 )
+from .compressed_fp4 import FP4_FORMATS, CompressedFp4Quantizer
 from .compressed_tensors import FORMATS, CompressedTensorsQuantizer
 from .fp8 import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize, expand_block_scales
 from .int8 import Int8WeightOnlyLinear, Int8WeightOnlyQuantizer, int8_kernel_usable, quantize_per_channel
+from .mxfp4 import Mxfp4Quantizer, mxfp4_dequantize
 from .packing import pack_int32, unpack_int32
 from .protocol import (
     QUANTIZATION_METADATA_KEY,
@@ -55,10 +62,12 @@ __all__ = [
     "QUANTIZATION_CHOICES",
     "QUANTIZATION_METADATA_KEY",
     "SMALL_COMPANION_BYTES",
+    "CompressedFp4Quantizer",
     "CompressedTensorsQuantizer",
     "FP8BlockQuantizer",
     "Int8WeightOnlyLinear",
     "Int8WeightOnlyQuantizer",
+    "Mxfp4Quantizer",
     "QuantizedModule",
     "Quantizer",
     "QuantizerHooks",
@@ -69,6 +78,7 @@ __all__ = [
     "config_metadata",
     "expand_block_scales",
     "int8_kernel_usable",
+    "mxfp4_dequantize",
     "pack_int32",
     "quantize_per_channel",
     "quantizer_by_name",
@@ -83,6 +93,8 @@ __all__ = [
 register_format("fp8", FP8BlockQuantizer.from_config)
 register_format(Int8WeightOnlyQuantizer.method, Int8WeightOnlyQuantizer.from_config)
 register_format(CompressedTensorsQuantizer.method, CompressedTensorsQuantizer.from_config, formats=FORMATS)
+register_format(CompressedFp4Quantizer.method, CompressedFp4Quantizer.from_config, formats=FP4_FORMATS)
+register_format(Mxfp4Quantizer.method, Mxfp4Quantizer.from_config)
 
 BUILTIN_QUANTIZERS: dict[str, Any] = {Int8WeightOnlyQuantizer.method: Int8WeightOnlyQuantizer}
 """``quant_method`` → quantizer class with ``from_config``, for checkpoints that persisted one."""

@@ -199,6 +199,10 @@ class CompressedTensorsQuantizer:
             return transforms
         return [*transforms, WeightRenaming(r"\.weight_packed", ".weight")]
 
+    def dequantized_name(self, key: str) -> str:
+        """A dequantized save writes the floats of ``X.weight_packed`` as ``X.weight``."""
+        return key.removesuffix("_packed") if key.endswith(".weight_packed") else key
+
     def companions(self, key: str, info: StoredTensor) -> tuple[str, ...]:
         owned = self._owned(key)
         if owned is None:

@@ -19,7 +19,8 @@ A quantizer is any object; the loader looks up each hook by name and uses the on
 * ``stored_region(key, region, info) -> Region``: for a format whose decoded tensor has another
   shape than the stored one (values packed several to a word: compressed-tensors
   ``weight_packed``), the part of the stored ``key`` that holds ``region`` of the decoded values;
-  a tensor-parallel rank reads only that. Its ``decode`` may change the shape; planning learns
+  a tensor-parallel rank reads only that (on another dim where decoding transposes: gpt-oss MXFP4
+  blocks). Its ``decode`` may change the shape; planning learns
   the decoded shape from a ``meta`` run, with the values of small companions (at most
   :data:`SMALL_COMPANION_BYTES`: a stored ``weight_shape``) read.
 * ``companion_of(key) -> str | None``: the key ``key`` would be a companion of (``X.weight`` for
@@ -42,6 +43,9 @@ A quantizer is any object; the loader looks up each hook by name and uses the on
   instead of reading quantized values as floats (:mod:`surgery.saved_config`).
 * ``encode(key, tensor, recorded) -> dict[str, Tensor]``: re-encode an original-layout tensor
   for a save, given the companion tensors recorded when it was loaded.
+* ``dequantized_name(key) -> str``: the name a ``quantization="dequantized"`` save writes the
+  floats of the stored ``key`` under, for a format whose stored name is not the float one
+  (``X.weight_packed`` → ``X.weight``, gpt-oss ``X_blocks`` → ``X``); ``key`` itself without it.
 
 Every hook except ``check`` is called on ``meta`` tensors during planning (nothing is read yet),
 so shapes, dtypes and key names are checked before a byte of weight data moves; the built-in
@@ -204,6 +208,7 @@ class QuantizerHooks:
         "metadata",
         "quantization_config",
         "encode",
+        "dequantized_name",
     )
 
     def __init__(self, quantizer: object) -> None:
@@ -246,11 +251,10 @@ class QuantizerHooks:
         if "stored_region" not in self._hooks:
             return region
         result = self._call("stored_region", key, key, region, info)
-        if not isinstance(result, Region) or result.dim % max(len(info.shape), 1) != region.dim % max(
-            len(info.shape), 1
-        ):
+        if not isinstance(result, Region) or not -len(info.shape) <= result.dim < max(len(info.shape), 1):
             raise ConfigurationError(
-                f"{self.name}.stored_region({key!r}) returned {bounded_repr(result)}; return a Region of the same dim."
+                f"{self.name}.stored_region({key!r}) returned {bounded_repr(result)}; return a Region of a dim of "
+                f"the stored {tuple(info.shape)} tensor."
             )
         return result
 
@@ -375,6 +379,17 @@ class QuantizerHooks:
                 "quantization='dequantized' to write floats."
             )
         return self._tensors("encode", key, self._call("encode", key, key, tensor, recorded))
+
+    def dequantized_name(self, key: str) -> str:
+        """The name the floats of the stored ``key`` are written under by a dequantized save."""
+        if "dequantized_name" not in self._hooks:
+            return key
+        result = self._call("dequantized_name", key, key)
+        if not isinstance(result, str) or not result:
+            raise ConfigurationError(
+                f"{self.name}.dequantized_name({key!r}) returned {bounded_repr(result)}; return a checkpoint key."
+            )
+        return result
 
     # ------------------------------------------------------------------ quantized on the fly
     def quantizes(self, key: str, module: nn.Module) -> bool:

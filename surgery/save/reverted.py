@@ -239,7 +239,10 @@ class RevertedState(Mapping[str, torch.Tensor]):
                 group = _Group((src,), (src,), (src,), ())
             else:
                 group, metas = self._plan_converter(converter, key, sources, shapes)
+            recorded = record.companions if record is not None else {}
             names = tuple(rename(k) for k in group.outputs)
+            if self._quantization == "dequantized" and self._encoder is not None:  # floats: the float name
+                names = tuple(self._encoder.dequantized_name(n) if n in recorded else n for n in names)
             group.names = names
             for o in group.outputs:  # a mapping whose plain inverse is not one-to-one stays refused
                 if (p := rename.plain(o)) in plain_names:
@@ -249,7 +252,6 @@ class RevertedState(Mapping[str, torch.Tensor]):
                         "renamings of the model's mapping."
                     )
                 plain_names[p] = o
-            recorded = record.companions if record is not None else {}
             group.dtypes = tuple(
                 self._dtype(group, n, metas[o].dtype, dtypes, recorded) for n, o in zip(names, group.outputs)
             )
