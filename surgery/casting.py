@@ -103,7 +103,8 @@ def _changed(t: torch.Tensor, out: torch.Tensor) -> bool:
 
 
 class SavedFiles(list[Path]):
-    """The files a save wrote (a list of paths), with the dtype casts it made (:attr:`casts`).
+    """The files a save wrote (a list of paths), with the dtype casts it made (:attr:`casts`) and the
+    quantized weights it re-quantized (:attr:`requantized`).
 
     Example:
         >>> files = surgery.save_checkpoint(model, "out/", dtype=torch.bfloat16)  # doctest: +SKIP
@@ -111,9 +112,14 @@ class SavedFiles(list[Path]):
         ('model.layers.0.mlp.up_proj.weight', ...)
     """
 
-    def __init__(self, files: Iterable[Path] = (), *, casts: Iterable[Cast] = ()) -> None:
+    def __init__(
+        self, files: Iterable[Path] = (), *, casts: Iterable[Cast] = (), requantized: Iterable[str] = ()
+    ) -> None:
         super().__init__(files)
         self.casts: tuple[Cast, ...] = tuple(casts)
+        self.requantized: tuple[str, ...] = tuple(requantized)
+        """Keys written quantized as loaded that were re-quantized: with fresh scales, or as codes that
+        no longer decode to the model's values (the weights changed since the load)."""
 
     @property
     def lossy_keys(self) -> tuple[str, ...]:
@@ -134,6 +140,11 @@ class SavedFiles(list[Path]):
                 else "exact: no value changed"
             )
             lines.append(f"cast {len(casts)} tensor(s) {_name(source)} → {_name(written)} ({what})")
+        if self.requantized:
+            lines.append(
+                f"re-quantized {len(self.requantized)} tensor(s) changed since the load (fresh scales or changed "
+                f"codes): {fold_indices(list(self.requantized))}"
+            )
         return "\n".join(lines)
 
 

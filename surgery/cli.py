@@ -3,7 +3,8 @@
 * ``demo``: the main job end to end on the built-in example models.
 * ``preview``: show what a fusion would change on a built-in example (or your own model).
 * ``inspect PATH``: summarize a checkpoint; with ``--model``, show the load plan (``--tp N``:
-  what each of N tensor-parallel ranks reads, planned without a process group).
+  what each of N tensor-parallel ranks reads, planned without a process group; ``--mesh
+  dp_shard=2,tp=2``: the same for every rank of an n-D mesh, FSDP2 over the dp dims).
 * ``convert SRC DST --model M``: load a checkpoint into a model and save it in another layout.
 * ``verify CKPT --model M``: audit a load → save round trip tensor by tensor (exit 0 identical,
   1 different, 2 error); ``--json FILE`` writes the card (``docs/verify.md``); ``--tp N`` under
@@ -28,6 +29,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import math
 import os
 import signal
 import sys
@@ -191,6 +193,51 @@ def _cmd_preview(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mesh_arg(text: str) -> dict[str, int]:
+    """``--mesh dp_shard=2,tp=2``: dim name to size, in the order given."""
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, eq, size = part.partition("=")
+        if not eq or not size.strip().isdigit() or int(size) < 1 or name.strip() in out:
+            raise SurgeryError(
+                f"--mesh {text!r}: give each dim once as name=size, comma-separated, e.g. --mesh dp_shard=2,tp=2."
+            )
+        out[name.strip()] = int(size)
+    return out
+
+
+def _mesh_plans(args: argparse.Namespace, quantizer: Any) -> int:
+    """``inspect --mesh``: every rank's plan of an n-D mesh (tp_plan on ``tp``, FSDP2 on the dp dims)."""
+    from .load.loader import plan_load
+
+    if args.tp is not None or args.tp_rank is not None:
+        raise SurgeryError("--mesh plans every rank of its mesh; leave out --tp and --tp-rank.")
+    dims = _mesh_arg(args.mesh)
+    tp_plan = _tp_plan(args.tp_plan) if "tp" in dims else None
+    if args.tp_plan is not None and "tp" not in dims:
+        raise SurgeryError(
+            f"--tp-plan shards the 'tp' dim, which --mesh {args.mesh} lacks; add tp=N to --mesh."
+        )
+    plans = [
+        plan_load(
+            build_model(args.model, checkpoint=args.path),
+            args.path,
+            fusion_config=_fusion_arg(args.fusion),
+            tp_plan=tp_plan,
+            device_mesh=dims,
+            rank=r,
+            allow_pickle=args.allow_pickle,
+            quantizer=quantizer,
+        )
+        for r in range(math.prod(dims.values()))
+    ]
+    if args.json:
+        print(json.dumps([p.to_dict() for p in plans], indent=2))
+    else:
+        print("\n\n".join(p.render() for p in plans))
+    return 0
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .checkpoint import open_checkpoint
     from .load.loader import plan_load
@@ -198,6 +245,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     if args.model:
         quantizer = _quantizer(args, args.path)
+        if args.mesh is not None:
+            return _mesh_plans(args, quantizer)
         if args.tp is None:
             plan = plan_load(
                 build_model(args.model, checkpoint=args.path),
@@ -231,8 +280,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         else:
             print("\n\n".join(p.render() for p in plans))
         return 0
-    if args.tp is not None or args.tp_plan is not None or args.quantization is not None:
-        raise SurgeryError("--tp, --tp-plan and --quantization plan a load: give --model too.")
+    if (
+        args.tp is not None
+        or args.tp_plan is not None
+        or args.quantization is not None
+        or args.mesh is not None
+    ):
+        raise SurgeryError("--tp, --mesh, --tp-plan and --quantization plan a load: give --model too.")
     with open_checkpoint(args.path, allow_pickle=args.allow_pickle) as reader:
         keys = reader.keys()
         by_sig: dict[tuple[str, str], list[str]] = {}
@@ -422,7 +476,9 @@ _MODEL_HELP = (
 )
 _QUANTIZATION_HELP = (
     "decode or quantize with a built-in quantizer: fp8 (block-wise FP8, as config.json's quantization_config "
-    "says), int8 (int8 weight-only, on the fly), auto (whatever config.json's quantization_config says)"
+    "says), int8 (int8 weight-only, on the fly), auto (the quantizer registered for config.json's quantization_config: "
+    "fp8, int8_weight_only, mxfp4 (gpt-oss), compressed-tensors pack-quantized/float-quantized/nvfp4-pack-quantized/"
+    "mxfp4-pack-quantized, ...)"
 )
 
 
@@ -477,6 +533,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     i.add_argument("--tp-rank", type=int, default=None, help="only this rank (default: every rank)")
     i.add_argument("--tp-plan", default=None, help="a JSON tp_plan (default: the model's own, 'auto')")
+    i.add_argument(
+        "--mesh",
+        default=None,
+        help="plan every rank of an n-D mesh, e.g. dp_shard=2,tp=2 (dims dp_replicate, dp_shard, tp: "
+        "tp_plan on tp, FSDP2 on the dp dims)",
+    )
     i.set_defaults(func=_cmd_inspect)
 
     c = sub.add_parser("convert", help="load a checkpoint into a model and save it again")

@@ -1,7 +1,7 @@
 """Collective work that fails on every rank together: agreement points between the ranks.
 
-A collective call (a tensor-parallel save: every rank gathers each group's DTensors, rank 0
-writes) hangs when one rank fails and the others wait in a collective it will never enter:
+A collective call (a distributed save: the ranks send each other the parts of each group's
+DTensors, each writes its files, rank 0 commits) hangs when one rank fails and the others wait in a collective it will never enter:
 until the process group's timeout (30 minutes by default), whose error then hides the cause.
 :class:`Collective` prevents that with *agreement points*: places in the call that every rank
 reaches, in the same order, where the ranks exchange whether one of them failed. Local work
@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 
 from . import errors
-from .errors import CheckpointError, SurgeryError
+from .errors import CheckpointError, ConfigurationError, SurgeryError
 from .parallel import is_dtensor
 
 __all__ = ["Collective"]
@@ -97,14 +97,28 @@ class Collective:
 
     @classmethod
     def of_tensors(cls, tensors: Iterable[torch.Tensor], *, what: str) -> Collective:
-        """The collective over the mesh of the first DTensor in ``tensors`` (one process if none)."""
+        """The collective over the ranks of the DTensors in ``tensors`` (one process if none).
+
+        DTensors on one 1-D mesh of every rank: its group. On an n-D mesh, a sub-mesh (TP on
+        ``mesh["tp"]``, replicated over the other dims) or several meshes (FSDP2 over TP leaves
+        some on a sub-mesh of the root mesh): the default process group, so that every rank of
+        the root mesh takes part once (not one call per sub-mesh).
+        """
+        meshes: dict[Any, Any] = {}  # equal meshes are one (DeviceMesh hashes by its ranks and shape)
         for t in tensors:
             if is_dtensor(t):
                 mesh = t.device_mesh  # type: ignore[attr-defined]
-                if mesh.size() > 1:
-                    return cls(mesh.get_group(), what=what, device_type=mesh.device_type)
-                break
-        return cls(None, what=what)
+                meshes.setdefault(mesh, mesh)
+        spread = [m for m in meshes.values() if m.size() > 1]
+        if not spread:
+            return cls(None, what=what)
+        mesh = spread[0]
+        return cls(_root_group(mesh, several=len(meshes) > 1), what=what, device_type=mesh.device_type)
+
+    @property
+    def group(self) -> Any:
+        """The ``torch.distributed`` process group (``None`` for one process)."""
+        return self._group
 
     @property
     def rank(self) -> int:
@@ -114,6 +128,23 @@ class Collective:
         import torch.distributed as dist
 
         return dist.get_rank(self._group)
+
+    @property
+    def size(self) -> int:
+        """How many ranks the group has (1 for one process)."""
+        if self._group is None:
+            return 1
+        import torch.distributed as dist
+
+        return dist.get_world_size(self._group)
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank (``torch.distributed``'s default group) of ``rank`` of this group."""
+        if self._group is None:
+            return rank
+        import torch.distributed as dist
+
+        return dist.get_global_rank(self._group, rank)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -178,6 +209,31 @@ class Collective:
         error = _shared_error([_Failure(*f) for f in gathered if f is not None], len(gathered))
         self._shared = error
         raise error
+
+
+def _root_group(mesh: Any, *, several: bool) -> Any:
+    """The process group of every rank of ``mesh``'s root mesh (the mesh it was sliced from).
+
+    A 1-D root mesh: its own group. Otherwise the default group, which must then hold exactly
+    the root mesh's ranks (``torch.distributed`` makes a group over other ranks only with every
+    rank of the default group taking part).
+
+    Raises:
+        ConfigurationError: the root mesh is n-D and covers only some ranks of the default group.
+    """
+    import torch.distributed as dist
+
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh  # torch's one way to it
+    if root.ndim == 1 and not several:
+        return root.get_group()
+    if root.size() != dist.get_world_size():
+        raise ConfigurationError(
+            f"The model's DTensors live on a {root.ndim}-D mesh of {root.size()} ranks inside a process "
+            f"group of {dist.get_world_size()}; a collective save or revert runs over every rank of the "
+            "mesh through the default group. Launch the job with one rank per mesh device, or save from "
+            "a model on a 1-D mesh."
+        )
+    return dist.group.WORLD
 
 
 def _shared_error(failures: list[_Failure], size: int) -> SurgeryError:

@@ -26,6 +26,7 @@ are routed (:func:`~surgery.routing.route_keys`), not by shortening scopes here.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -166,7 +167,7 @@ def explain_model_conversion_mapping(
     claimed_type: dict[str, list[str]] = {}
     records = MappingExplanation()
     for path, module, model_type in walk:
-        cls = type(module)
+        cls = _built_class(module)
         class_name = cls.__name__
         base: dict[str, Any] = {"path": path, "class_name": class_name, "model_type": model_type}
 
@@ -294,3 +295,14 @@ def _accepts_two(func: Callable[..., Any]) -> bool:
     except ValueError:  # no signature available (a builtin): assume the one-argument form
         return False
     return True
+
+
+def _built_class(module: nn.Module) -> type:
+    """The class ``module`` was built as: FSDP2's ``fully_shard`` swaps a module's class for a
+    subclass ``FSDP<Name>`` of ``FSDPModule`` and it; the mapping is registered for ``<Name>``."""
+    cls = type(module)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    marker = getattr(fsdp, "FSDPModule", None)
+    if marker is None or not issubclass(cls, marker):
+        return cls
+    return next((b for b in cls.__bases__ if not issubclass(b, marker)), cls)

@@ -16,12 +16,10 @@ from packed_reference import awq_state, gptq_state
 
 import surgery
 from surgery.checkpoint import write_checkpoint
-from surgery.quantization import AWQQuantizer, GPTQQuantizer, QuantizerHooks
+from surgery.quantization import AWQQuantizer, GPTQQuantizer
 
-__all__ = ["SUPPORTED", "run_packed", "write_packed_checkpoints"]
+__all__ = ["run_packed", "write_packed_checkpoints"]
 
-SUPPORTED = hasattr(QuantizerHooks, "stored_region")
-"""Whether the loader decodes packed words to another shape (the ``stored_region`` hook)."""
 GROUP = 8
 
 
@@ -51,8 +49,6 @@ def run_packed(work: Path, rank: int, mesh: Any, *, build, compare, files) -> di
     """Facts per checkpoint: equality with the single-process load, bytes read, the save, errors."""
     import torch.distributed as dist
 
-    if not SUPPORTED:
-        return {}
     facts: dict[str, Any] = {}
     for name, quantizer in _quantizers().items():
         ckpt = work / f"dense-{name}"

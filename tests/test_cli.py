@@ -404,6 +404,23 @@ def test_quantization_reads_an_fp8_checkpoint_and_convert_writes_it_back_bit_for
     assert filecmp.cmp(src / "model.safetensors", out / "model.safetensors", shallow=False)
 
 
+def test_quantization_auto_reads_a_compressed_tensors_checkpoint_and_convert_writes_it_back(
+    tmp_path: Path, capsys
+) -> None:
+    from ct_reference import compress_state, scheme
+
+    from surgery.examples.decoder import build_decoder_model
+
+    src = tmp_path / "src"
+    state = build_decoder_model(seed=0).state_dict()
+    compress_state(state, scheme(num_bits=4, strategy="channel"), src, quantized=lambda k: "_proj." in k)
+    assert main(["inspect", str(src), "--model", "example-decoder", "--quantization", "auto"]) == 0
+    assert "PROBLEMS" not in capsys.readouterr().out
+    out = tmp_path / "out"
+    assert main(["convert", str(src), str(out), "--model", "example-decoder", "--quantization", "auto"]) == 0
+    assert filecmp.cmp(src / "model.safetensors", out / "model.safetensors", shallow=False)
+
+
 def test_an_fp8_checkpoint_without_a_quantizer_fails_to_convert(tmp_path: Path, capsys) -> None:
     src = _decoder_checkpoint(tmp_path, fp8=True)
     assert main(["convert", str(src), str(tmp_path / "out"), "--model", "example-decoder"]) == 2
@@ -431,7 +448,7 @@ def test_quantization_auto_over_an_unknown_method_names_it(tmp_path: Path, capsy
     src = _decoder_checkpoint(tmp_path)
     (src / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "hqq"}}))
     assert main(["inspect", str(src), "--model", "example-decoder", "--quantization", "auto"]) == 2
-    assert "quant_method='hqq', which no built-in quantizer reads" in _one_line_error(capsys)
+    assert "quant_method='hqq', which no registered quantizer reads" in _one_line_error(capsys)
 
 
 # --------------------------------------------------------------------------- --model transformers:auto
@@ -478,3 +495,35 @@ def test_an_unexpected_exception_is_one_line_and_verbose_shows_its_traceback(
     )
     verbose = cli("--verbose", "preview", "--model", "broken:factory")
     assert verbose.returncode == 2 and "Traceback (most recent call last)" in verbose.stderr
+
+
+def test_inspect_mesh_prints_every_ranks_part_of_an_n_d_mesh(moe_checkpoint: Path, capsys) -> None:
+    """``--mesh dp_replicate=2,dp_shard=2``: FSDP2 shards every parameter by rows over
+    ``dp_shard``; the two replicas plan the same reads."""
+    assert (
+        main(
+            ["inspect", str(moe_checkpoint), "--model", "example-moe", "--mesh", "dp_replicate=2,dp_shard=2"]
+        )
+        == 0
+    )
+    plans = capsys.readouterr().out.split("\n\n")
+    assert [p.splitlines()[0].split(":")[0] for p in plans] == [
+        f"LoadPlan for {moe_checkpoint} on tensor-parallel rank {r} of 4" for r in range(4)
+    ]
+    experts = [next(line for line in p.splitlines() if "experts.gate_up_proj" in line) for p in plans]
+    assert "Shard(0) 0:2" in experts[0] and "Shard(0) 2:4" in experts[1]
+    assert plans[0].split("\n", 1)[1] == plans[2].split("\n", 1)[1]  # replicas read alike
+
+
+@pytest.mark.parametrize(
+    ("mesh", "says"),
+    [
+        ("tp=2,dp_shard=2", "put them in the order dp_replicate, dp_shard, tp"),
+        ("pp=2", "are not ones a dry run plans"),
+        ("dp_shard", "give each dim once as name=size"),
+        ("dp_shard=0", "give each dim once as name=size"),
+    ],
+)
+def test_a_bad_mesh_is_one_line(moe_checkpoint: Path, capsys, mesh: str, says: str) -> None:
+    assert main(["inspect", str(moe_checkpoint), "--model", "example-moe", "--mesh", mesh]) == 2
+    assert says in _one_line_error(capsys)

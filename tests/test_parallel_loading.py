@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from surgery.quantization import QuantizerHooks
-
 pytestmark = pytest.mark.distributed
 
 HERE = Path(__file__).parent
@@ -190,13 +188,28 @@ def test_an_fp8_checkpoint_decodes_each_ranks_slices_and_saves_back_bit_for_bit(
     assert ranks[0]["fp8"]["saved_identical"]
 
 
-needs_stored_region = pytest.mark.skipif(
-    not hasattr(QuantizerHooks, "stored_region"),
-    reason="decoding packed words to another shape needs the loader's stored_region hook (fix/ctquant)",
-)
+@pytest.mark.parametrize("name", ["w4", "w4asym", "w8", "fp8", "moe-w4"])
+def test_a_compressed_tensors_checkpoint_reads_each_ranks_packed_share_and_saves_back_bit_for_bit(
+    ranks, name
+):
+    for rank in ranks:
+        facts = rank["compressed_tensors"][name]
+        assert facts["ok"], facts["report"]
+        assert facts["unequal"] == [] and facts["fallbacks"] == []
+        assert facts["max_abs_diff"] < 1e-5  # parameters equal bit for bit; the reductions differ
+        assert facts["bytes_read"] < 0.75 * facts["single_bytes"]
+    assert ranks[0]["compressed_tensors"][name]["saved_identical"]
 
 
-@needs_stored_region
+def test_a_split_of_packed_columns_that_cuts_a_group_is_an_error_naming_key_dim_and_group_size(ranks):
+    for rank in ranks:
+        errors = rank["compressed_tensors"]["g16"]["errors"]
+        o_proj = [e for e in errors if "o_proj.weight_packed" in e]
+        assert len(o_proj) == 2, errors  # both layers; down_proj's halves (16 columns) hold whole groups
+        assert "dim 1" in o_proj[0] and "group size 16" in o_proj[0]
+        assert not any("down_proj" in e for e in errors)
+
+
 @pytest.mark.parametrize("name", ["gptq", "awq"])
 def test_a_gptq_or_awq_checkpoint_reads_each_ranks_packed_share_and_saves_back_bit_for_bit(ranks, name):
     for rank in ranks:
@@ -207,7 +220,6 @@ def test_a_gptq_or_awq_checkpoint_reads_each_ranks_packed_share_and_saves_back_b
     assert ranks[0]["gptq_awq"][name]["saved_identical"]
 
 
-@needs_stored_region
 def test_an_awq_split_inside_a_packed_word_is_an_error_naming_key_dim_and_factor(ranks):
     for rank in ranks:
         errors = rank["gptq_awq"]["awq-kv"]["errors"]

@@ -171,7 +171,8 @@ def test_a_block_that_outgrew_its_recorded_scale_gets_a_fresh_one_instead_of_sat
     surgery.load_checkpoint(model, tmp_path / "in", quantizer=FP8BlockQuantizer())
     with torch.no_grad():
         model.weight[:128, :128] *= 4  # "training" pushed block (0, 0) past its scale
-    surgery.save_checkpoint(model, tmp_path / "out")
+    files = surgery.save_checkpoint(model, tmp_path / "out")
+    assert files.requantized == ("weight",)  # never a silent lossy write
     with surgery.open_checkpoint(tmp_path / "out") as reader:
         q, scale = reader.get_tensor("weight"), reader.get_tensor("weight_scale_inv")
     recorded = sd["weight_scale_inv"]

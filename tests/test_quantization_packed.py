@@ -374,14 +374,7 @@ def test_a_split_inside_a_packed_word_is_a_configuration_error_naming_key_dim_an
         quantizer.stored_region("up.qweight", Region.of(dim, [(0, 12)]), None)
 
 
-# ---------------------------------------------------------------- decode on load (needs shape-changing decode)
-needs_stored_region = pytest.mark.skipif(
-    not hasattr(surgery.quantization.QuantizerHooks, "stored_region"),
-    reason="decoding packed words to another shape needs the loader's stored_region hook (fix/ctquant)",
-)
-
-
-@needs_stored_region
+# ---------------------------------------------------------------- decode on load
 @pytest.mark.parametrize("fmt", ("gptq", "awq"))
 def test_decode_on_load_is_exact_and_an_as_loaded_save_gives_back_every_byte_and_the_config(
     formats, fmt, tmp_path
@@ -398,6 +391,10 @@ def test_decode_on_load_is_exact_and_an_as_loaded_save_gives_back_every_byte_and
     assert saved.requantized == ()
     config = json.loads((tmp_path / "same" / "config.json").read_text())["quantization_config"]
     assert config == json.loads((Path(path) / "config.json").read_text())["quantization_config"]
+    surgery.save_checkpoint(model, tmp_path / "floats", quantization="dequantized")
+    floats = _read_all(str(tmp_path / "floats"))
+    assert sorted(floats) == ["down.weight", "up.bias", "up.weight"]  # qweight written as weight
+    assert torch.equal(floats["up.weight"], refs["up"]) and torch.equal(floats["down.weight"], refs["down"])
     with torch.no_grad():
         model.up.weight[0, 0] += 1.0
     saved = surgery.save_checkpoint(model, tmp_path / "changed")

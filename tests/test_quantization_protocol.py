@@ -241,3 +241,61 @@ def test_a_quantization_config_that_config_json_cannot_hold_is_a_configuration_e
 ) -> None:
     with pytest.raises(ConfigurationError, match=rf"Described\.quantization_config\(\).*{needle}"):
         QuantizerHooks(Described(config)).quantization_config()
+
+
+class Pairs:
+    """Stores an ``[N, K]`` weight as ``[N, K/2, 2]`` (a toy packed format): decoding changes the shape."""
+
+    def companions(self, key, info):
+        return (key + "_marker",) if key.endswith("weight") else ()
+
+    def stored_region(self, key, region, info):
+        return surgery.parallel.Region(region.dim, tuple((a // 2, b // 2) for a, b in region.intervals))
+
+    def decode(self, key, tensor, companions, region=None):
+        return tensor.reshape(tensor.shape[0], -1).float()
+
+
+def test_a_quantizer_with_stored_region_may_decode_to_another_shape(tmp_path: Path) -> None:
+    w = torch.arange(16.0).reshape(4, 4)
+    write_checkpoint(
+        {"weight": w.reshape(4, 2, 2), "weight_marker": torch.ones(1), "bias": torch.ones(4)}, tmp_path
+    )
+    model = nn.Linear(4, 4)
+    report = surgery.load_checkpoint(model, tmp_path, quantizer=Pairs(), strict=True)
+    assert report.ok and report.decoded_keys == ["weight"]
+    assert torch.equal(model.weight, w)
+    with pytest.raises(surgery.ConversionError, match=r"Broken\.decode\('weight'\) turned shape \(4, 2, 2\)"):
+        QuantizerHooks(Broken(decode=Pairs().decode)).decode(
+            "weight", w.reshape(4, 2, 2), {}, None
+        )  # without stored_region: refused
+
+
+def test_stored_region_must_return_a_region_of_the_same_dim() -> None:
+    class Bad(Pairs):
+        def stored_region(self, key, region, info):
+            return (0, 2)
+
+    hooks = QuantizerHooks(Bad())
+    info = surgery.checkpoint.StoredTensor("weight", torch.float32, (4, 2, 2), Path("x"), 0, 64)
+    with pytest.raises(surgery.ConfigurationError, match=r"Bad\.stored_region\('weight'\) returned \(0, 2\)"):
+        hooks.stored_region("weight", surgery.parallel.Region(1, ((0, 2),)), info)
+
+
+def test_stored_region_may_name_another_dim_of_the_stored_tensor_but_not_one_it_lacks() -> None:
+    """A decode that transposes (gpt-oss MXFP4 blocks) reads its part on another stored dim."""
+
+    class Transposed(Pairs):
+        def __init__(self, dim: int) -> None:
+            self.dim = dim
+
+        def stored_region(self, key, region, info):
+            return surgery.parallel.Region(self.dim, region.intervals)
+
+    info = surgery.checkpoint.StoredTensor("weight", torch.float32, (4, 2, 2), Path("x"), 0, 64)
+    region = surgery.parallel.Region(1, ((0, 1),))
+    assert QuantizerHooks(Transposed(2)).stored_region("weight", region, info).dim == 2
+    with pytest.raises(
+        surgery.ConfigurationError, match=r"stored_region\('weight'\) returned .*dim of the stored"
+    ):
+        QuantizerHooks(Transposed(3)).stored_region("weight", region, info)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ct_reference import compress_state, scheme
 from fp8_reference import quantize_state
 from packed_scenarios import run_packed, write_packed_checkpoints
 from torch import nn
@@ -24,13 +25,20 @@ import surgery
 from surgery import WeightConverter, ops
 from surgery.checkpoint import open_checkpoint, write_checkpoint
 from surgery.examples import dense, moe
-from surgery.quantization import FP8BlockQuantizer
+from surgery.quantization import FP8BlockQuantizer, quantizer_by_name
 from surgery.record import record_of
 
 DENSE = dense.ExampleDenseConfig()
 MOE = moe.ExampleMoEConfig(num_attention_heads=4, num_key_value_heads=2)
 INPUT_IDS = torch.tensor([[1, 5, 9, 3, 7], [2, 4, 6, 8, 10]])
 FP8_BLOCK = (6, 10)  # blocks that straddle every rank boundary, edge blocks in both dims
+CT_SCHEMES = {  # o_proj and down_proj (16 and 32 columns) split by columns into halves of 8 and 16
+    "w4": scheme(num_bits=4, strategy="group", group_size=8),
+    "w4asym": scheme(num_bits=4, strategy="group", group_size=8, symmetric=False),
+    "w8": scheme(num_bits=8, strategy="channel"),
+    "fp8": scheme("FP8"),
+    "g16": scheme(num_bits=4, strategy="group", group_size=16),  # o_proj's halves split its one group
+}
 
 
 class Doubled(ops.ConversionOp):
@@ -98,6 +106,13 @@ def write_checkpoints(work: Path) -> None:
     fp8 = quantize_state(dense.original_state_dict(dense.build_dense_model(DENSE, seed=4)), FP8_BLOCK)
     write_checkpoint(fp8, work / "dense-fp8")
     write_packed_checkpoints(work, dense.original_state_dict(dense.build_dense_model(DENSE, seed=8)))
+    for name, quant in CT_SCHEMES.items():  # compressed-tensors, written by its own compressors
+        original = dense.original_state_dict(dense.build_dense_model(DENSE, seed=6))
+        compress_state(original, quant, work / f"dense-ct-{name}", quantized=lambda k: "_proj." in k)
+    experts = moe.original_state_dict(moe.build_moe_model(MOE, seed=7))  # per-expert packed weights, merged
+    compress_state(
+        experts, CT_SCHEMES["w4"], work / "moe-ct-w4", quantized=lambda k: "_proj." in k or ".experts." in k
+    )
 
 
 def _single(build, path: Path) -> nn.Module:
@@ -200,6 +215,38 @@ def _fp8(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
     dist.barrier()
     if rank == 0:
         facts["saved_identical"] = _files(out) == _files(ckpt)
+    return facts
+
+
+def _compressed_tensors(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
+    """compressed-tensors checkpoints: each rank reads its share of the packed words and decodes it."""
+    import torch.distributed as dist
+
+    facts: dict[str, Any] = {}
+    for name in [*CT_SCHEMES, "moe-w4"]:
+        build = moe_build if name.startswith("moe") else dense_build
+        ckpt = work / (f"moe-ct-{name[4:]}" if name.startswith("moe") else f"dense-ct-{name}")
+        quantizer = quantizer_by_name("auto", ckpt)
+        model = build(device="meta")
+        report = surgery.load_checkpoint(model, ckpt, tp_plan="auto", device_mesh=mesh, quantizer=quantizer)
+        if name == "g16":
+            facts[name] = {"errors": [f.message for f in report.conversion_errors]}
+            continue
+        ref = build(device="meta")
+        single = surgery.load_checkpoint(ref, ckpt, quantizer=quantizer_by_name("auto", ckpt))
+        facts[name] = {
+            "ok": report.ok and single.ok,
+            "report": str(report),
+            "bytes_read": report.bytes_read,
+            "single_bytes": single.bytes_read,
+            "fallbacks": [str(f) for f in report.tp_fallbacks],
+            **_compare(model, ref),
+        }
+        out = work / f"{ckpt.name}-saved"
+        surgery.save_checkpoint(model, out)
+        dist.barrier()
+        if rank == 0:
+            facts[name]["saved_identical"] = _files(out) == _files(ckpt)
     return facts
 
 
@@ -372,6 +419,7 @@ def run(rank: int, world: int, workdir: str, torchrun: bool = False) -> None:
             facts["moe"] = _family("moe", moe_build, moe.original_state_dict, work, rank, mesh)
             facts["oracle"] = _oracle(work, mesh)
             facts["fp8"] = _fp8(work, rank, mesh)
+            facts["compressed_tensors"] = _compressed_tensors(work, rank, mesh)
             facts["fallback"] = _fallback(work, mesh)
             facts["padded_head"] = _padded_head(work, rank, mesh)
             facts["already_parallel"] = _already_parallel(work, mesh)

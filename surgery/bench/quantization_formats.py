@@ -4,7 +4,7 @@ For each format of :data:`FORMATS` (adding one is one line: a name, a writer fro
 a quantizer factory), over a stack of Llama-style MLPs:
 
 * **load**: seconds to load the format's checkpoint into a ``meta``-built model kept packed
-  (:class:`~surgery.quantization.KeepPacked`) and, where the loader decodes it, decoded into
+  (:class:`~surgery.quantization.KeepPacked`) and decoded into
   bf16, against a bf16 checkpoint into a bf16 model (page cache warm, ``mmap=False``, best of
   ``--repeat``);
 * **memory**: parameter and buffer bytes of the packed runtime model against the bf16 one;
@@ -33,7 +33,6 @@ from surgery.quantization import (
     AWQQuantizer,
     GPTQQuantizer,
     KeepPacked,
-    QuantizerHooks,
     awq_quantize,
     gptq_quantize,
     pack_words,
@@ -180,7 +179,6 @@ def run_formats(*, hidden: int, inner: int, blocks: int, repeat: int) -> list[st
     torch.manual_seed(0)
     model = nn.Sequential(*(_MLP(hidden, inner) for _ in range(blocks)))
     sd = {k: v.detach() for k, v in model.state_dict().items()}
-    decodes = hasattr(QuantizerHooks, "stored_region")
     lines = [
         f"formats: {blocks} MLPs H={hidden} I={inner}, meta-built, page cache warm, mmap=False; best s "
         "(ratio to the bf16 load)"
@@ -207,13 +205,10 @@ def run_formats(*, hidden: int, inner: int, blocks: int, repeat: int) -> list[st
                 f"  {fmt.name}: packed runtime {t_packed:.3f} s ({t_packed / t_bf16:.2f}x), "
                 f"{_nbytes(packed) / 2**20:.0f} MiB ({_nbytes(packed) / _nbytes(bf16_model):.3f} of bf16)"
             )
-            if decodes:
-                t_dec, _ = _load(
-                    lambda: _stack(hidden, inner, blocks, torch.bfloat16), path, fmt.quantizer(), repeat
-                )
-                row += f"; decoded into bf16 {t_dec:.3f} s ({t_dec / t_bf16:.2f}x)"
-            else:
-                row += "; decoded into bf16: needs the loader's stored_region hook"
+            t_dec, _ = _load(
+                lambda: _stack(hidden, inner, blocks, torch.bfloat16), path, fmt.quantizer(), repeat
+            )
+            row += f"; decoded into bf16 {t_dec:.3f} s ({t_dec / t_bf16:.2f}x)"
             lines.append(row)
             lines.extend(_forward(fmt, sd, tmp, hidden, inner, repeat))
     return lines

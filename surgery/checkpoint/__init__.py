@@ -10,7 +10,8 @@
 * :mod:`~surgery.checkpoint.writer`: :func:`write_checkpoint`, streaming, sharded, atomic
   (temporary files, fsync, rename); a failed save undoes itself and removes its files.
   :func:`check_write_arguments` checks its arguments without touching the disk (every rank of
-  a collective save does, first).
+  a collective save does, first); its steps (``plan_files``, ``stage_file``, ``commit_files``)
+  let the ranks of a distributed save each write some files of one checkpoint.
 * :mod:`~surgery.checkpoint.commit`: the commit protocol, so that after a save killed at any
   moment the directory loads as exactly the previous checkpoint or exactly the new one.
 """

@@ -20,6 +20,7 @@ A pickle file (:class:`PickleFile`, opened only on request) is loaded with
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
 import math
 import re
@@ -394,6 +395,62 @@ class CheckpointReader:
         for a, b in spans:
             source.read_into(info.offset + a * row, out.narrow(dim, pos, b - a), key)
             pos += b - a
+        return out
+
+    def read_box(
+        self,
+        key: str,
+        parts: Sequence[tuple[int, Sequence[tuple[int, int]]]],
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Read the part of ``key`` cut on several dims: per ``(dim, intervals)``, those intervals.
+
+        What a rank of an n-D device mesh holds of a tensor sharded on two dims (FSDP2's rows of
+        a row-wise tensor-parallel weight). The box is copied out of a mapping of the tensor's
+        pages, so only the pages it touches are read. Counts the box's bytes.
+
+        Raises:
+            CheckpointError: as :meth:`read_region`, or two cuts on one dim.
+        """
+        info, source = self.locate(key)
+        ndim = len(info.shape)
+        dims = [d % ndim if type(d) is int and -ndim <= d < ndim else None for d, _ in parts]
+        if None in dims or len(set(dims)) != len(dims):
+            raise CheckpointError(
+                f"read_box({key!r}, {list(parts)}): need distinct dims within -{ndim}..{ndim - 1} (shape {info.shape})."
+            )
+        shape = list(info.shape)
+        cuts: list[tuple[int, list[tuple[int, int]]]] = []
+        for d, (_, intervals) in zip(dims, parts):
+            assert d is not None
+            spans = [(int(x), int(y)) for x, y in intervals]
+            if any(not 0 <= x <= y <= info.shape[d] for x, y in spans) or any(
+                y > x2 for (_, y), (x2, _) in itertools.pairwise(spans)
+            ):
+                raise CheckpointError(
+                    f"read_box({key!r}): intervals {spans} on dim {d} must be sorted, disjoint and within "
+                    f"0..{info.shape[d]} (shape {info.shape})."
+                )
+            shape[d] = sum(y - x for x, y in spans)
+            cuts.append((d, spans))
+        if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != info.dtype):
+            raise CheckpointError(
+                f"read_box({key!r}): out is {tuple(out.shape)} {out.dtype}; the box needs torch.empty({tuple(shape)}, "
+                f"dtype={info.dtype})."
+            )
+        t = (
+            source.tensors[key]
+            if isinstance(source, PickleFile)
+            else source.view(info.offset, info.nbytes, info.dtype, info.shape)
+        )
+        for d, spans in cuts:
+            pieces = [t.narrow(d, x, y - x) for x, y in spans]
+            t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
+        self._count(math.prod(shape) * info.dtype.itemsize)
+        if out is None:
+            out = torch.empty(shape, dtype=info.dtype)
+        out.copy_(t)
         return out
 
     def close(self) -> None:

@@ -7,6 +7,11 @@ goes to a temporary name in the target directory, is fsynced and renamed into pl
 of a previous checkpoint are removed only once the new one is complete. A failed save (an
 exception, Ctrl-C) undoes its renames and removes its temporary files before it raises.
 
+:func:`write_checkpoint` is :func:`plan_files` (every file planned from the keys and specs),
+:func:`stage_file` per file (under a temporary name) and :func:`commit_files`, inside
+:func:`staging` (which removes the staged files on failure); a distributed save runs the same
+steps with the files staged by different ranks (:mod:`surgery.save.distributed`).
+
 The files keep the names transformers gives them; one rename is the commit point, and a save
 killed at any moment (SIGKILL, OOM) leaves the previous checkpoint or the new one: the protocol,
 and the rule by which readers find the previous checkpoint before the commit, are in
@@ -23,7 +28,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -39,8 +44,13 @@ __all__ = [
     "SAFE_WEIGHTS_INDEX_NAME",
     "SAFE_WEIGHTS_NAME",
     "SHARD_NAME",
+    "FilePlan",
     "check_write_arguments",
+    "commit_files",
     "parse_size",
+    "plan_files",
+    "stage_file",
+    "staging",
     "write_checkpoint",
 ]
 
@@ -452,6 +462,66 @@ def write_checkpoint(
     Example:
         >>> write_checkpoint({"w": torch.ones(2)}, tmp_dir, max_shard_size="1GB")  # doctest: +SKIP
     """
+    plan = plan_files(state_dict, path, max_shard_size=max_shard_size, metadata=metadata, specs=specs)
+    lazy = None if specs is None else state_dict
+    with save_token() as token, staging(plan) as staged:
+        recover(plan.directory, (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME))
+        for i in range(len(plan.names)):
+            stage_file(plan, i, token, staged, lazy)
+        commit_files(plan, staged, token)
+    return plan.written()
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """What a save writes, planned before a byte is: each file's name and keys, the index, the stale files.
+
+    Made by :func:`plan_files` from the keys and specs alone, so every rank of a collective save
+    plans the same files; :func:`stage_file` writes one of them under a temporary name and
+    :func:`commit_files` puts every staged file in place (the index last: the commit point).
+    """
+
+    target: Path
+    directory: Path
+    names: tuple[str, ...]  # the tensor files, in order
+    single_file: bool  # a ``.safetensors`` path: one file, never sharded
+    metadata: dict[str, str]
+    shards: tuple[tuple[_Pending, ...], ...]
+
+    @property
+    def keys(self) -> tuple[tuple[str, ...], ...]:
+        """The keys of each file, in the order their values are looked up."""
+        return tuple(tuple(p.key for p in shard) for shard in self.shards)
+
+    @property
+    def nbytes(self) -> tuple[int, ...]:
+        """The tensor bytes of each file."""
+        return tuple(sum(p.nbytes for p in shard) for shard in self.shards)
+
+    @property
+    def indexed(self) -> bool:
+        """Whether an index commits the files (a directory with more than one shard)."""
+        return not self.single_file and len(self.shards) > 1
+
+    def written(self) -> list[Path]:
+        """The files a committed save wrote: tensor files in order, then the index if there is one."""
+        extra = [SAFE_WEIGHTS_INDEX_NAME] if self.indexed else []
+        return [self.directory / name for name in [*self.names, *extra]]
+
+
+def plan_files(
+    state_dict: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, str] | None = None,
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+) -> FilePlan:
+    """Validate the arguments of :func:`write_checkpoint` and plan its files, without touching the disk.
+
+    Raises:
+        CheckpointError, ConfigurationError: what :func:`write_checkpoint` raises before it writes.
+    """
     limit = parse_size(max_shard_size)
     meta = _file_metadata(metadata)
     pending = _collect(state_dict) if specs is None else _collect_specs(state_dict, specs)
@@ -459,11 +529,6 @@ def write_checkpoint(
     single_file = target.suffix == ".safetensors"
     _check_target(target)
     directory = target.parent if single_file else target
-    new_directories = [d for d in (directory, *directory.parents) if not d.exists()]
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CheckpointError(f"Cannot create '{directory}': {exc.strerror or exc}.") from None
     shards = [pending] if single_file else _plan_shards(pending, limit)
     if single_file:
         names = [target.name]
@@ -471,40 +536,78 @@ def write_checkpoint(
         names = [SAFE_WEIGHTS_NAME]
     else:
         names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    staged: list[tuple[Path, str]] = []
-    hide: tuple[str, ...] = ()
-    with save_token() as token:
+    return FilePlan(target, directory, tuple(names), single_file, meta, tuple(tuple(s) for s in shards))
+
+
+@contextlib.contextmanager
+def staging(plan: FilePlan, *, create: bool = True) -> Iterator[list[tuple[Path, str]]]:
+    """Create the directory (``create``), and on any failure remove every staged file listed and the
+    directories created, then raise (an ``OSError`` as a :class:`CheckpointError`).
+
+    Yields the list the caller appends each ``(temporary file, name)`` it stages to.
+    """
+    new_directories = [d for d in (plan.directory, *plan.directory.parents) if not d.exists()]
+    if create:
         try:
-            recover(directory, (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME))
-            for shard, name in zip(shards, names):
-                temp = directory / staged_name(name, token, "tmp")
-                staged.append((temp, name))
-                _write_file(temp, shard, meta, None if specs is None else state_dict)
-            stale: list[str] = []
-            if not single_file:
-                old = _previous_shards(directory) - set(names)
-                if len(shards) > 1:
-                    temp = directory / staged_name(SAFE_WEIGHTS_INDEX_NAME, token, "tmp")
-                    staged.append((temp, SAFE_WEIGHTS_INDEX_NAME))
-                    _write_index(temp, shards, names)
-                    # The index is renamed last: the commit point. Until then the previous entry
-                    # points are moved away (a single file would win over the index).
-                    hide = (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME)
-                    stale = sorted(old)
-                else:
-                    stale = [SAFE_WEIGHTS_INDEX_NAME, *sorted(old)]
-            commit(directory, staged, stale, token=token, hide=hide)
-        except BaseException as exc:
-            for temp, _ in staged:
-                with contextlib.suppress(OSError):
-                    temp.unlink()
-            for created in new_directories:  # innermost first; only while empty
-                with contextlib.suppress(OSError):
-                    created.rmdir()
-            if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
-                raise CheckpointError(
-                    f"Saving to '{target}' failed: {exc}. The previous checkpoint there (if any) is unchanged; "
-                    "fix the cause (e.g. free disk space) and save again."
-                ) from exc
-            raise
-    return [directory / name for _, name in staged]
+            plan.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"Cannot create '{plan.directory}': {exc.strerror or exc}.") from None
+    staged: list[tuple[Path, str]] = []
+    try:
+        yield staged
+    except BaseException as exc:
+        for temp, _ in staged:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+        for created in new_directories if create else ():  # innermost first; only while empty
+            with contextlib.suppress(OSError):
+                created.rmdir()
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+            raise CheckpointError(
+                f"Saving to '{plan.target}' failed: {exc}. The previous checkpoint there (if any) is unchanged; "
+                "fix the cause (e.g. free disk space) and save again."
+            ) from exc
+        raise
+
+
+def stage_file(
+    plan: FilePlan,
+    i: int,
+    token: str,
+    staged: list[tuple[Path, str]],
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Write file ``i`` of ``plan`` under its temporary name (fsynced), listed in ``staged`` first.
+
+    ``staged`` gets ``(temporary file, name)`` before a byte is written, so a failure midway
+    leaves nothing :func:`staging` does not remove. ``state_dict``: where values are looked up,
+    one at a time in the plan's order (a lazy mapping); ``None`` when the plan holds the tensors
+    (planned without ``specs``).
+    """
+    name = plan.names[i]
+    temp = plan.directory / staged_name(name, token, "tmp")
+    staged.append((temp, name))
+    _write_file(temp, list(plan.shards[i]), plan.metadata, state_dict)
+
+
+def commit_files(plan: FilePlan, staged: list[tuple[Path, str]], token: str) -> None:
+    """Write the index (if any) and commit every staged tensor file of ``plan``, in order.
+
+    ``staged``: the ``(temporary file, name)`` of every file of ``plan``, in the plan's order
+    (they may have been written by other processes); the index's is appended to it.
+    """
+    stale: list[str] = []
+    hide: tuple[str, ...] = ()
+    if not plan.single_file:
+        old = _previous_shards(plan.directory) - set(plan.names)
+        if plan.indexed:
+            temp = plan.directory / staged_name(SAFE_WEIGHTS_INDEX_NAME, token, "tmp")
+            staged.append((temp, SAFE_WEIGHTS_INDEX_NAME))
+            _write_index(temp, list(map(list, plan.shards)), list(plan.names))
+            # The index is renamed last: the commit point. Until then the previous entry
+            # points are moved away (a single file would win over the index).
+            hide = (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME)
+            stale = sorted(old)
+        else:
+            stale = [SAFE_WEIGHTS_INDEX_NAME, *sorted(old)]
+    commit(plan.directory, staged, stale, token=token, hide=hide)

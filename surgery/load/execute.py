@@ -21,7 +21,7 @@ from ..converter import Collector, WeightConverter, expand_outputs
 from ..errors import ConversionError, SurgeryError
 from ..ops import OpContext, run_chain
 from ..parallel import is_dtensor
-from ..parallel.regions import NOT_NEEDED, Region, local_shape
+from ..parallel.regions import NOT_NEEDED, Box, Region, local_shape
 from ..placement import all_contiguous, flatten_slots, placement_views
 from .plan import Mode
 from .planner import Prepared, Work
@@ -122,12 +122,21 @@ def _keeping(prep: Prepared, w: Work, conv: WeightConverter, ctx: OpContext) -> 
 
 
 def _source(prep: Prepared, w: Work, key: str, region: Any = None) -> torch.Tensor:
-    """``key`` (its ``region``) as the op chain takes it: read, and decoded if stored quantized."""
-    t = _read(prep.reader, key, region)
+    """``key`` (its ``region``) as the op chain takes it: read, and decoded if stored quantized.
+
+    A format whose decoded shape differs from the stored one (packed values) reads the stored
+    part that holds ``region`` (``stored_region``) and decodes it to ``region``.
+    """
     q = w.quantizing
     names = None if q is None else q.companions.get(key)
     if q is None or not names:
-        return t
+        return _read(prep.reader, key, region)
+    if isinstance(region, Box):  # scales are cut by one dim: decode whole, keep the box
+        return region.take(_source(prep, w, key)).contiguous()
+    stored = region
+    if isinstance(region, Region) and q.hooks.reshapes:
+        stored = q.hooks.stored_region(key, region, prep.reader.info(key))
+    t = _read(prep.reader, key, stored)
     companions = {c: prep.checked[c] if c in prep.checked else prep.reader.get_tensor(c) for c in names}
     prep.companion_values[key] = companions
     return q.hooks.decode(key, t, companions, region if isinstance(region, Region) else None)
@@ -153,6 +162,8 @@ def _read(reader: CheckpointReader, key: str, region: Any, out: torch.Tensor | N
     """``key``'s region (all of it for ``None``), into ``out`` when given."""
     if isinstance(region, Region):
         return reader.read_region(key, region.dim, region.intervals, out=out)
+    if isinstance(region, Box):
+        return reader.read_box(key, [(p.dim, p.intervals) for p in region.parts], out=out)
     if out is not None:
         return reader.read_into(key, out)
     return reader.get_tensor(key)
@@ -174,7 +185,7 @@ def _execute_shard(prep: Prepared, w: Work, sh: Sharding) -> list[tuple[str, tor
     conv = chain.converter
     ctx = _keeping(prep, w, conv, op_context(conv, chain.group_key, prep.runtime, chain.config))
     targets = conv.expand_target_keys(chain.group_key)
-    if sh.fallback is not None:  # read whole, run the global chain, keep this rank's part
+    if sh.fallback is not None and sh.operations is None:  # read whole, run the global chain, keep the part
         collector = Collector(conv)
         for src in entry.source_keys:
             pat, idx = w.pattern_of[src]
@@ -186,7 +197,8 @@ def _execute_shard(prep: Prepared, w: Work, sh: Sharding) -> list[tuple[str, tor
             t = t if region is None else region.take(t).contiguous()
             result.append((key, t.to(prep.target_dtype[key]).to(w.device), True))
         return result
-    local_ctx = local_context(ctx, sh.regions, w.dest_keys)
+    chain_regions = sh.regions if sh.chain_regions is None else sh.chain_regions
+    local_ctx = local_context(ctx, chain_regions, w.dest_keys)
     keys = [k for k in _ordered_sources(conv, w) if sh.sources.get(k) is not NOT_NEEDED]
     if entry.mode == Mode.DIRECT:
         key = w.dest_keys[0]
@@ -212,7 +224,17 @@ def _execute_shard(prep: Prepared, w: Work, sh: Sharding) -> list[tuple[str, tor
     except ConversionError as exc:
         raise ConversionError(f"{conv!r} on this rank's part of {w.dest_keys[0]!r}: {exc}") from exc
     outputs = expand_outputs(targets, out, conv)
+    if sh.chain_regions is not None:  # a covering fallback: cut the other dims of each box now
+        for key, full, part in zip(w.dest_keys, sh.regions, sh.chain_regions):
+            outputs[key] = _rest_of(full, part).take(outputs[key]).contiguous()
     return [(key, outputs.pop(key).to(prep.target_dtype[key]).to(w.device), True) for key in w.dest_keys]
+
+
+def _rest_of(full: Region | Box | None, part: Region | Box | None) -> Box:
+    """The cuts of ``full`` that ``part`` (cut on one of its dims) did not make."""
+    done = set(part.dims) if isinstance(part, Box) else ({part.dim} if part is not None else set())
+    cuts = full.parts if isinstance(full, Box) else (() if full is None else (full,))
+    return Box(tuple(c for c in cuts if c.dim not in done))
 
 
 def _ordered_sources(conv: WeightConverter, w: Work) -> list[str]:

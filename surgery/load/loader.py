@@ -39,7 +39,7 @@ from ..checkpoint import CheckpointReader, open_checkpoint
 from ..errors import ConfigurationError, LoadError, SurgeryError
 from ..fusion import fusion_config_of
 from ..model_state import meta_clone, model_device
-from ..parallel import from_local
+from ..parallel import from_local, is_dtensor
 from ..parallel.regions import local_shape
 from ..persist import persisted_fusion_config
 from ..quantization import QUANTIZATION_METADATA_KEY
@@ -129,7 +129,9 @@ def _distributed(prep: Prepared, key: str, tensor: torch.Tensor) -> torch.Tensor
     placements = None if tp is None else prep.placements.get(key)
     if tp is None or placements is None:
         return tensor
-    return from_local(tensor, tp.mesh, placements, prep.runtime[key].shape)
+    old = prep.runtime[key]
+    mesh = old.device_mesh if is_dtensor(old) else tp.mesh  # type: ignore[attr-defined]
+    return from_local(tensor, mesh, placements, old.shape)
 
 
 def _set_tensor(model: nn.Module, key: str, tensor: torch.Tensor, old: torch.Tensor) -> None:
@@ -200,6 +202,7 @@ def plan_load(
     device_mesh: Any = None,
     tp_size: int | None = None,
     tp_rank: int | None = None,
+    rank: int | None = None,
     fusion_config: dict[str, Any] | None = None,
     quantizer: object | None = None,
     allow_pickle: bool = False,
@@ -219,6 +222,10 @@ def plan_load(
             :func:`load_checkpoint`); the plan is applied to a meta copy, never to ``model``.
         tp_size / tp_rank: plan a ``tp_plan`` for rank ``tp_rank`` of ``tp_size`` without any
             process group (pure arithmetic; style names only).
+        rank: with ``device_mesh`` given as dim sizes (``{"dp_shard": 2, "tp": 2}``; names
+            ``dp_replicate``, ``dp_shard``, ``tp``, torchtitan's), plan rank ``rank`` of that
+            n-D mesh without any process group: ``tp_plan`` on ``tp``, then FSDP2's ``Shard(0)``
+            on every parameter over the dp dims (docs/parallel.md).
         fusion_config: fusions to apply first (on a meta copy of the model for the dry run).
         quantizer: as in :func:`load_checkpoint` (applied to a meta copy for the dry run).
         allow_pickle: accept ``.bin``/``.pt`` files (loaded with ``weights_only=True``).
@@ -234,7 +241,9 @@ def plan_load(
         >>> print(plan.render())  # doctest: +SKIP
     """
     _refuse_meta_device(device, "plan_load")
-    tp = tensor_parallel(model, tp_plan=tp_plan, device_mesh=device_mesh, tp_size=tp_size, tp_rank=tp_rank)
+    tp = tensor_parallel(
+        model, tp_plan=tp_plan, device_mesh=device_mesh, tp_size=tp_size, tp_rank=tp_rank, rank=rank
+    )
     with _collector_paused(), _opened(path, allow_pickle) as reader:
         needs_fusion = fusion_config is not None or (
             fusion_config_of(model) is None and persisted_fusion_config(reader) is not None
@@ -242,7 +251,7 @@ def plan_load(
         quantized = quantizer is not None or QUANTIZATION_METADATA_KEY in reader.metadata
         target, stand_in = model, None
         if (
-            needs_fusion or quantized or (tp is not None and tp.spec is not None)
+            needs_fusion or quantized or (tp is not None and (tp.spec is not None or tp.planned is not None))
         ):  # a meta copy, never the model
             target, stand_in = meta_clone(model), model_device(model)
         prep = prepare(
@@ -294,9 +303,10 @@ def load_checkpoint(
             ``packed_colwise``, ``experts``) or ``ParallelStyle`` instances; ``"auto"`` takes the
             model's ``tp_plan`` attribute. The model is parallelized after fusions and each rank
             reads only its part of every sharded tensor (:mod:`surgery.parallel`). A model whose
-            parameters are already DTensors loads by their placements (leave ``tp_plan`` out).
+            parameters are already DTensors loads by their placements, on any number of mesh
+            dims (FSDP2 over TP, HSDP: docs/parallel.md; leave ``tp_plan`` out).
         device_mesh: the 1-D ``DeviceMesh`` of the ranks (needed with ``tp_plan``); local tensors
-            go to its device.
+            go to its device. A model already parallelized needs none (its DTensors name theirs).
         quantizer: a :class:`~surgery.quantization.Quantizer`: decodes a checkpoint quantized on
             disk before the op chains (:class:`~surgery.quantization.FP8BlockQuantizer`) and/or
             quantizes after them (:class:`~surgery.quantization.Int8WeightOnlyQuantizer`, which
@@ -337,6 +347,11 @@ def load_checkpoint(
     start = time.perf_counter()
     _refuse_meta_device(device, "load_checkpoint")
     tp = tensor_parallel(model, tp_plan=tp_plan, device_mesh=device_mesh)
+    if tp is not None and tp.planned is not None:
+        raise ConfigurationError(
+            f"device_mesh={device_mesh!r} gives dim sizes, which plan a dry run (plan_load(..., rank=r)); a load "
+            "needs the DeviceMesh of the launched ranks (init_device_mesh(...))."
+        )
     if tp is not None and tp.mesh is not None and device is None:
         device = tp.mesh.device_type if tp.mesh.device_type == "cpu" else _mesh_device(tp.mesh)
     clear_record(model)  # a failed or interrupted load leaves no record behind
@@ -450,6 +465,7 @@ def _report(
         conflicts=list(prep.conflicts),
         conversion_errors=[f for _, f in sorted(failures, key=lambda p: p[0])],
         mapped_keys=sorted(mapped, key=order.__getitem__),
+        decoded_keys=_decoded(prep, set(loaded)),
         fusions=prep.plan.fusions,
         tp_world_size=prep.plan.tp_world_size,
         tp_rank=prep.plan.tp_rank,
@@ -461,6 +477,18 @@ def _report(
         notes=list(prep.plan.notes),
         plan=prep.plan,
     )
+
+
+def _decoded(prep: Prepared, loaded: set[str]) -> list[str]:
+    """The checkpoint keys a quantizer decoded for loaded targets, in checkpoint order."""
+    keys = {
+        k
+        for w in prep.work
+        if w.quantizing is not None and loaded.intersection(w.dest_keys)
+        for k in w.entry.source_keys
+        if k in w.quantizing.companions
+    }
+    return [k for k in prep.reader if k in keys]
 
 
 def _left_on_meta(model: nn.Module, filled: set[str] | None = None) -> list[str]:

@@ -24,6 +24,7 @@ load reports comes out in checkpoint order.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,7 @@ from ..converter import WeightConverter
 from ..errors import ConfigurationError, ConversionError, SurgeryError
 from ..model_state import dtype_name, lossy_cast
 from ..ops import OpContext
-from ..parallel.regions import local_shape
+from ..parallel.regions import Box, Region, local_shape
 from ..placement import all_contiguous, placement_views, source_slot_shapes
 from ..quantization import QuantizerHooks
 from ..record import Origin
@@ -85,7 +86,7 @@ class Memo:
 
     shapes: dict[Any, list[Any]] = field(default_factory=dict)
     views: dict[Any, bool] = field(default_factory=dict)
-    decoded: dict[Any, torch.dtype] = field(default_factory=dict)
+    decoded: dict[Any, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     quantized: dict[Any, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -450,10 +451,17 @@ def shard(ctx: Planning, c: Candidate) -> None:
     entry.tp = sh.slices
     if not sh.sharded:
         return
+    if ctx.hooks is not None and ctx.hooks.reshapes and c.decoded:
+        try:
+            entry.nbytes = _stored_bytes(ctx, sh.sources, nbytes, c.decoded)
+        except ConfigurationError as exc:
+            fail(ctx, c, f"{ctx.hooks.name}.stored_region", str(exc))
+            return
     in_place = c.device.type == "cpu" and not (c.cast or c.decoded or c.produced)
     if chain is None:
         region = sh.regions[0]
-        entry.mode = Mode.DIRECT if in_place and region is not None and region.dim == 0 else Mode.CONVERT
+        whole_rows = isinstance(region, Box) or (region is not None and region.dim == 0)
+        entry.mode = Mode.DIRECT if in_place and whole_rows else Mode.CONVERT
         return
     param = ctx.runtime[entry.target_keys[0]]
     local = local_shape(tuple(param.shape), sh.regions[0])
@@ -464,6 +472,27 @@ def shard(ctx: Planning, c: Candidate) -> None:
         and direct_possible(chain.converter, sh, local, param.dtype, local_ctx)
     )
     entry.mode = Mode.DIRECT if direct else Mode.CONVERT
+
+
+def _stored_bytes(ctx: Planning, sources: dict[str, Any], nbytes: int, decoded: dict[str, Any]) -> int:
+    """``nbytes`` with each decoded source's share counted as stored (packed values: fewer bytes).
+
+    Raises:
+        ConfigurationError: the quantizer cannot read a source's region without the rest
+            (a split not aligned to its packing or groups).
+    """
+    assert ctx.hooks is not None
+    for key, region in sources.items():
+        if key not in decoded or not isinstance(region, Region):
+            continue
+        info = ctx.reader.info(key)
+        stored = ctx.hooks.stored_region(key, region, info)
+        itemsize = info.dtype.itemsize
+        nbytes += itemsize * (
+            math.prod(local_shape(tuple(info.shape), stored))
+            - math.prod(local_shape(tuple(info.shape), region))
+        )
+    return nbytes
 
 
 PASSES: tuple[Callable[[Planning, Candidate], None], ...] = (

@@ -277,7 +277,11 @@ def _part(tp: TPSlice | None) -> str:
         return "-"
     if tp.dim is None:
         return "whole"
-    kind = ", ".join(tp.placements).split("(")[0].lstrip("_")
+    if tp.more:  # cut on several dims (an n-D mesh): each dim's intervals
+        cuts = [(tp.dim, tp.intervals), *tp.more]
+        return " ".join(f"[{d}]" + ",".join(f"{a}:{b}" for a, b in iv) for d, iv in cuts)
+    kinds = [p.split("(")[0].lstrip("_") for p in tp.placements if not p.startswith("Replicate")]
+    kind = "+".join(dict.fromkeys(kinds)) or "Replicate"  # n-D: the shards nested on the dim, in mesh order
     return f"{kind}({tp.dim}) " + ",".join(f"{a}:{b}" for a, b in tp.intervals)
 
 

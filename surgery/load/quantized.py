@@ -22,7 +22,7 @@ from torch import nn
 from ..checkpoint import CheckpointReader, StoredTensor
 from ..errors import ConversionError
 from ..model_state import dtype_name
-from ..quantization import QuantizerHooks
+from ..quantization import SMALL_COMPANION_BYTES, QuantizerHooks
 
 __all__ = [
     "broken_units",
@@ -172,22 +172,34 @@ def decoded_info(
     info: StoredTensor,
     decoded: dict[str, tuple[str, ...]],
     reader: CheckpointReader,
-    cache: dict[Any, torch.dtype],
+    cache: dict[Any, tuple[tuple[int, ...], torch.dtype]],
 ) -> StoredTensor:
-    """``info`` as the op chain sees it after decoding (checked by a ``meta`` run of ``decode``)."""
+    """``info`` as the op chain sees it after decoding (checked by a ``meta`` run of ``decode``).
+
+    A quantizer whose decoding changes shapes (``stored_region``) gets the values of the small
+    companions (a stored ``weight_shape``); the memo then holds them too.
+    """
     names = decoded.get(info.key)
     if not names:
         return info
     companions = {c: reader.info(c) for c in names}
+    values = (
+        {c: reader.get_tensor(c) for c, i in companions.items() if i.nbytes <= SMALL_COMPANION_BYTES}
+        if hooks.reshapes
+        else {}
+    )
     key = (
         info.shape,
         info.dtype,
         tuple((c.removeprefix(info.key), i.shape, i.dtype) for c, i in companions.items()),
+        tuple((c.removeprefix(info.key), tuple(v.flatten().tolist())) for c, v in values.items()),
     )
-    dtype = cache.get(key)
-    if dtype is None:
-        dtype = cache[key] = hooks.decode_meta(info.key, info, companions)
-    return dataclasses.replace(info, dtype=dtype)
+    found = cache.get(key)
+    if found is None:
+        t = hooks.decode_meta(info.key, info, companions, values)
+        found = cache[key] = (tuple(t.shape), t.dtype)
+    shape, dtype = found
+    return dataclasses.replace(info, shape=shape, dtype=dtype)
 
 
 def plan_quantize(

@@ -106,6 +106,8 @@ class LoadReport:
         conversion_errors: converters that failed, with transform, keys and message.
         mapped_keys: parameters memory-mapped from the file instead of copied.
         transforms_used: the transforms whose output was loaded.
+        decoded_keys: checkpoint keys stored quantized that a quantizer decoded to floats on read
+            (with their scales), for the targets that were loaded, in checkpoint order.
         fusions: the fusion config applied before loading, if any.
         bytes_read: bytes of tensor data read (or mapped) from the checkpoint by this process.
         tp_world_size / tp_rank: the tensor-parallel mesh size and this rank (``None`` if not parallel).
@@ -128,6 +130,7 @@ class LoadReport:
     conversion_errors: list[ConversionFailure] = field(default_factory=list)
     mapped_keys: list[str] = field(default_factory=list)
     transforms_used: list[str] = field(default_factory=list)
+    decoded_keys: list[str] = field(default_factory=list)
     fusions: dict[str, Any] | None = None
     bytes_read: int = 0
     tp_world_size: int | None = None
@@ -255,6 +258,7 @@ class LoadReport:
         )
         section("notes", self.notes)
         section("transforms used", self.transforms_used, limit=10)
+        section("decoded (stored quantized, dequantized on read)", self.decoded_keys, limit=10)
         return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism on ``torch.distributed``: plans, styles, regions, DTensors.
+"""Tensor parallelism (and FSDP2 meshes) on ``torch.distributed``: plans, styles, regions, DTensors.
 
 * :mod:`~surgery.parallel.plan`: :func:`resolve_tp_plan` (a ``tp_plan`` validated against a
   model) and placement arithmetic (:func:`param_placements`, :func:`local_region`,
@@ -6,9 +6,15 @@
 * :mod:`~surgery.parallel.styles`: :class:`PackedColwiseParallel` and :class:`ExpertsParallel`,
   ``ParallelStyle`` subclasses (importing it imports ``torch.distributed.tensor``).
 * :mod:`~surgery.parallel.apply`: :func:`parallelize`, a plan applied to a model.
-* :mod:`~surgery.parallel.regions`: :class:`Region` (a rank's part of a tensor) and
-  :class:`TPSlice` (what a load plan records of it); a leaf module.
+* :mod:`~surgery.parallel.regions`: :class:`Region` (a rank's part of a tensor on one dim),
+  :class:`~surgery.parallel.regions.Box` (on several dims, from an n-D mesh) and :class:`TPSlice`
+  (what a load plan records of it); a leaf module.
+* :mod:`~surgery.parallel.mesh_shape`: :class:`~surgery.parallel.mesh_shape.MeshShape`, a named
+  n-D mesh as plain numbers, and the placements FSDP2 over TP gives a parameter (dry runs).
 * :mod:`~surgery.parallel.dtensors`: DTensors recognized, gathered and built at run time.
+* :mod:`~surgery.parallel.assemble`: where each rank's shard of a DTensor lies in the whole
+  tensor (:func:`~surgery.parallel.assemble.local_indices`, any placements on an n-D mesh), and
+  a DTensor assembled whole on one rank (:func:`~surgery.parallel.assemble.assemble_on`).
 
 What one rank reads of a checkpoint is planned in :mod:`surgery.load.sharding`. Every name is
 imported on first use, so ``import surgery.parallel`` imports no ``torch.distributed.tensor``.

@@ -32,6 +32,7 @@ this package is the only place that uses it.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,7 @@ from torch import nn
 from ..errors import ConfigurationError
 from ..graph import match_modules
 from .dtensors import dtensor_type
-from .regions import Region, intersect
+from .regions import Box, Region, intersect
 
 __all__ = [
     "STYLE_NAMES",
@@ -359,7 +360,8 @@ def _check_tied(model: nn.Module, resolved: list[ResolvedStyle]) -> None:
 
 
 def check_mesh(device_mesh: Any) -> Any:
-    """A 1-D ``DeviceMesh`` (a 2-D mesh is an error naming the dim to slice)."""
+    """A 1-D ``DeviceMesh`` to apply a ``tp_plan`` on (a 2-D mesh is an error naming the dim to
+    slice); a model the user parallelized on an n-D mesh loads by its placements without one."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(device_mesh, DeviceMesh):
@@ -378,37 +380,135 @@ def check_mesh(device_mesh: Any) -> Any:
 
 
 def local_region(
-    placements: tuple[Any, ...], shape: tuple[int, ...], world_size: int, rank: int
-) -> Region | None:
-    """The part of a tensor of global ``shape`` that ``rank`` holds (``None``: all of it).
+    placements: tuple[Any, ...],
+    shape: tuple[int, ...],
+    world_size: int | Sequence[int],
+    rank: int | Sequence[int],
+    *,
+    name: str = "a tensor",
+) -> Region | Box | None:
+    """The part of a tensor of global ``shape`` that a rank holds (``None``: all of it).
 
-    ``placements`` has one entry per mesh dim. Follows torch's chunk rules
-    (``Shard.local_shard_size_and_offset``); a ``_StridedShard`` gives one interval per part.
+    ``placements`` has one entry per mesh dim; ``world_size`` is the mesh's shape (an int for a
+    1-D mesh) and ``rank`` the rank's coordinate on it. Sharding is applied mesh dim by mesh dim,
+    left to right, each ``Shard``/``_StridedShard`` cutting what the dims before it left on its
+    tensor dim, exactly as torch's ``compute_local_shape_and_global_offset`` does (torch's chunk
+    rules, ``_StridedShard``'s interleaved offsets). The result is a :class:`Region` when one
+    tensor dim is cut, a :class:`Box` when several are.
+
+    Example:
+        >>> from torch.distributed.tensor import Shard
+        >>> from torch.distributed.tensor.placement_types import _StridedShard
+        >>> local_region((Shard(0),), (8, 4), 2, 1)
+        Region(dim=0, intervals=((4, 8),))
+        >>> local_region((_StridedShard(0, split_factor=2), Shard(0)), (8, 4), (2, 2), (0, 1))
+        Region(dim=0, intervals=((4, 6),))
+        >>> local_region((Shard(0), Shard(1)), (8, 4), (2, 2), (1, 0)).dims
+        (0, 1)
 
     Raises:
-        ConfigurationError: a placement that is not a shard or replicate, or more than one shard.
+        ConfigurationError: a placement that is neither a shard nor ``Replicate`` (``Partial``),
+            placements that do not match the mesh's dims, or an uneven ``_StridedShard`` on a
+            multi-dim mesh (naming ``name``, the dim, its size and the mesh dim).
     """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
+    from torch.distributed.tensor import Replicate
 
-    region = None
-    for p in placements:
+    sizes = (world_size,) if isinstance(world_size, int) else tuple(int(n) for n in world_size)
+    coords = (rank,) if isinstance(rank, int) else tuple(int(r) for r in rank)
+    if len(sizes) != len(placements) or len(coords) != len(placements):
+        raise ConfigurationError(
+            f"{name}: placements {tuple(placements)} do not fit a mesh of shape {sizes} at coordinate {coords}; "
+            "give one placement per mesh dim."
+        )
+    ndim = len(shape)
+    for mesh_dim, p in enumerate(placements):
+        if not isinstance(p, Replicate) and sharded_dim(p) is None:
+            raise ConfigurationError(
+                f"{name}: placement {p!r} on mesh dim {mesh_dim} cannot be read shard by shard; a loaded "
+                "parameter must be Shard, _StridedShard or Replicate on every mesh dim."
+            )
+    deferred = _chunked_after(placements, sizes, ndim)
+    order = [i for i in range(len(placements)) if i not in deferred] + sorted(deferred, reverse=True)
+    index: dict[int, torch.Tensor] = {}  # tensor dim -> global indices held, in local order
+    for mesh_dim in order:
+        p, n, c = placements[mesh_dim], sizes[mesh_dim], coords[mesh_dim]
         if isinstance(p, Replicate):
             continue
-        if sharded_dim(p) is None or region is not None:
+        dim = p.dim % ndim
+        held = index.get(dim)
+        current = int(shape[dim]) if held is None else int(held.numel())
+        if mesh_dim in deferred:
+            from torch.distributed.tensor import Shard
+
+            p = Shard(dim)
+        local = _chunk_indices(
+            p, current, n, c, strided=len(sizes) > 1, name=name, dim=dim, mesh_dim=mesh_dim
+        )
+        index[dim] = local if held is None else held[local]
+    parts = [_as_region(d, idx, name) for d, idx in index.items()]
+    return Box.of(parts, shape)
+
+
+def _chunked_after(placements: Sequence[Any], sizes: Sequence[int], ndim: int) -> set[int]:
+    """Mesh dims whose ``_StridedShard`` chunks what a later ``_StridedShard`` left (FSDP2 over packed TP).
+
+    FSDP2 over a tensor-parallel ``Shard(d)`` declares ``_StridedShard(d, sf=tp)`` on its dp dim:
+    torch's left-to-right arithmetic then gives each rank the dp chunk of its TP shard, which is
+    what FSDP2 holds. Over a packed ``_StridedShard(d, 2)`` (``packed_colwise``) it declares the
+    same, but the arithmetic no longer describes FSDP2's data: FSDP2 cut each rank's TP shard
+    (``[G_r | U_r]``) into contiguous dp chunks, and its all-gather in the forward puts them back
+    together. For that case (a ``_StridedShard`` whose factor is the number of later shards on
+    its dim, at least one of them strided) the dp dim is applied after the later dims, as a plain
+    chunk of what they leave: the layout FSDP2 builds from real weights and computes with.
+    """
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out: set[int] = set()
+    for i, p in enumerate(placements):
+        if not isinstance(p, _StridedShard):
+            continue
+        later = [j for j in range(i + 1, len(placements)) if sharded_dim(placements[j]) is not None]
+        later = [j for j in later if placements[j].dim % ndim == p.dim % ndim]
+        if not any(isinstance(placements[j], _StridedShard) for j in later):
+            continue
+        if int(p.split_factor) == math.prod(sizes[j] for j in later):
+            out.add(i)
+    return out
+
+
+def _chunk_indices(
+    p: Any, size: int, chunks: int, coord: int, *, strided: bool, name: str, dim: int, mesh_dim: int
+) -> torch.Tensor:
+    """The indices (into a dim of ``size``) that ``p`` gives coordinate ``coord`` of ``chunks``."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
+
+    if isinstance(p, _StridedShard):
+        if strided and size % (chunks * int(p.split_factor)):
             raise ConfigurationError(
-                f"placements {tuple(placements)} cannot be read shard by shard; use Shard, _StridedShard or Replicate on a 1-D mesh."
+                f"{name}: dim {dim} of size {size} is placed {p!r} on mesh dim {mesh_dim} of size {chunks}, "
+                f"which does not divide it into {chunks} x {p.split_factor} equal parts; use mesh and model sizes "
+                "that divide it."
             )
-        dim = p.dim % len(shape)
-        if isinstance(p, _StridedShard):
-            _, offsets = p.local_shard_size_and_offset(
-                shape[dim], world_size, rank, _StridedShardOffsetMode.ALL
-            )
-            region = Region.indices(dim, list(offsets))  # type: ignore[arg-type]
-        else:
-            size, offset = Shard.local_shard_size_and_offset(shape[dim], world_size, rank)
-            region = Region.of(dim, [(offset, offset + size)])
-    return region
+        _, offsets = p.local_shard_size_and_offset(size, chunks, coord, _StridedShardOffsetMode.ALL)
+        return torch.tensor(list(offsets or ()), dtype=torch.long)  # type: ignore[arg-type]
+    length, offset = Shard.local_shard_size_and_offset(size, chunks, coord)
+    return torch.arange(int(offset), int(offset) + int(length))
+
+
+def _as_region(dim: int, index: torch.Tensor, name: str) -> Region:
+    """The sorted global ``index`` of one dim as runs of consecutive indices."""
+    if index.numel() == 0:
+        return Region(dim, ())
+    if index.numel() > 1 and not bool((index[1:] > index[:-1]).all()):
+        raise ConfigurationError(
+            f"{name}: its placements give this rank the rows {index.tolist()[:8]}... of dim {dim} out of order, "
+            "which no region read describes; use placements whose shards keep the global order."
+        )
+    breaks = torch.nonzero(index[1:] != index[:-1] + 1).flatten().tolist()
+    starts = [0, *(b + 1 for b in breaks)]
+    stops = [*(b + 1 for b in breaks), int(index.numel())]
+    return Region.of(dim, [(int(index[a]), int(index[b - 1]) + 1) for a, b in zip(starts, stops)])
 
 
 def local_split_sizes(param: torch.Tensor, sizes: Sequence[int], *, dim: int = 0) -> list[int]:
@@ -445,12 +545,10 @@ def local_split_sizes(param: torch.Tensor, sizes: Sequence[int], *, dim: int = 0
         )
     mesh = param.device_mesh  # type: ignore[attr-defined]
     placements = tuple(param.placements)  # type: ignore[attr-defined]
-    if mesh.ndim != 1:
-        raise ConfigurationError(
-            f"a fused parameter on a {mesh.ndim}-D device mesh {tuple(mesh.shape)} cannot be split by rank; "
-            "tensor-parallelize fused modules on a 1-D mesh (pass mesh['tp'])."
-        )
-    return list(_local_parts(placements, shape, mesh.size(), mesh.get_local_rank(), parts, dim % len(shape)))
+    coordinate = mesh.get_coordinate()
+    return list(
+        _local_parts(placements, shape, tuple(mesh.shape), tuple(coordinate), parts, dim % len(shape))
+    )
 
 
 # Fused forwards call it from their fx graphs, whose code names a function by its module: the
@@ -463,12 +561,14 @@ __test__ = {"local_split_sizes": local_split_sizes}  # its example runs as this 
 def _local_parts(
     placements: tuple[Any, ...],
     shape: tuple[int, ...],
-    world: int,
-    rank: int,
+    world: tuple[int, ...],
+    rank: tuple[int, ...],
     parts: tuple[int, ...],
     dim: int,
 ) -> tuple[int, ...]:
     region = local_region(placements, shape, world, rank)
+    if isinstance(region, Box):
+        region = next((r for r in region.parts if r.dim == dim), None)
     if region is None or region.dim != dim:  # replicated, or sharded on another dim: every row is here
         return parts
     out, start = [], 0
@@ -479,7 +579,8 @@ def _local_parts(
     if any(o * total != held * n for o, n in zip(out, parts)):
         raise ConfigurationError(
             f"a fused parameter of global shape {shape} split into parts {list(parts)} on dim {dim} is placed "
-            f"{tuple(placements)}, which gives rank {rank} of {world} the rows {out} of those parts: not the same "
+            f"{tuple(placements)}, which gives rank {rank[0] if len(rank) == 1 else rank} of "
+            f"{world[0] if len(world) == 1 else world} the rows {out} of those parts: not the same "
             "share of each, so its output cannot be split into aligned parts. Shard it with packed_colwise "
             f"(PackedColwiseParallel(split_factor={len(parts)})), which gives every rank its share of every part."
         )

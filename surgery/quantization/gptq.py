@@ -262,6 +262,10 @@ class GPTQQuantizer:
         return dict(self._config)
 
     # ------------------------------------------------------------------ hooks
+    def dequantized_name(self, key: str) -> str:
+        """A dequantized save writes the floats of ``X.qweight`` as ``X.weight``."""
+        return key.removesuffix("qweight") + "weight" if key.rpartition(".")[2] == "qweight" else key
+
     def companions(self, key: str, info: StoredTensor) -> tuple[str, ...]:
         prefix, _, name = key.rpartition(".")
         if name != "qweight":

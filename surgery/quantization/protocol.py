@@ -15,6 +15,14 @@ A quantizer is any object; the loader looks up each hook by name and uses the on
   ``decode`` turns the stored values into floats **per source tensor, before the op chain**, so
   plain weights, expert merges and tensor-parallel slices all decode the same way. ``region``
   is the part of ``key`` that was read (a :class:`~surgery.parallel.regions.Region`), ``None`` for all.
+  Decoding keeps the stored shape, except for a quantizer that defines ``stored_region``.
+* ``stored_region(key, region, info) -> Region``: for a format whose decoded tensor has another
+  shape than the stored one (values packed several to a word: compressed-tensors
+  ``weight_packed``), the part of the stored ``key`` that holds ``region`` of the decoded values;
+  a tensor-parallel rank reads only that (on another dim where decoding transposes: gpt-oss MXFP4
+  blocks). Its ``decode`` may change the shape; planning learns
+  the decoded shape from a ``meta`` run, with the values of small companions (at most
+  :data:`SMALL_COMPANION_BYTES`: a stored ``weight_shape``) read.
 * ``companion_of(key) -> str | None``: the key ``key`` would be a companion of (``X.weight`` for
   ``X.weight_scale_inv``). A key that names an owner but that no stored-quantized owner claims
   (the owner is absent, or stored in float) is an error naming it, never an unexpected key that
@@ -38,6 +46,9 @@ A quantizer is any object; the loader looks up each hook by name and uses the on
   instead of reading quantized values as floats (:mod:`surgery.saved_config`).
 * ``encode(key, tensor, recorded) -> dict[str, Tensor]``: re-encode an original-layout tensor
   for a save, given the companion tensors recorded when it was loaded.
+* ``dequantized_name(key) -> str``: the name a ``quantization="dequantized"`` save writes the
+  floats of the stored ``key`` under, for a format whose stored name is not the float one
+  (``X.weight_packed`` → ``X.weight``, gpt-oss ``X_blocks`` → ``X``); ``key`` itself without it.
 
 Every hook except ``check`` is called on ``meta`` tensors during planning (nothing is read yet),
 so shapes, dtypes and key names are checked before a byte of weight data moves; the built-in
@@ -63,6 +74,7 @@ from ..transforms import WeightTransform
 
 __all__ = [
     "QUANTIZATION_METADATA_KEY",
+    "SMALL_COMPANION_BYTES",
     "QuantizedModule",
     "Quantizer",
     "QuantizerHooks",
@@ -73,6 +85,9 @@ __all__ = [
 
 QUANTIZATION_METADATA_KEY = "surgery.quantization"
 """Safetensors metadata key of a quantized runtime-layout save: JSON with ``quant_method``."""
+
+SMALL_COMPANION_BYTES = 64
+"""Companions up to this size are read for planning's ``meta`` run of ``decode`` (shape vectors, scalars)."""
 
 
 class Quantizer(Protocol):
@@ -191,11 +206,13 @@ class QuantizerHooks:
         "check",
         "decode",
         "keeps_packed",
+        "stored_region",
         "quantizes",
         "quantize",
         "metadata",
         "quantization_config",
         "encode",
+        "dequantized_name",
     )
 
     def __init__(self, quantizer: object) -> None:
@@ -227,6 +244,23 @@ class QuantizerHooks:
     @property
     def decodes(self) -> bool:
         return "decode" in self._hooks
+
+    @property
+    def reshapes(self) -> bool:
+        """Whether decoding may change a tensor's shape (the quantizer maps regions: ``stored_region``)."""
+        return "stored_region" in self._hooks
+
+    def stored_region(self, key: str, region: Region, info: StoredTensor) -> Region:
+        """The part of the stored ``key`` holding ``region`` of its decoded values (``region`` itself by default)."""
+        if "stored_region" not in self._hooks:
+            return region
+        result = self._call("stored_region", key, key, region, info)
+        if not isinstance(result, Region) or not -len(info.shape) <= result.dim < max(len(info.shape), 1):
+            raise ConfigurationError(
+                f"{self.name}.stored_region({key!r}) returned {bounded_repr(result)}; return a Region of a dim of "
+                f"the stored {tuple(info.shape)} tensor."
+            )
+        return result
 
     @property
     def quantizes_on_the_fly(self) -> bool:
@@ -327,7 +361,7 @@ class QuantizerHooks:
             raise ConfigurationError(
                 f"{self.name}.decode({key!r}) returned {type(result).__name__}, not a Tensor."
             )
-        if tuple(result.shape) != tuple(tensor.shape):
+        if tuple(result.shape) != tuple(tensor.shape) and not self.reshapes:
             raise ConversionError(
                 f"{self.name}.decode({key!r}) turned shape {tuple(tensor.shape)} into {tuple(result.shape)}; "
                 "decoding keeps the stored shape."
@@ -339,11 +373,17 @@ class QuantizerHooks:
         return result
 
     def decode_meta(
-        self, key: str, info: StoredTensor, companions: Mapping[str, StoredTensor]
-    ) -> torch.dtype:
-        """Run ``decode`` on ``meta`` tensors of the stored shapes: checks it, returns the decoded dtype."""
+        self,
+        key: str,
+        info: StoredTensor,
+        companions: Mapping[str, StoredTensor],
+        values: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run ``decode`` on ``meta`` tensors of the stored shapes (``values``: companions read): checks
+        it, returns the decoded ``meta`` tensor (its shape and dtype)."""
         metas = {k: torch.empty(i.shape, dtype=i.dtype, device="meta") for k, i in companions.items()}
-        return self.decode(key, torch.empty(info.shape, dtype=info.dtype, device="meta"), metas).dtype
+        metas.update(values or {})
+        return self.decode(key, torch.empty(info.shape, dtype=info.dtype, device="meta"), metas)
 
     def encode(
         self, key: str, tensor: torch.Tensor, recorded: dict[str, torch.Tensor]
@@ -354,6 +394,17 @@ class QuantizerHooks:
                 "quantization='dequantized' to write floats."
             )
         return self._tensors("encode", key, self._call("encode", key, key, tensor, recorded))
+
+    def dequantized_name(self, key: str) -> str:
+        """The name the floats of the stored ``key`` are written under by a dequantized save."""
+        if "dequantized_name" not in self._hooks:
+            return key
+        result = self._call("dequantized_name", key, key)
+        if not isinstance(result, str) or not result:
+            raise ConfigurationError(
+                f"{self.name}.dequantized_name({key!r}) returned {bounded_repr(result)}; return a checkpoint key."
+            )
+        return result
 
     # ------------------------------------------------------------------ quantized on the fly
     def quantizes(self, key: str, module: nn.Module) -> bool:

@@ -6,7 +6,8 @@
 * :mod:`~surgery.save.reverted`: :class:`RevertedState`, the tensors a save writes, computed one
   converter group at a time, in the loaded checkpoint's write order.
 * :mod:`~surgery.save.quantized`: quantized modules back to floats, and the quantizer a model holds.
-* :mod:`~surgery.save.distributed`: a tensor-parallel save (gather, rank 0 writes).
+* :mod:`~surgery.save.distributed`: a parallel model's save shared out among its ranks (each
+  assembles and writes its own files, rank 0 commits).
 """
 
 from .inverse import reverting_transforms

@@ -169,6 +169,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
             )
         self._dtype_override = check_save_dtype(dtype)
         self._casts: dict[str, Cast] = {}
+        self._requantized: set[str] = set()
         self._state: dict[str, Any] = _dedup_state(model)
         self._collective = collective or Collective.of_tensors(
             self._state.values(), what="computing the reverted state"
@@ -240,7 +241,10 @@ class RevertedState(Mapping[str, torch.Tensor]):
                 group = _Group((src,), (src,), (src,), ())
             else:
                 group, metas = self._plan_converter(converter, key, sources, shapes)
+            recorded = record.companions if record is not None else {}
             names = tuple(rename(k) for k in group.outputs)
+            if self._quantization == "dequantized" and self._encoder is not None:  # floats: the float name
+                names = tuple(self._encoder.dequantized_name(n) if n in recorded else n for n in names)
             group.names = names
             for o in group.outputs:  # a mapping whose plain inverse is not one-to-one stays refused
                 if (p := rename.plain(o)) in plain_names:
@@ -250,7 +254,6 @@ class RevertedState(Mapping[str, torch.Tensor]):
                         "renamings of the model's mapping."
                     )
                 plain_names[p] = o
-            recorded = record.companions if record is not None else {}
             group.dtypes = tuple(
                 self._dtype(group, n, metas[o].dtype, dtypes, recorded) for n, o in zip(names, group.outputs)
             )
@@ -263,6 +266,8 @@ class RevertedState(Mapping[str, torch.Tensor]):
                         "mapping is not one-to-one. Check the renamings of the model's mapping."
                     )
                 self._specs[n] = TensorSpec(tuple(metas[o].shape), d)
+                if group.encoded and n in group.encoded and record is not None and n in record.source_shapes:
+                    self._specs[n] = TensorSpec(record.source_shapes[n], d)  # packed: the stored shape
                 if group.companion_of and n in group.companion_of:
                     scale = recorded[group.companion_of[n]][n]
                     self._specs[n] = TensorSpec(tuple(scale.shape), scale.dtype)
@@ -401,12 +406,44 @@ class RevertedState(Mapping[str, torch.Tensor]):
         writes the last values and commits only once every rank has computed everything.
         """
         self._collective.agree()
-        sources = {k: full_tensor(self._state[k]) for k in g.sources}
+        sources = {k: self._whole(self._state[k]) for k in g.sources}
         with self._collective.step():
             out = self._compute(g, sources)
         if last:
             self._collective.agree()
         return out
+
+    def group_index(self, key: str) -> int:
+        """The index of the group whose computation produces ``key`` (see :attr:`group_keys`).
+
+        Raises:
+            KeyError: ``key`` is not written by this save.
+        """
+        return self._group_of[key]
+
+    def group_sources(self, index: int) -> tuple[str, ...]:
+        """The runtime keys group ``index`` is computed from."""
+        return self._groups[index].sources
+
+    def source(self, key: str) -> Any:
+        """The model's tensor under runtime ``key`` (a DTensor stays one), as a group is computed from it."""
+        return self._state[key]
+
+    def compute_group(self, index: int, sources: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Group ``index``'s outputs from its ``sources`` given whole (:meth:`source` values,
+        DTensors assembled by the caller); runs no collective and keeps nothing."""
+        return self._compute(self._groups[index], sources)
+
+    def _whole(self, t: Any) -> Any:
+        """A source gathered whole on every rank (a collective for a DTensor); torch's
+        ``full_tensor()`` unless it misplaces the parts (FSDP2 over a packed TP placement)."""
+        if not is_dtensor(t):
+            return t
+        from ..parallel.assemble import torch_misreads, whole_on_every_rank
+
+        if torch_misreads(t.placements):
+            return whole_on_every_rank(t, self._collective.group)
+        return full_tensor(t)
 
     def _compute(self, g: _Group, sources: dict[str, Any]) -> dict[str, torch.Tensor]:
         if g.converter is None:
@@ -460,7 +497,10 @@ class RevertedState(Mapping[str, torch.Tensor]):
                     f"saving {name!r}: {self._encoder.name}.encode gave {found} for {k!r}, but the checkpoint "
                     f"had {spec.shape} {spec.dtype}; save with quantization='dequantized' to write floats."
                 )
-        return {k: encoded[k] for k in (name, *recorded)}
+        out = {k: encoded[k] for k in (name, *recorded)}
+        if not _encoded_as_loaded(self._encoder, name, t, out, recorded):
+            self._requantized.add(name)
+        return out
 
     def __getitem__(self, key: str) -> torch.Tensor:
         i = self._group_of.get(key)
@@ -506,6 +546,12 @@ class RevertedState(Mapping[str, torch.Tensor]):
         return tuple(n for g in self._groups if g.encoded for n in g.encoded)
 
     @property
+    def requantized(self) -> tuple[str, ...]:
+        """Keys computed so far that were re-quantized: written with fresh scales (or zero points), or
+        as codes that no longer decode to the model's values (the weights changed since the load)."""
+        return tuple(k for k in self._specs if k in self._requantized)
+
+    @property
     def casts(self) -> tuple[Cast, ...]:
         """The dtype casts of the values computed so far, in write order, each saying if it was lossy."""
         return tuple(self._casts[k] for k in self._specs if k in self._casts)
@@ -520,3 +566,32 @@ class RevertedState(Mapping[str, torch.Tensor]):
         for i, g in enumerate(self._groups):
             self._cache, self._current = {}, None
             yield self._computed(g, last=i == len(self._groups) - 1)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+def _encoded_as_loaded(
+    encoder: QuantizerHooks,
+    name: str,
+    t: torch.Tensor,
+    encoded: dict[str, torch.Tensor],
+    recorded: dict[str, torch.Tensor],
+) -> bool:
+    """Whether ``encoded`` keeps the recorded companions and decodes back to the model's ``t`` exactly.
+
+    One decode per re-encoded weight: a save that wrote codes of changed weights says so
+    (:attr:`RevertedState.requantized`) instead of writing a lossy tensor silently.
+    """
+    if encoded[name].device.type == "meta":
+        return True
+    if not all(_same_bytes(encoded[c], recorded[c].to(encoded[c].device)) for c in recorded):
+        return False
+    companions = {c: encoded[c] for c in recorded}
+    back = encoder.decode(name, encoded[name], companions)
+    return back.shape == t.shape and torch.equal(back.to(t.dtype), t)

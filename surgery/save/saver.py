@@ -4,7 +4,7 @@ The original format is the family's layout, however the weights arrived
 (:mod:`surgery.save.inverse`); :class:`~surgery.save.reverted.RevertedState` computes it one group
 at a time and :func:`~surgery.checkpoint.write_checkpoint` plans the files from its specs and
 writes each value as soon as it is computed, so a save holds at most one group's outputs beyond
-the model itself. A tensor-parallel save gathers and writes through
+the model itself. A parallel model's save is shared out among its ranks by
 :mod:`surgery.save.distributed`. What the files say about fusions and quantization (metadata and
 ``config.json``) is written as :mod:`surgery.persist` and :mod:`surgery.saved_config` say.
 """
@@ -22,13 +22,14 @@ from torch import nn
 
 from ..casting import SavedFiles, is_castable
 from ..checkpoint import check_write_arguments, write_checkpoint, write_file_atomically
+from ..checkpoint.writer import plan_files
 from ..collective import Collective
 from ..fusion import fusion_config_of
 from ..persist import persisted_metadata
 from ..quantization import QuantizerHooks
 from ..record import record_of
 from ..saved_config import SavedConfig, saved_config, write_config_json
-from .distributed import write_on_rank_zero
+from .distributed import write_distributed
 from .quantized import kept_packed, quantized_on_the_fly
 from .reverted import RevertedState
 
@@ -94,14 +95,18 @@ def save_checkpoint(
     """Save ``model`` as safetensors, atomically.
 
     Args:
-        model: the module tree. For a tensor-parallel model (DTensor parameters) the save is
-            collective: every rank calls it; each group's DTensors are gathered when the group is
-            computed (``full_tensor()``), rank 0 writes, and the other ranks return ``[]`` once
-            rank 0's files are in place. The files equal a single-process save's. Per-rank shard
-            files are not offered: an original-layout key (one expert's ``w1``) is a slice of
-            every rank's shard. Every rank checks the arguments before the first collective, and
-            a failure on any rank (a refused path, rank 0's write, a rank's reversed chain) is
-            raised on every rank, within the step it happened in (:mod:`surgery.collective`).
+        model: the module tree. For a parallel model (DTensor parameters: TP, FSDP2, FSDP2
+            over TP, on any mesh) the save is collective and distributed: every rank calls it;
+            the files are shared out among the ranks by bytes, each rank assembles only the
+            groups of its own files (their DTensors sent to it point-to-point by the ranks holding
+            the parts, never the model on one rank, never a gather on every rank) and writes
+            them, and rank 0 commits the index once every rank's files are on disk
+            (:mod:`surgery.save.distributed`). The files and the index equal a single-process
+            save's, byte for byte. Per-rank shard files are not offered: an original-layout key
+            (one expert's ``w1``) is a slice of every rank's shard. Every rank checks the
+            arguments before the first collective, and a failure on any rank (a refused path, a
+            rank's write, a rank's reversed chain) is raised on every rank, within the step it
+            happened in (:mod:`surgery.collective`); the ranks must share a file system.
         path: a directory (``model.safetensors`` or shards plus an index) or a ``.safetensors`` file.
         original_format: write the checkpoint layout the model was loaded from (inverting exactly
             the transforms that fired, and every fusion); ``False`` writes the runtime layout and
@@ -135,7 +140,9 @@ def save_checkpoint(
 
     Returns:
         The files written (:class:`~surgery.casting.SavedFiles`, a list of paths), with the dtype
-        casts made (``casts``; ``lossy_keys``: the tensors whose values the cast changed).
+        casts made (``casts``; ``lossy_keys``: the tensors whose values the cast changed). A
+        collective save returns on each rank the files that rank wrote (rank 0: also the index)
+        and every rank's casts.
 
     Raises:
         CheckpointError: ``path`` cannot be written (a file where the directory goes, under a
@@ -170,14 +177,19 @@ def save_checkpoint(
         )
         described = replace(described, dtype=_written_dtype(state), dtype_requested=dtype is not None)
 
-    def write() -> list[Path]:
-        files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
+    def finish() -> None:
         _carry_configs(model, Path(path))
         target = Path(path)
         write_config_json(target if target.is_dir() else target.parent, described)
-        return files
 
-    return write_on_rank_zero(collective, state, write)
+    if collective.group is None:
+        files = write_checkpoint(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
+        finish()
+        return SavedFiles(files, casts=state.casts, requantized=state.requantized)
+    with collective.step():
+        plan = plan_files(state, path, max_shard_size=max_shard_size, metadata=meta, specs=state.specs)
+    collective.agree()  # every rank accepted the arguments and planned the same files: nothing touched yet
+    return write_distributed(collective, state, plan, finish)
 
 
 _CARRIED_CONFIGS = ("config.json", "generation_config.json")
