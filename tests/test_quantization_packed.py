@@ -472,3 +472,29 @@ def test_gptq_2_and_8_bit_decode_equals_the_reference_and_encodes_back(bits):
     decoded = quantizer.decode("x.qweight", t["qweight"], companions)
     assert torch.equal(decoded, gptq_reference(t, bits))
     assert _same(quantizer.encode("x.qweight", decoded, companions)["x.qweight"], t["qweight"])
+
+
+@pytest.mark.parametrize("kind", ["int4-asym-g16", "int8-channel", "fp8-channel"])
+def test_keep_packed_serves_compressed_tensors_through_its_decode(tmp_path, kind):
+    from ct_reference import Net, reference_weights, scheme, write_compressed
+
+    quant = {
+        "int4-asym-g16": scheme(num_bits=4, strategy="group", group_size=16, symmetric=False),
+        "int8-channel": scheme(num_bits=8, strategy="channel"),
+        "fp8-channel": scheme("FP8"),
+    }[kind]
+    shapes = {"a": (N, K), "b": (K, N), "head": (8, K)}
+    path = tmp_path / "ct"
+    stored = write_compressed(path, shapes, quant)
+    refs = reference_weights(path, stored)
+    model = Net(shapes)
+    quantizer = surgery.quantization.quantizer_by_name("auto", path)
+    report = surgery.load_checkpoint(model, path, quantizer=KeepPacked(quantizer, checkpoint=path))
+    assert report.ok, report
+    assert isinstance(model.a, PackedLinear) and isinstance(model.b, PackedLinear)
+    assert type(model.head) is nn.Linear  # stored in float (ignored by the scheme)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert torch.equal(model.a(x), F.linear(x, refs["a.weight"].to(torch.bfloat16)))
+    surgery.save_checkpoint(model, tmp_path / "out")
+    written = _read_all(str(tmp_path / "out"))
+    assert written.keys() == stored.keys() and all(_same(written[k], v) for k, v in stored.items())

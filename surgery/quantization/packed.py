@@ -50,6 +50,7 @@ from ..graph import match_modules, swap_module
 from ..parallel.regions import Region
 from ..record import update_record
 from .int8 import kernel_operand
+from .protocol import SMALL_COMPANION_BYTES
 
 __all__ = ["INT4_GROUP_SIZES", "KeepPacked", "PackedLinear", "int4_kernel_usable"]
 
@@ -214,14 +215,23 @@ class PackedLinear(nn.Module):
 
 
 def _check_decodes(
-    quantizer: Any, key: str, stored: dict[str, StoredTensor], prefix: str, shape: tuple[int, int]
+    quantizer: Any,
+    key: str,
+    stored: dict[str, StoredTensor],
+    prefix: str,
+    shape: tuple[int, int],
+    small: dict[str, torch.Tensor],
 ) -> None:
-    """Run ``decode`` on ``meta`` tensors of the stored shapes and dtypes: it must give the linear's weight shape.
+    """Run ``decode`` on ``meta`` tensors of the stored shapes and dtypes (``small`` companions, a
+    stored ``weight_shape``, with their values): it must give the linear's weight shape.
 
     Raises:
         ConversionError: naming the key whose layout the quantizer refuses, or the shape mismatch.
     """
-    metas = {prefix + n: torch.empty(tuple(i.shape), dtype=i.dtype, device="meta") for n, i in stored.items()}
+    metas = {
+        prefix + n: small.get(prefix + n, torch.empty(tuple(i.shape), dtype=i.dtype, device="meta"))
+        for n, i in stored.items()
+    }
     main = metas.pop(key)
     try:
         decoded = quantizer.decode(key, main, metas, None)
@@ -287,6 +297,7 @@ class KeepPacked:
         )
         with open_checkpoint(self.checkpoint) as reader:
             infos = {k: reader.info(k) for k in reader}
+            small = {k: reader.get_tensor(k) for k, i in infos.items() if i.nbytes <= SMALL_COMPANION_BYTES}
         for path, module in list(model.named_modules()):
             if not isinstance(module, nn.Linear) or (paths is not None and path not in paths):
                 continue
@@ -305,7 +316,8 @@ class KeepPacked:
                     "so it is not loaded as raw codes."
                 )
             stored = {k[len(prefix) :]: infos[k] for k in (key, *companions)}
-            _check_decodes(self.quantizer, key, stored, prefix, (module.out_features, module.in_features))
+            shape = (module.out_features, module.in_features)
+            _check_decodes(self.quantizer, key, stored, prefix, shape, small)
             swap_module(
                 model,
                 path,
