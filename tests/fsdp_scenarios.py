@@ -167,7 +167,7 @@ def _moe_step(work: Path) -> dict[str, Any]:
     surgery.load_checkpoint(model, work / "moe", device_mesh=mesh, tp_plan="auto", fsdp=True, strict=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     torch.manual_seed(0)
-    model(torch.randint(0, 64, (2, 6))).full_tensor().float().pow(2).mean().backward()
+    _local(model(torch.randint(0, 64, (2, 6)))).float().pow(2).mean().backward()
     optimizer.step()
     surgery.save_checkpoint(model, work / "moe_out")
     return _after_the_step(model, MODELS["moe"], work / "moe", work / "moe_out")
