@@ -40,7 +40,7 @@ from ..errors import ConfigurationError, LoadError, SurgeryError
 from ..fusion import fusion_config_of
 from ..model_state import meta_clone, model_device
 from ..parallel import from_local, has_dtensors, is_dtensor
-from ..parallel.fsdp import shard_model
+from ..parallel.fsdp import FSDPOptions, shard_model
 from ..parallel.regions import local_shape
 from ..persist import persisted_fusion_config
 from ..quantization import QUANTIZATION_METADATA_KEY
@@ -278,7 +278,7 @@ def load_checkpoint(
     dtype: torch.dtype | str | None = None,
     tp_plan: dict[str, Any] | str | None = None,
     device_mesh: Any = None,
-    fsdp: Any = None,
+    fsdp: bool | FSDPOptions | None = None,
     quantizer: object | None = None,
     fusion_config: dict[str, Any] | None = None,
     strict: bool = False,
