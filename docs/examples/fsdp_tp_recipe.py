@@ -4,8 +4,9 @@ Run on 4 CPU processes (gloo):
 
     torchrun --nproc-per-node 4 docs/examples/fsdp_tp_recipe.py CKPT_DIR OUT_DIR
 
-where CKPT_DIR holds the dense example's original-layout checkpoint (``python -m surgery demo``
-writes one; ``tests/test_fsdp_loading.py`` runs :func:`recipe` on 4 spawned ranks).
+where CKPT_DIR holds the dense example's original-layout checkpoint (rank 0 writes one there from
+seeded weights when the directory does not exist); ``tests/test_fsdp_loading.py`` runs
+:func:`recipe` on 4 spawned ranks.
 """
 
 from __future__ import annotations
@@ -51,8 +52,22 @@ def recipe(ckpt: str, out: str) -> dict[str, object]:
     return {"bytes_read": report.bytes_read, "loss": loss.item(), "files": len(saved), "model": model}
 
 
+def _example_checkpoint(path: str) -> None:
+    """The dense example's original layout, from seeded weights (what a hub checkpoint would be)."""
+    from pathlib import Path
+
+    from surgery.checkpoint import write_checkpoint
+    from surgery.examples.dense import original_state_dict
+
+    if dist.get_rank() == 0 and not Path(path).exists():
+        torch.manual_seed(0)
+        write_checkpoint(original_state_dict(build_dense_model(CONFIG)), path)
+    dist.barrier()
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
+    _example_checkpoint(sys.argv[1])
     facts = recipe(sys.argv[1], sys.argv[2])
     print(f"rank {dist.get_rank()}: loss {facts['loss']:.4f}, read {facts['bytes_read']} bytes")
     dist.destroy_process_group()
