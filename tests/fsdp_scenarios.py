@@ -19,7 +19,16 @@ from typing import Any
 
 import torch
 from distsave_scenarios import run_scenarios
-from nd_scenarios import MESHES, MODELS, _logits, _torch_flow, torchtitan_parallelize, write_inputs
+from nd_scenarios import (
+    MESHES,
+    MODELS,
+    TRANSFORMERS,
+    _logits,
+    _torch_flow,
+    torchtitan_parallelize,
+    tp_plan_of,
+    write_inputs,
+)
 from torch import nn
 
 import surgery
@@ -50,7 +59,9 @@ def _convenient(work: Path, mesh: Any, family: str) -> dict[str, Any]:
     by_hand = build(device="meta")
     torchtitan_parallelize(by_hand, mesh, family)
     model = build(device="meta")
-    tp_plan = "auto" if "tp" in mesh.mesh_dim_names else None
+    tp_plan: Any = None
+    if "tp" in mesh.mesh_dim_names:  # transformers' own plan names are item 4's: the hand-written plan here
+        tp_plan = tp_plan_of(family) if family in TRANSFORMERS else "auto"
     fsdp = True if mesh.mesh_dim_names != ("tp",) else None
     report = surgery.load_checkpoint(model, work / family, device_mesh=mesh, tp_plan=tp_plan, fsdp=fsdp)
     ref = build(device="meta")
@@ -212,12 +223,17 @@ CASES = (
 )
 
 
-def _scenarios(work: Path, _mesh: Any) -> dict[str, Any]:
+def _scenarios(work: Path, _mesh: Any, families: tuple[str, ...] = ()) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     meshes = {
         name: init_device_mesh("cpu", shape, mesh_dim_names=names) for name, (names, shape) in MESHES.items()
     }
+    if families:  # interop: transformers models on the FSDP2 x TP mesh
+        return {
+            f"dp_shard2_tp2/{f}": functools.partial(_guarded, _convenient, work, meshes["dp_shard2_tp2"], f)
+            for f in families
+        }
     out: dict[str, Any] = {
         f"{m}/{f}": functools.partial(_guarded, _convenient, work, meshes[m], f) for m, f in CASES
     }
@@ -227,10 +243,29 @@ def _scenarios(work: Path, _mesh: Any) -> dict[str, Any]:
     return out
 
 
-def write_all(work: Path) -> None:
-    write_inputs(work)
+def spawn(work: Path, families: tuple[str, ...] = (), *, deadline_s: float = 600) -> list[dict[str, Any]]:
+    """Write the inputs, run every scenario on ``WORLD`` spawned ranks, return each rank's facts."""
+    import json
+    import time
+
+    import torch.multiprocessing as mp
+
+    write_inputs(work, families)
     write_checkpoint({f"layers.{i}.weight": torch.ones(8, 4) for i in range(2)}, work / "blocks")
+    context = mp.spawn(run, args=(WORLD, str(work), families), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + deadline_s
+    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"the ranks did not finish within {deadline_s} s")
+    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for f in facts:
+        if "crash" in f:
+            raise AssertionError(f["crash"])
+    return facts
 
 
-def run(rank: int, world: int, workdir: str) -> None:
-    run_scenarios(rank, world, workdir, _scenarios, barrier=True)
+def run(rank: int, world: int, workdir: str, families: tuple[str, ...] = ()) -> None:
+    """One rank: the example scenarios, or with ``families`` the transformers ones."""
+    run_scenarios(rank, world, workdir, functools.partial(_scenarios, families=families), barrier=True)

@@ -7,9 +7,7 @@ ranks runs every scenario of ``tests/fsdp_scenarios.py``; the rest runs in this 
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -52,26 +50,12 @@ def test_fsdp_options_are_true_or_the_options_object_and_anything_else_is_refuse
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
     sys.path.insert(0, str(HERE))
     try:
         import fsdp_scenarios
     finally:
         sys.path.remove(str(HERE))
-    work = tmp_path_factory.mktemp("fsdp")
-    fsdp_scenarios.write_all(work)
-    context = mp.spawn(fsdp_scenarios.run, args=(4, str(work)), nprocs=4, join=False)
-    deadline = time.monotonic() + 600
-    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            raise TimeoutError("the ranks did not finish within 600 s")
-    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(4)]
-    for f in facts:
-        assert "crash" not in f, f["crash"]
-    return facts
+    return fsdp_scenarios.spawn(tmp_path_factory.mktemp("fsdp"))
 
 
 def _facts(ranks: list[dict], case: str) -> list[dict]:
