@@ -152,6 +152,12 @@ def _mesh_names(device_mesh: Any) -> tuple[str, ...]:
 
 
 def _check_dims(names: tuple[str, ...], tp_plan: Any, options: FSDPOptions | None) -> None:
+    if options is None:
+        tp = 'mesh["tp"]' if "tp" in names else "the 1-D mesh of its dim"
+        raise ConfigurationError(
+            f"device_mesh has {len(names)} dims {list(names)}: for tensor parallelism alone pass {tp}; for FSDP2 "
+            f"over TP name the dims from {', '.join(MESH_DIM_NAMES)} and pass fsdp=True."
+        )
     unknown = [n for n in names if n not in MESH_DIM_NAMES]
     if unknown or list(names) != sorted(names, key=MESH_DIM_NAMES.index):
         raise ConfigurationError(
