@@ -173,14 +173,9 @@ def _check_dims(names: tuple[str, ...], tp_plan: Any, options: FSDPOptions | Non
         raise ConfigurationError(
             f"the mesh {list(names)} has a 'tp' dim but no tp_plan= says what to shard on it."
         )
-    has_dp = any(n != "tp" for n in names)
-    if options is not None and not has_dp:
+    if not any(n != "tp" for n in names):
         raise ConfigurationError(
             f"fsdp= shards over 'dp_shard', which the mesh {list(names)} lacks: add the dim or leave fsdp out."
-        )
-    if has_dp and options is None:
-        raise ConfigurationError(
-            f"the mesh {list(names)} has data-parallel dims: pass fsdp=True to shard over them."
         )
     if "dp_replicate" in names and "dp_shard" not in names:
         raise ConfigurationError(
