@@ -83,7 +83,7 @@ SIGNATURES = {
     "explain_model_conversion_mapping": "(model: 'nn.Module', *, graph: 'ModuleGraph | None' = None) -> 'list[SubmodelResolution]'",
     "get_checkpoint_conversion_mapping": "(key: 'str') -> 'list[WeightTransform]'",
     "get_model_conversion_mapping": "(model: 'nn.Module', *, quantizer: 'object | None' = None, include_legacy: 'bool' = True, graph: 'ModuleGraph | None' = None) -> 'list[WeightTransform]'",
-    "load_checkpoint": "(model: 'nn.Module', path: 'str | os.PathLike[str]', *, device: 'torch.device | str | None' = None, dtype: 'torch.dtype | str | None' = None, tp_plan: 'dict[str, Any] | str | None' = None, device_mesh: 'Any' = None, quantizer: 'object | None' = None, fusion_config: 'dict[str, Any] | None' = None, strict: 'bool' = False, allow_pickle: 'bool' = False, mmap: 'bool' = True, num_workers: 'int | None' = None, sync: 'bool | None' = None, progress: 'bool | None' = None) -> 'LoadReport'",
+    "load_checkpoint": "(model: 'nn.Module', path: 'str | os.PathLike[str]', *, device: 'torch.device | str | None' = None, dtype: 'torch.dtype | str | None' = None, tp_plan: 'dict[str, Any] | str | None' = None, device_mesh: 'Any' = None, fsdp: 'bool | FSDPOptions | None' = None, quantizer: 'object | None' = None, fusion_config: 'dict[str, Any] | None' = None, strict: 'bool' = False, allow_pickle: 'bool' = False, mmap: 'bool' = True, num_workers: 'int | None' = None, sync: 'bool | None' = None, progress: 'bool | None' = None) -> 'LoadReport'",
     "open_checkpoint": "(path: 'str | os.PathLike[str]', *, allow_pickle: 'bool' = False) -> 'CheckpointReader'",
     "plan_load": "(model: 'nn.Module', path: 'str | os.PathLike[str]', *, device: 'torch.device | str | None' = None, dtype: 'torch.dtype | str | None' = None, tp_plan: 'dict[str, Any] | str | None' = None, device_mesh: 'Any' = None, tp_size: 'int | None' = None, tp_rank: 'int | None' = None, rank: 'int | None' = None, fusion_config: 'dict[str, Any] | None' = None, quantizer: 'object | None' = None, allow_pickle: 'bool' = False, mmap: 'bool' = True) -> 'LoadPlan'",
     "preview_fusions": "(model: 'nn.Module', fusion_config: 'Mapping[str, Any] | FusionConfig | None', *, strict: 'bool' = False) -> 'FusionPlan'",
@@ -141,6 +141,7 @@ def test_every_module_declares_all() -> None:
 
 PARALLEL = [
     "ExpertsParallel",
+    "FSDPOptions",
     "PackedColwiseParallel",
     "Region",
     "ResolvedStyle",
@@ -158,6 +159,7 @@ PARALLEL = [
     "parallelize",
     "param_placements",
     "resolve_tp_plan",
+    "shard_model",
     "strided_shard",
 ]
 

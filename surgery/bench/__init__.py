@@ -6,10 +6,11 @@ Run them as ``surgery bench NAME [options]``. The parts:
   cache, the fork server, tables and target lines); :func:`parser` gives each command the same
   program name and plain-text help, :func:`positive_int` refuses counts that would divide by zero,
   and :func:`best_time` times a call the same way everywhere.
-* ``surgery bench load`` (:mod:`~surgery.bench.load`) runs six cases, one module each:
+* ``surgery bench load`` (:mod:`~surgery.bench.load`) runs seven cases, one module each:
   :mod:`~surgery.bench.load_throughput` (A), :mod:`~surgery.bench.load_per_key` (B),
   :mod:`~surgery.bench.save_time` (C), :mod:`~surgery.bench.parallel` (D),
-  :mod:`~surgery.bench.save_many_keys` (E) and :mod:`~surgery.bench.distsave` (F), over the checkpoints of
+  :mod:`~surgery.bench.save_many_keys` (E), :mod:`~surgery.bench.distsave` (F) and
+  :mod:`~surgery.bench.fsdp_load` (G), over the checkpoints of
   :mod:`~surgery.bench.checkpoints`, each load timed in a forked process by
   :mod:`~surgery.bench.load_variants`.
 * ``route``, ``fusion``, ``graph``, ``io``, ``quantization``, ``verify`` (and ``generation``, part

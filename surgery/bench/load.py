@@ -1,7 +1,7 @@
 """Benchmark: loading and saving Mixtral-style checkpoints against plain safetensors (not a test).
 
 Run ``python -m surgery bench load`` (or ``python -m surgery.bench.load``) with
-``--size-gb``, ``--repeat``, ``--only {A,B,C,D,E,F}``, ``--skip-transformers``, ``--workdir``,
+``--size-gb``, ``--repeat``, ``--only {A,B,C,D,E,F,G}``, ``--skip-transformers``, ``--workdir``,
 ``--profile``.
 
 * **A** (throughput): a ~1 GB bfloat16 checkpoint with per-expert keys, in 500 MB shards, loaded
@@ -23,6 +23,9 @@ Run ``python -m surgery bench load`` (or ``python -m surgery.bench.load``) with
   saved by :func:`surgery.save_checkpoint` (each rank writes its own files) against the former
   gather-and-write-on-rank-0 save: wall time, bytes written and peak RSS growth per rank
   (:mod:`surgery.bench.distsave`; ``--only F``).
+* **G** (the convenient path): checkpoint A on 4 gloo ranks with ``load_checkpoint(...,
+  device_mesh=mesh, tp_plan="auto", fsdp=True)`` on (dp_shard=2, tp=2) against the
+  single-process load (:mod:`surgery.bench.fsdp_load`; ``--only G``).
 
 Every run is a fresh process forked from a server that has only imported the modules (so start-up
 and imports stay out of the time, while the loader's own one-time work such as catalog discovery
@@ -33,7 +36,7 @@ run; ``+MiB`` is its growth during the run (the worst run's), the number compare
 
 This module is the command: each case is a module of its own (:mod:`~surgery.bench.load_throughput`,
 :mod:`~surgery.bench.load_per_key`, :mod:`~surgery.bench.save_time`, :mod:`~surgery.bench.parallel`,
-:mod:`~surgery.bench.save_many_keys`, :mod:`~surgery.bench.distsave`), and the fork server, memory and page-cache tools and tables
+:mod:`~surgery.bench.save_many_keys`, :mod:`~surgery.bench.distsave`, :mod:`~surgery.bench.fsdp_load`), and the fork server, memory and page-cache tools and tables
 are :mod:`~surgery.bench.harness`'s.
 """
 
@@ -53,7 +56,16 @@ from typing import Any
 import torch
 
 from ..examples.moe import ExampleMoEConfig, build_moe_model
-from . import distsave, load_per_key, load_throughput, load_variants, parallel, save_many_keys, save_time
+from . import (
+    distsave,
+    fsdp_load,
+    load_per_key,
+    load_throughput,
+    load_variants,
+    parallel,
+    save_many_keys,
+    save_time,
+)
 from .checkpoints import config_for_size, empty_model, per_key_config, prepare
 from .harness import Servers, parser, positive_int, serve
 
@@ -136,6 +148,8 @@ def run(
             results["E"] = save_many_keys.bench(work, repeat, servers=servers)
         if "F" in only:
             results["F"] = distsave.bench(work, size_gb, repeat)
+        if "G" in only:
+            results["G"] = fsdp_load.bench(work, size_gb, repeat)
     finally:
         servers.close()
         if tmp is not None:
@@ -191,9 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--only",
-        choices=("A", "B", "C", "D", "E", "F"),
+        choices=("A", "B", "C", "D", "E", "F", "G"),
         action="append",
-        help="run only these (repeatable; D, E and F only on request)",
+        help="run only these (repeatable; D, E, F and G only on request)",
     )
     p.add_argument("--workdir", default=None, help="keep and reuse checkpoints here (default: a temp dir)")
     p.add_argument("--profile", action="store_true", help="instead: cProfile one sequential load for A and B")
@@ -225,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workdir=args.workdir,
     )
     verdicts: list[str] = []
-    for key in ("A", "B", "C", "D", "E", "F"):
+    for key in ("A", "B", "C", "D", "E", "F", "G"):
         if key in results:
             table, v, _ = results[key]
             print(table)

@@ -27,7 +27,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +39,8 @@ from ..checkpoint import CheckpointReader, open_checkpoint
 from ..errors import ConfigurationError, LoadError, SurgeryError
 from ..fusion import fusion_config_of
 from ..model_state import meta_clone, model_device
-from ..parallel import from_local, is_dtensor
+from ..parallel import from_local, has_dtensors, is_dtensor
+from ..parallel.fsdp import FSDPOptions, shard_model
 from ..parallel.regions import local_shape
 from ..persist import persisted_fusion_config
 from ..quantization import QUANTIZATION_METADATA_KEY
@@ -277,6 +278,7 @@ def load_checkpoint(
     dtype: torch.dtype | str | None = None,
     tp_plan: dict[str, Any] | str | None = None,
     device_mesh: Any = None,
+    fsdp: bool | FSDPOptions | None = None,
     quantizer: object | None = None,
     fusion_config: dict[str, Any] | None = None,
     strict: bool = False,
@@ -307,6 +309,12 @@ def load_checkpoint(
             dims (FSDP2 over TP, HSDP: docs/parallel.md; leave ``tp_plan`` out).
         device_mesh: the 1-D ``DeviceMesh`` of the ranks (needed with ``tp_plan``); local tensors
             go to its device. A model already parallelized needs none (its DTensors name theirs).
+        fsdp: ``True`` or a :class:`~surgery.parallel.fsdp.FSDPOptions`, with a ``device_mesh``
+            whose dims are named (``("dp_shard", "tp")``, ``("dp_replicate", "dp_shard", "tp")``,
+            ``("dp_shard",)``): ``tp_plan`` on ``mesh["tp"]``, then FSDP2's ``fully_shard`` per
+            decoder layer and at the root over the data-parallel dims (HSDP with both), checked
+            before anything changes (:func:`~surgery.parallel.fsdp.shard_model`), then each rank
+            reads its shards. Not with ``fusion_config`` (fuse, then parallelize by hand).
         quantizer: a :class:`~surgery.quantization.Quantizer`: decodes a checkpoint quantized on
             disk before the op chains (:class:`~surgery.quantization.FP8BlockQuantizer`) and/or
             quantizes after them (:class:`~surgery.quantization.Int8WeightOnlyQuantizer`, which
@@ -346,6 +354,9 @@ def load_checkpoint(
     """
     start = time.perf_counter()
     _refuse_meta_device(device, "load_checkpoint")
+    if fsdp not in (None, False) or _named_nd_mesh(device_mesh):
+        _shard_first(model, device_mesh, tp_plan=tp_plan, fsdp=fsdp, fusion_config=fusion_config)
+        tp_plan = device_mesh = None
     tp = tensor_parallel(model, tp_plan=tp_plan, device_mesh=device_mesh)
     if tp is not None and tp.planned is not None:
         raise ConfigurationError(
@@ -382,6 +393,26 @@ def load_checkpoint(
     if strict and not report.ok:
         raise LoadError(f"strict load of {path} failed:\n{report}", report)
     return report
+
+
+def _named_nd_mesh(device_mesh: Any) -> bool:
+    """A ``DeviceMesh`` of several dims (FSDP2 and/or TP by dim name)."""
+    return getattr(device_mesh, "ndim", 1) > 1 and not isinstance(device_mesh, Mapping)
+
+
+def _shard_first(model: nn.Module, device_mesh: Any, *, tp_plan: Any, fsdp: Any, fusion_config: Any) -> None:
+    """``fsdp=``: TP and FSDP2 applied before planning (TP undone if a check then fails)."""
+    if fusion_config:
+        raise ConfigurationError(
+            "fsdp= with fusion_config=: apply the fusions first (surgery.fusion), then parallelize and shard by hand "
+            "(docs/parallel.md) and load with neither."
+        )
+    if has_dtensors(model):
+        raise ConfigurationError(
+            "fsdp=: the model is already parallelized; load it with neither tp_plan nor fsdp."
+        )
+    with _undo_on_error(model):
+        shard_model(model, device_mesh, tp_plan=tp_plan, fsdp=fsdp)
 
 
 def _refuse_planned_problems(

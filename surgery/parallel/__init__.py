@@ -6,6 +6,9 @@
 * :mod:`~surgery.parallel.styles`: :class:`PackedColwiseParallel` and :class:`ExpertsParallel`,
   ``ParallelStyle`` subclasses (importing it imports ``torch.distributed.tensor``).
 * :mod:`~surgery.parallel.apply`: :func:`parallelize`, a plan applied to a model.
+* :mod:`~surgery.parallel.fsdp`: :func:`shard_model` (TP on ``mesh["tp"]``, then FSDP2 per
+  decoder layer and at the root, validated first: what ``load_checkpoint(..., fsdp=True)``
+  runs) and :class:`FSDPOptions`.
 * :mod:`~surgery.parallel.regions`: :class:`Region` (a rank's part of a tensor on one dim),
   :class:`~surgery.parallel.regions.Box` (on several dims, from an n-D mesh) and :class:`TPSlice`
   (what a load plan records of it); a leaf module.
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .apply import parallelize
     from .dtensors import dtensor_type, dtensors_of, from_local, full_tensor, has_dtensors, is_dtensor
+    from .fsdp import FSDPOptions, shard_model
     from .plan import (
         STYLE_NAMES,
         ResolvedStyle,
@@ -39,6 +43,8 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "parallelize": ".apply",
+    "FSDPOptions": ".fsdp",
+    "shard_model": ".fsdp",
     "dtensor_type": ".dtensors",
     "dtensors_of": ".dtensors",
     "from_local": ".dtensors",
@@ -78,6 +84,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "STYLE_NAMES",
     "ExpertsParallel",
+    "FSDPOptions",
     "PackedColwiseParallel",
     "Region",
     "ResolvedStyle",
@@ -94,5 +101,6 @@ __all__ = [
     "parallelize",
     "param_placements",
     "resolve_tp_plan",
+    "shard_model",
     "strided_shard",
 ]

@@ -1,0 +1,40 @@
+"""The convenient path on transformers models: ``load_checkpoint(..., device_mesh=mesh,
+tp_plan=..., fsdp=True)`` on (dp_shard=2, tp=2) finds their decoder layers through
+``_no_split_modules``, shards as ``parallelize_module`` + ``fully_shard`` by hand, holds torch's
+own shards and matches the single-process logits (one spawn; ``tests/fsdp_scenarios.py``). The
+plan is the hand-written one of ``tests/nd_scenarios.py``: transformers' own plan names are
+another change's (issue 27 item 4).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.interop, pytest.mark.distributed]
+
+TESTS = Path(__file__).resolve().parents[1]
+FAMILIES = ("llama", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(TESTS))
+    try:
+        import fsdp_scenarios
+    finally:
+        sys.path.remove(str(TESTS))
+    return fsdp_scenarios.spawn(tmp_path_factory.mktemp("fsdp-interop"), FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fsdp_true_on_a_transformers_model_shards_as_by_hand_and_loads_exactly(ranks, family):
+    for f in (r[f"dp_shard2_tp2/{family}"] for r in ranks):
+        assert "error" not in f, f["error"]
+        assert f["ok"] and f["same_layout_as_by_hand"]
+        assert f["fsdp_modules"].count(f"FSDP{'Llama' if family == 'llama' else 'Mixtral'}DecoderLayer") == 2
+        assert f["unequal"] == [] and f["fallbacks"] == 0
+        assert f["forward_max_diff"] < 1e-5
