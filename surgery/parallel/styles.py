@@ -99,8 +99,11 @@ class ExpertsParallel(ParallelStyle):
     ``gate_up_proj (E, 2I, H)`` is ``_StridedShard(1, 2)`` (each rank holds its share of the
     gate and the up rows of every expert) and ``down_proj (E, H, I)`` is ``Shard(2)``. A
     forward pre-hook swaps in the local shards so the module's own forward runs unchanged on
-    them, and a forward hook puts the DTensors back and sums the partial outputs (an in-place
-    ``all_reduce``: for loading and inference; it does not carry gradients).
+    them, and a forward hook puts the DTensors back and sums the partial outputs over the ranks.
+    Training works as Megatron's tensor parallelism does: the floating inputs enter through an
+    identity whose backward sums their gradients over the ranks (each rank's experts contribute
+    part of them), and the output's sum passes its gradient through unchanged, so the replicated
+    modules around the experts (the router, the norms) get the same gradient on every rank.
 
     Args:
         split_factor: the parts of ``gate_up_proj``'s intermediate dim (2: gate and up).
@@ -146,18 +149,51 @@ class _LocalExperts:
         self.module.register_forward_pre_hook(self.swap_in)
         self.module.register_forward_hook(self.swap_out)
 
-    def swap_in(self, mod: nn.Module, args: Any) -> None:
+    def swap_in(self, mod: nn.Module, args: Any) -> tuple[Any, ...]:
         self.stash = {n: mod._parameters[n] for n in self.names}
         for n, p in self.stash.items():
             mod._parameters[n] = p.to_local()  # type: ignore[assignment, union-attr]
+        return tuple(
+            _GradientSum.apply(a, self.group) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in args
+        )
 
     def swap_out(self, mod: nn.Module, args: Any, output: Any) -> Any:
         stash, self.stash = self.stash, {}
         for n, p in stash.items():
             mod._parameters[n] = p
         if isinstance(output, torch.Tensor):
-            dist.all_reduce(output, group=self.group)
+            return _OutputSum.apply(output, self.group)
         return output
+
+
+class _GradientSum(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the group (an input every rank shares)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _OutputSum(torch.autograd.Function):
+    """The partial outputs summed over the group; the gradient passes through (every rank has all of it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 def style_for(kind: str, module: nn.Module) -> ParallelStyle:
