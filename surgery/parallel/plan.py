@@ -43,7 +43,7 @@ from torch import nn
 from ..errors import ConfigurationError
 from ..graph import match_modules
 from .dtensors import dtensor_type
-from .hf_plan import translate_hf_plan
+from .hf_plan import HF_STYLES, translate_hf_plan
 from .regions import Box, Region, intersect
 
 __all__ = [
@@ -86,9 +86,15 @@ class ResolvedStyle:
 def _kind_of(style: Any, key: str) -> tuple[str, int]:
     if isinstance(style, str):
         if style not in STYLE_NAMES:
+            hint = (
+                f" ({style!r} is transformers' name for {HF_STYLES[style]!r}; tp_plan='auto' translates a "
+                "transformers model's own plan)"
+                if style in HF_STYLES
+                else ""
+            )
             raise ConfigurationError(
                 f"tp_plan[{key!r}] = {style!r} is not a style; use one of {', '.join(STYLE_NAMES)} "
-                "or a torch.distributed.tensor.parallel.ParallelStyle instance."
+                f"or a torch.distributed.tensor.parallel.ParallelStyle instance{hint}."
             )
         return style, 2 if style in ("packed_colwise", "experts") else 1
     try:

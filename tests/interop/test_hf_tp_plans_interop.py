@@ -71,3 +71,13 @@ def test_tp_plan_auto_loads_a_transformers_model_exactly_at_tp2(ranks, family):
         assert f["logits_max_diff"] < 1e-5
         assert f["tokens"] == f["expected_tokens"]
         assert f["read_fraction"] < 0.75
+
+
+def test_a_transformers_name_in_a_plan_of_your_own_is_refused_with_our_name_for_it():
+    from surgery.examples import build_dense_model
+    from surgery.parallel import resolve_tp_plan
+
+    with pytest.raises(
+        ConfigurationError, match=r"'colwise_gather_output' is transformers' name for 'colwise_gather'"
+    ):
+        resolve_tp_plan(build_dense_model(device="meta"), {"lm_head": "colwise_gather_output"}, world_size=2)
