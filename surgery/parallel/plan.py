@@ -190,6 +190,11 @@ def resolve_tp_plan(
                     "give each module one style."
                 )
             resolved[path] = ResolvedStyle(path, pattern, kind, style, split)
+    if not resolved:
+        raise ConfigurationError(
+            f"tp_plan='auto': no pattern of {type(model).__name__}'s own tp_plan matches a module; pass the plan "
+            "as a dict of module patterns to styles."
+        )
     for r in resolved.values():
         _check_module(model, r, world_size)
     _check_tied(model, list(resolved.values()))

@@ -81,3 +81,13 @@ def test_a_transformers_name_in_a_plan_of_your_own_is_refused_with_our_name_for_
         ConfigurationError, match=r"'colwise_gather_output' is transformers' name for 'colwise_gather'"
     ):
         resolve_tp_plan(build_dense_model(device="meta"), {"lm_head": "colwise_gather_output"}, world_size=2)
+
+
+def test_a_declared_plan_that_matches_no_module_at_all_is_refused():
+    from surgery.examples import build_dense_model
+    from surgery.parallel import resolve_tp_plan
+
+    model = build_dense_model(device="meta")
+    model.tp_plan = {"model.nothing.*": "colwise"}
+    with pytest.raises(ConfigurationError, match=r"no pattern of .* own tp_plan matches a module"):
+        resolve_tp_plan(model, "auto", world_size=2)
