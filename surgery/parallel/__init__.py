@@ -3,6 +3,9 @@
 * :mod:`~surgery.parallel.plan`: :func:`resolve_tp_plan` (a ``tp_plan`` validated against a
   model) and placement arithmetic (:func:`param_placements`, :func:`local_region`,
   :func:`local_split_sizes`).
+* :mod:`~surgery.parallel.hf_plan`: :func:`~surgery.parallel.hf_plan.translate_hf_plan`,
+  transformers' ``tp_plan`` style names turned into this package's (what ``tp_plan="auto"``
+  applies to a transformers model's own plan), or refused by name.
 * :mod:`~surgery.parallel.styles`: :class:`PackedColwiseParallel` and :class:`ExpertsParallel`,
   ``ParallelStyle`` subclasses (importing it imports ``torch.distributed.tensor``).
 * :mod:`~surgery.parallel.apply`: :func:`parallelize`, a plan applied to a model.

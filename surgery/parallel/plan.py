@@ -43,6 +43,7 @@ from torch import nn
 from ..errors import ConfigurationError
 from ..graph import match_modules
 from .dtensors import dtensor_type
+from .hf_plan import HF_STYLES, translate_hf_plan
 from .regions import Box, Region, intersect
 
 __all__ = [
@@ -85,9 +86,15 @@ class ResolvedStyle:
 def _kind_of(style: Any, key: str) -> tuple[str, int]:
     if isinstance(style, str):
         if style not in STYLE_NAMES:
+            hint = (
+                f" ({style!r} is transformers' name for {HF_STYLES[style]!r}; tp_plan='auto' translates a "
+                "transformers model's own plan)"
+                if style in HF_STYLES
+                else ""
+            )
             raise ConfigurationError(
                 f"tp_plan[{key!r}] = {style!r} is not a style; use one of {', '.join(STYLE_NAMES)} "
-                "or a torch.distributed.tensor.parallel.ParallelStyle instance."
+                f"or a torch.distributed.tensor.parallel.ParallelStyle instance{hint}."
             )
         return style, 2 if style in ("packed_colwise", "experts") else 1
     try:
@@ -112,7 +119,8 @@ def _kind_of(style: Any, key: str) -> tuple[str, int]:
 
 
 def _plan_of(model: nn.Module, tp_plan: Mapping[str, Any] | str) -> Mapping[str, Any]:
-    """The plan as a non-empty mapping (``"auto"``: the model's ``tp_plan`` attribute)."""
+    """The plan as a non-empty mapping (``"auto"``: the model's ``tp_plan`` attribute, with
+    transformers' style names translated by :func:`~surgery.parallel.hf_plan.translate_hf_plan`)."""
     if isinstance(tp_plan, str):
         if tp_plan != "auto":
             raise ConfigurationError(
@@ -124,7 +132,7 @@ def _plan_of(model: nn.Module, tp_plan: Mapping[str, Any] | str) -> Mapping[str,
                 f"tp_plan='auto': {type(model).__name__} declares no tp_plan attribute; pass the plan as a "
                 "dict of module patterns to styles."
             )
-        tp_plan = declared
+        tp_plan = translate_hf_plan(declared)
     if not isinstance(tp_plan, Mapping):
         raise ConfigurationError(
             f"tp_plan must be a dict of module patterns to styles, got {type(tp_plan).__name__}."
@@ -142,7 +150,9 @@ def resolve_tp_plan(
 ) -> list[ResolvedStyle]:
     """Validate ``tp_plan`` against ``model`` for ``world_size`` ranks; nothing is changed or read.
 
-    ``tp_plan="auto"`` takes the model's ``tp_plan`` attribute.
+    ``tp_plan="auto"`` takes the model's ``tp_plan`` attribute (transformers' style names
+    translated, see :mod:`surgery.parallel.hf_plan`); its patterns that match no module are
+    skipped, as a model's own plan covers layer layouts the model may not have.
 
     Example:
         >>> from surgery.examples import build_dense_model
@@ -154,6 +164,7 @@ def resolve_tp_plan(
         ConfigurationError: see the module docstring; the message names the plan key, module,
             parameter or dim and what to change.
     """
+    declared = isinstance(tp_plan, str)  # the model's own plan: generic over layer layouts
     tp_plan = _plan_of(model, tp_plan)
     if type(world_size) is not int or world_size < 1:
         raise ConfigurationError(f"world_size={world_size!r} must be a positive int.")
@@ -163,6 +174,8 @@ def resolve_tp_plan(
             raise ConfigurationError(f"tp_plan key {pattern!r} is not a module path pattern (a str).")
         kind, split = _kind_of(style, pattern)
         paths = match_modules(model, pattern)
+        if not paths and declared:
+            continue  # e.g. Qwen2-MoE's dense-MLP patterns on a model whose layers are all sparse
         if not paths:
             raise ConfigurationError(
                 f"tp_plan pattern {pattern!r} matches no module of {type(model).__name__} (parallelize_module "
@@ -177,6 +190,11 @@ def resolve_tp_plan(
                     "give each module one style."
                 )
             resolved[path] = ResolvedStyle(path, pattern, kind, style, split)
+    if not resolved:
+        raise ConfigurationError(
+            f"tp_plan='auto': no pattern of {type(model).__name__}'s own tp_plan matches a module; pass the plan "
+            "as a dict of module patterns to styles."
+        )
     for r in resolved.values():
         _check_module(model, r, world_size)
     _check_tied(model, list(resolved.values()))
