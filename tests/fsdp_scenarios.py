@@ -22,11 +22,9 @@ from distsave_scenarios import run_scenarios
 from nd_scenarios import (
     MESHES,
     MODELS,
-    TRANSFORMERS,
     _logits,
     _torch_flow,
     torchtitan_parallelize,
-    tp_plan_of,
     write_inputs,
 )
 from torch import nn
@@ -60,8 +58,8 @@ def _convenient(work: Path, mesh: Any, family: str) -> dict[str, Any]:
     torchtitan_parallelize(by_hand, mesh, family)
     model = build(device="meta")
     tp_plan: Any = None
-    if "tp" in mesh.mesh_dim_names:  # transformers' own plan names are item 4's: the hand-written plan here
-        tp_plan = tp_plan_of(family) if family in TRANSFORMERS else "auto"
+    if "tp" in mesh.mesh_dim_names:  # the model's own plan; a transformers model's in transformers' names
+        tp_plan = "auto"
     fsdp = True if mesh.mesh_dim_names != ("tp",) else None
     report = surgery.load_checkpoint(model, work / family, device_mesh=mesh, tp_plan=tp_plan, fsdp=fsdp)
     ref = build(device="meta")

@@ -1,9 +1,10 @@
 """The convenient path on transformers models: ``load_checkpoint(..., device_mesh=mesh,
-tp_plan=..., fsdp=True)`` on (dp_shard=2, tp=2) finds their decoder layers through
+tp_plan="auto", fsdp=True)`` on (dp_shard=2, tp=2) finds their decoder layers through
 ``_no_split_modules``, shards as ``parallelize_module`` + ``fully_shard`` by hand, holds torch's
 own shards and matches the single-process logits (one spawn; ``tests/fsdp_scenarios.py``). The
-plan is the hand-written one of ``tests/nd_scenarios.py``: transformers' own plan names are
-another change's (issue 27 item 4).
+plan is ``tp_plan="auto"``: the model's own plan in transformers' style names, translated
+(:mod:`surgery.parallel.hf_plan`), laid out as the hand-written plan of ``tests/nd_scenarios.py``
+is by hand.
 """
 
 from __future__ import annotations
