@@ -242,3 +242,27 @@ def test_a_dequantized_save_writes_floats_under_the_weight_names(written, preset
     again = Net(SHAPES[preset], dtype=torch.float32)
     surgery.load_checkpoint(again, tmp_path)
     assert torch.equal(again.a.weight, model.a.weight) and torch.equal(again.b.weight, model.b.weight)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_keep_packed_holds_the_fp4_codes_forwards_as_their_decode_and_saves_the_same_bytes(
+    written, preset, tmp_path
+):
+    import torch.nn.functional as F
+
+    from surgery.quantization import KeepPacked, PackedLinear
+
+    path, state = written[preset]
+    refs = reference_weights(path, state)
+    model = Net(SHAPES[preset])
+    quantizer = KeepPacked(quantizer_by_name("auto", path), checkpoint=path)
+    report = surgery.load_checkpoint(model, path, quantizer=quantizer)
+    assert report.ok, report
+    assert isinstance(model.a, PackedLinear) and isinstance(model.b, PackedLinear)
+    held = dict(model.a.named_buffers()) | dict(model.a.named_parameters())
+    assert held["weight_packed"].dtype == torch.uint8  # codes, not floats: about a quarter of bf16
+    x = torch.randn(3, SHAPES[preset]["a"][1], generator=torch.Generator().manual_seed(1))
+    assert torch.equal(model.a(x), F.linear(x, refs["a.weight"]))
+    surgery.save_checkpoint(model, tmp_path / "out")
+    assert _tensors(tmp_path / "out") == _tensors(path)
+    assert _qconfig(tmp_path / "out") == _qconfig(path)

@@ -9,7 +9,10 @@ a quantizer factory), over a stack of Llama-style MLPs:
   ``--repeat``);
 * **memory**: parameter and buffer bytes of the packed runtime model against the bf16 one;
 * **forward**: one MLP at ``M = 1, 32, 256`` rows: bf16 ``F.linear``, the packed model through the
-  int4 CPU kernel (``kernel=True``) and through its decode + ``F.linear`` path (float32).
+  int4 CPU kernel (``kernel=True``; GPTQ and AWQ) and through its decode + ``F.linear`` path (float32).
+
+The compressed-tensors checkpoints are written here from the documented layout (the package is a
+test dependency, not a runtime one); the tests compare the same layout with the package's own.
 """
 
 from __future__ import annotations
@@ -35,8 +38,11 @@ from surgery.quantization import (
     KeepPacked,
     awq_quantize,
     gptq_quantize,
+    pack_int32,
     pack_words,
+    quantizer_from_config,
 )
+from surgery.quantization.fp4 import e2m1_encode, pack_nibbles
 
 __all__ = ["FORMATS", "Format", "run_formats"]
 
@@ -77,13 +83,74 @@ def _awq(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _ct_config(fmt: str, weights: dict[str, Any]) -> dict[str, Any]:
+    """A compressed-tensors ``quantization_config`` with one group over every ``Linear``."""
+    group = {"targets": ["Linear"], "format": fmt, "weights": weights}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
+    }
+
+
+CT_W4A16 = _ct_config(
+    "pack-quantized",
+    {"num_bits": 4, "type": "int", "strategy": "group", "group_size": GROUP, "symmetric": True},
+)
+CT_FP8 = _ct_config(
+    "float-quantized", {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+)
+CT_MXFP4 = _ct_config(
+    "mxfp4-pack-quantized",
+    {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True},
+)
+
+
+def _ct_w4a16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, w in state.items():
+        prefix = key.removesuffix(".weight")
+        g = w.unflatten(1, (-1, GROUP))
+        scale = (g.abs().amax(-1) / 7.5).clamp(min=1e-8).to(torch.bfloat16)
+        q = torch.round(g / scale.float().unsqueeze(-1)).clamp(-8, 7).flatten(1).to(torch.int8)
+        out[f"{prefix}.weight_packed"] = pack_int32(q, 4)
+        out[f"{prefix}.weight_scale"] = scale
+        out[f"{prefix}.weight_shape"] = torch.tensor(list(w.shape))
+    return out
+
+
+def _ct_fp8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, w in state.items():
+        prefix = key.removesuffix(".weight")
+        scale = (w.abs().amax(1, keepdim=True) / 448).clamp(min=1e-12).to(torch.bfloat16)
+        out[f"{prefix}.weight"] = (w / scale.float()).to(torch.float8_e4m3fn)
+        out[f"{prefix}.weight_scale"] = scale
+    return out
+
+
+def _ct_mxfp4(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, w in state.items():
+        prefix = key.removesuffix(".weight")
+        g = w.unflatten(1, (-1, 32))
+        exponent = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=2**-126) / 6)).clamp(-127, 127)
+        codes = e2m1_encode((g / torch.exp2(exponent).unsqueeze(-1)).flatten(1))
+        out[f"{prefix}.weight_packed"] = pack_nibbles(codes)
+        out[f"{prefix}.weight_scale"] = (exponent + 127).to(torch.uint8)
+    return out
+
+
 @dataclass(frozen=True)
 class Format:
-    """One benchmarked format: its name, a writer from float ``(N, K)`` weights, and its quantizer."""
+    """One benchmarked format: its name, a writer from float ``(N, K)`` weights, its quantizer, and
+    whether the int4 CPU kernel can serve it at runtime."""
 
     name: str
     write: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
     quantizer: Callable[[], Any]
+    int4_kernel: bool = True
 
 
 FORMATS: list[Format] = [
@@ -95,6 +162,9 @@ FORMATS: list[Format] = [
     Format(
         "AWQ int4 g128", _awq, lambda: AWQQuantizer.from_config({"quant_method": "awq", "group_size": GROUP})
     ),
+    Format("compressed-tensors W4A16 g128", _ct_w4a16, lambda: quantizer_from_config(CT_W4A16), False),
+    Format("compressed-tensors FP8 channel", _ct_fp8, lambda: quantizer_from_config(CT_FP8), False),
+    Format("compressed-tensors MXFP4", _ct_mxfp4, lambda: quantizer_from_config(CT_MXFP4), False),
 ]
 """The formats compared; one line each."""
 
@@ -151,7 +221,7 @@ def _forward(
     path = tmp / f"{fmt.name}-one"
     write_checkpoint(fmt.write(one), path)
     variants = {}
-    for kernel in (True, False):
+    for kernel in (True, False) if fmt.int4_kernel else (False,):
         model = _MLP(hidden, inner)
         surgery.load_checkpoint(
             model, path, quantizer=KeepPacked(fmt.quantizer(), checkpoint=path, kernel=kernel)
@@ -165,10 +235,13 @@ def _forward(
             x = torch.randn(m, hidden)
             xb = x.to(torch.bfloat16)
             tb = _best(functools.partial(bf16, xb), repeat * 4)
-            tk = _best(functools.partial(variants[True], xb), repeat * 4)
             td = _best(functools.partial(variants[False], x), repeat * 4)
+            kernel = ""
+            if fmt.int4_kernel:
+                tk = _best(functools.partial(variants[True], xb), repeat * 4)
+                kernel = f"int4 kernel {tk * 1e3:8.2f} ms ({tb / tk:4.2f}x); "
             lines.append(
-                f"    M={m:>3}: bf16 {tb * 1e3:8.2f} ms; int4 kernel {tk * 1e3:8.2f} ms ({tb / tk:4.2f}x); "
+                f"    M={m:>3}: bf16 {tb * 1e3:8.2f} ms; {kernel}"
                 f"decode + F.linear (fp32) {td * 1e3:8.2f} ms ({tb / td:4.2f}x)"
             )
     return lines
