@@ -236,12 +236,12 @@ def _forward(
             xb = x.to(torch.bfloat16)
             tb = _best(functools.partial(bf16, xb), repeat * 4)
             td = _best(functools.partial(variants[False], x), repeat * 4)
-            kernel = ""
+            kernel_text = ""
             if fmt.int4_kernel:
                 tk = _best(functools.partial(variants[True], xb), repeat * 4)
-                kernel = f"int4 kernel {tk * 1e3:8.2f} ms ({tb / tk:4.2f}x); "
+                kernel_text = f"int4 kernel {tk * 1e3:8.2f} ms ({tb / tk:4.2f}x); "
             lines.append(
-                f"    M={m:>3}: bf16 {tb * 1e3:8.2f} ms; {kernel}"
+                f"    M={m:>3}: bf16 {tb * 1e3:8.2f} ms; {kernel_text}"
                 f"decode + F.linear (fp32) {td * 1e3:8.2f} ms ({tb / td:4.2f}x)"
             )
     return lines
