@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from tiny import Candidate, build
+from tiny import Candidate, build, reseeded
 
 from surgery.load.loader import load_checkpoint
 from surgery.resolution import get_model_conversion_mapping as get_surgery_mapping
@@ -221,6 +221,7 @@ def round_trip(
 
     note = None
     model = writer if writer is not None else _build(candidate, seed=0)
+    fresh = reseeded(model, seed=1)  # what _build(candidate, seed=1) builds, before anything touches model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cls = type(model)
@@ -255,7 +256,6 @@ def round_trip(
                 note = f"transformers' from_pretrained gives another model: {diff}"
                 want = _state(reference)
         original = read(root / "original")
-        fresh = _build(candidate, seed=1)
 
     report = load_checkpoint(fresh, root / "original")
     if not report.ok:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_PARAMETERS", "OVERRIDES", "Candidate", "build", "candidates", "tiny_config"]
+__all__ = ["MAX_PARAMETERS", "OVERRIDES", "Candidate", "build", "candidates", "reseeded", "tiny_config"]
 
 MAX_PARAMETERS = 8_000_000
 """A model with more parameters than this after shrinking is refused as not tiny."""
@@ -786,6 +786,21 @@ def build(candidate: Candidate, *, seed: int = 0) -> Any:
     model = cls(config).eval()
     _randomize(model, seed)
     return model
+
+
+def reseeded(model: torch.nn.Module, seed: int) -> Any:
+    """A copy of a model :func:`build` made, holding what ``build(candidate, seed=seed)`` holds.
+
+    ``build`` constructs twice (a ``meta`` probe, then the model) and every floating parameter and
+    persistent buffer is then drawn from the seed; the rest (integer buffers, non-persistent
+    buffers such as rotary frequencies) does not depend on it. Copying and drawing again gives the
+    same tensors without constructing the model a third and fourth time.
+    """
+    import copy
+
+    twin = copy.deepcopy(model)
+    _randomize(twin, seed)
+    return twin
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
