@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from ct_reference import compress_state, scheme
 from fp8_reference import quantize_state
 from packed_scenarios import run_packed, write_packed_checkpoints
 from torch import nn
@@ -32,13 +31,23 @@ DENSE = dense.ExampleDenseConfig()
 MOE = moe.ExampleMoEConfig(num_attention_heads=4, num_key_value_heads=2)
 INPUT_IDS = torch.tensor([[1, 5, 9, 3, 7], [2, 4, 6, 8, 10]])
 FP8_BLOCK = (6, 10)  # blocks that straddle every rank boundary, edge blocks in both dims
-CT_SCHEMES = {  # o_proj and down_proj (16 and 32 columns) split by columns into halves of 8 and 16
-    "w4": scheme(num_bits=4, strategy="group", group_size=8),
-    "w4asym": scheme(num_bits=4, strategy="group", group_size=8, symmetric=False),
-    "w8": scheme(num_bits=8, strategy="channel"),
-    "fp8": scheme("FP8"),
-    "g16": scheme(num_bits=4, strategy="group", group_size=16),  # o_proj's halves split its one group
-}
+CT_SCHEMES = ("w4", "w4asym", "w8", "fp8", "g16")
+"""The compressed-tensors schemes written by :func:`write_checkpoints` (see :func:`_ct_schemes`)."""
+
+
+def _ct_schemes() -> dict[str, Any]:
+    """The schemes by name; o_proj and down_proj (16 and 32 columns) split by columns into halves
+    of 8 and 16. compressed-tensors is imported here, in the process that writes the checkpoints
+    only: importing it costs each rank seconds it does not need."""
+    from ct_reference import scheme
+
+    return {
+        "w4": scheme(num_bits=4, strategy="group", group_size=8),
+        "w4asym": scheme(num_bits=4, strategy="group", group_size=8, symmetric=False),
+        "w8": scheme(num_bits=8, strategy="channel"),
+        "fp8": scheme("FP8"),
+        "g16": scheme(num_bits=4, strategy="group", group_size=16),  # o_proj's halves split its one group
+    }
 
 
 class Doubled(ops.ConversionOp):
@@ -106,12 +115,16 @@ def write_checkpoints(work: Path) -> None:
     fp8 = quantize_state(dense.original_state_dict(dense.build_dense_model(DENSE, seed=4)), FP8_BLOCK)
     write_checkpoint(fp8, work / "dense-fp8")
     write_packed_checkpoints(work, dense.original_state_dict(dense.build_dense_model(DENSE, seed=8)))
-    for name, quant in CT_SCHEMES.items():  # compressed-tensors, written by its own compressors
+    from ct_reference import compress_state
+
+    schemes = _ct_schemes()
+    assert tuple(schemes) == CT_SCHEMES
+    for name, quant in schemes.items():  # compressed-tensors, written by its own compressors
         original = dense.original_state_dict(dense.build_dense_model(DENSE, seed=6))
         compress_state(original, quant, work / f"dense-ct-{name}", quantized=lambda k: "_proj." in k)
     experts = moe.original_state_dict(moe.build_moe_model(MOE, seed=7))  # per-expert packed weights, merged
     compress_state(
-        experts, CT_SCHEMES["w4"], work / "moe-ct-w4", quantized=lambda k: "_proj." in k or ".experts." in k
+        experts, schemes["w4"], work / "moe-ct-w4", quantized=lambda k: "_proj." in k or ".experts." in k
     )
 
 
