@@ -498,3 +498,32 @@ def test_keep_packed_serves_compressed_tensors_through_its_decode(tmp_path, kind
     surgery.save_checkpoint(model, tmp_path / "out")
     written = _read_all(str(tmp_path / "out"))
     assert written.keys() == stored.keys() and all(_same(written[k], v) for k, v in stored.items())
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_a_compressed_tensors_int4_group_checkpoint_runs_the_int4_kernel(tmp_path, symmetric):
+    from ct_reference import Net, reference_weights, scheme, write_compressed
+
+    quant = scheme(num_bits=4, strategy="group", group_size=GROUP, symmetric=symmetric)
+    shapes = {"a": (N, K), "b": (24, K), "head": (8, K)}  # b: 24 out-features, not a multiple of 16
+    path = tmp_path / "ct"
+    stored = write_compressed(path, shapes, quant)
+    refs = reference_weights(path, stored)
+    model = Net(shapes)
+    quantizer = KeepPacked(surgery.quantization.quantizer_by_name("auto", path), checkpoint=path, kernel=True)
+    assert surgery.load_checkpoint(model, path, quantizer=quantizer).ok
+    assert model.a.int4_operands() is not None
+    assert model.b.int4_operands() is None  # the kernel's shape rule: decoded instead, exactly
+    for m in (1, 32):
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+        want = F.linear(x, refs["a.weight"])
+        got = model.a(x)
+        # bfloat16 activations, scales and zeros: agreement to bfloat16 precision, not bit for bit
+        assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())), (
+            (got - want).abs().max()
+        )
+    x = torch.randn(2, K)
+    assert torch.equal(model.b(x), F.linear(x, refs["b.weight"]))
+    surgery.save_checkpoint(model, tmp_path / "out")  # the kernel's copy is not state
+    written = _read_all(str(tmp_path / "out"))
+    assert written.keys() == stored.keys() and all(_same(written[k], v) for k, v in stored.items())

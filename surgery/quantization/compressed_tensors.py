@@ -401,6 +401,33 @@ class CompressedTensorsQuantizer:
             q.sub_(self._expand(zp.to(torch.float32), rows, cols, g_idx, s.group_size))
         return q.mul_(self._expand(scale, rows, cols, g_idx, s.group_size))
 
+    def int4_operands(
+        self, key: str, packed: torch.Tensor, companions: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """``(codes (N, K) int32 in [0, 16), scale (G, N), zero (G, N), group_size)`` for the int4 CPU
+        kernel of :class:`~surgery.quantization.PackedLinear`, which computes ``(q - 8) * scale + zero``;
+        ``None`` (decode instead) for anything but 4-bit ``pack-quantized`` groups without act-order.
+
+        The stored values are ``q - 8`` for ``q`` in ``[0, 16)``, and the decode is
+        ``(v - zero_point) * scale``: the kernel's zero is ``-zero_point * scale``.
+        """
+        owned = self._owned(key)
+        if owned is None:
+            return None
+        s = owned[1]
+        if s.format == FLOAT or s.num_bits != 4 or s.strategy != "group" or s.g_idx or s.group_size is None:
+            return None
+        scale = self._companion(key, "weight_scale", companions)
+        n, k = (int(x) for x in self._companion(key, "weight_shape", companions).tolist()[-2:])
+        if k % s.group_size:
+            return None
+        groups = self._scale_check(key, s, (n, k), scale)
+        zp = self._zero_point(key, s, (n, k), groups, companions)
+        codes = unpack_int32(packed, 4, k).to(torch.int32) + 8
+        s32 = scale.to(torch.float32)
+        zero = torch.zeros_like(s32) if zp is None else -zp.to(torch.float32) * s32
+        return codes, s32.T.contiguous(), zero.T.contiguous(), s.group_size
+
     def _scale_check(self, key: str, s: WeightScheme, shape: tuple[int, int], scale: torch.Tensor) -> int:
         n, k = shape
         if s.block is not None:

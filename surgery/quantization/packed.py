@@ -13,7 +13,7 @@ The forward decodes the weight with the wrapped quantizer's own ``decode`` hook 
 the product equals a float model loaded with the decoded weights, bit for bit.
 
 With ``kernel=True``, a 4-bit format whose quantizer offers ``int4_operands`` (GPTQ without
-act-order, AWQ) runs PyTorch's own CPU kernel ``aten._weight_int4pack_mm_for_cpu`` instead:
+act-order, AWQ, compressed-tensors int4 groups without act-order) runs PyTorch's own CPU kernel ``aten._weight_int4pack_mm_for_cpu`` instead:
 
 * it computes ``x @ ((q - 8) * scale + zero).T`` in bfloat16 with scales and zeros rounded to
   bfloat16 (not exact: about bfloat16 precision, ``rtol`` 1e-2 against the decoded product);
