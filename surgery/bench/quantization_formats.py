@@ -162,7 +162,7 @@ FORMATS: list[Format] = [
     Format(
         "AWQ int4 g128", _awq, lambda: AWQQuantizer.from_config({"quant_method": "awq", "group_size": GROUP})
     ),
-    Format("compressed-tensors W4A16 g128", _ct_w4a16, lambda: quantizer_from_config(CT_W4A16), False),
+    Format("compressed-tensors W4A16 g128", _ct_w4a16, lambda: quantizer_from_config(CT_W4A16)),
     Format("compressed-tensors FP8 channel", _ct_fp8, lambda: quantizer_from_config(CT_FP8), False),
     Format("compressed-tensors MXFP4", _ct_mxfp4, lambda: quantizer_from_config(CT_MXFP4), False),
 ]
