@@ -9,6 +9,7 @@ checkpoints are written by the test process beforehand (:func:`write_checkpoints
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -191,6 +192,54 @@ def moe_build(**kwargs: Any) -> nn.Module:
     return moe.build_moe_model(MOE, seed=None, **kwargs)
 
 
+def _share_bytes(model: nn.Module, ckpt: Path, rank: int, world: int, companions: Any, covering: Any) -> int:
+    """The bytes a rank must read of ``ckpt``: its share of each weight and, of each of its
+    ``companions(key) -> names``, the part covering that share (``covering(companion, dim, interval,
+    shape) -> bytes``, ``None``: all of it); replicated tensors whole. Shares come from the loaded
+    model's placements: a source of a sharded parameter is split evenly on the sharded dim."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+
+    dims: dict[str, int] = {}
+    for key, value in model.state_dict().items():
+        shard = (
+            [p for p in value.placements if hasattr(p, "dim")] if isinstance(value, DTensor) else []
+        )  # strided too
+        if shard:
+            dims[key.rpartition(".")[0]] = shard[0].dim
+    total = 0
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        claimed = {c for k in keys for c in companions(k) if c in keys}
+        for key in keys - claimed:
+            t = f.get_tensor(key)
+            module = key.rpartition(".")[0]
+            for part in (".gate_proj", ".up_proj"):  # fused into gate_up_proj at load
+                module = module.removesuffix(part) + ".gate_up_proj" if module.endswith(part) else module
+            dim, mine = dims.get(module), [c for c in companions(key) if c in keys]
+            if dim is None or t.dim() == 0:
+                total += t.nbytes + sum(f.get_tensor(c).nbytes for c in mine)
+                continue
+            per = t.shape[dim] // world
+            total += t.nbytes // world
+            for c in mine:
+                part = covering(c, dim, (rank * per, (rank + 1) * per), tuple(t.shape))
+                total += f.get_tensor(c).nbytes if part is None else part
+    return total
+
+
+def _fp8_companions(key: str) -> list[str]:
+    return [key + "_scale_inv"]
+
+
+def _fp8_covering(companion: str, dim: int, interval: tuple[int, int], shape: tuple[int, ...]) -> int:
+    """Block scales (float32) covering ``interval`` of ``dim``: the blocks it touches, all blocks of the other dim."""
+    blocks = [math.ceil(n / b) for n, b in zip(shape, FP8_BLOCK)]
+    b = FP8_BLOCK[dim]
+    blocks[dim] = -(-interval[1] // b) - interval[0] // b
+    return math.prod(blocks) * 4
+
+
 def _fp8(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
     """An FP8 checkpoint: each rank decodes only its slices, with the scale rows they cover."""
     import torch.distributed as dist
@@ -208,6 +257,7 @@ def _fp8(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
         "bytes_read": report.bytes_read,
         "single_bytes": single.bytes_read,
         "fallbacks": [str(f) for f in report.tp_fallbacks],
+        "share_bytes": _share_bytes(model, ckpt, rank, mesh.size(), _fp8_companions, _fp8_covering),
     }
     facts.update(_compare(model, ref))
     out = work / "dense-fp8-saved"

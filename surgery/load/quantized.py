@@ -153,7 +153,8 @@ def read_companion(
     """``companion`` of ``key`` at its full shape, read only where it covers ``region`` of ``key``.
 
     Returns the tensor and the part read (``None``: all of it). Outside that part the tensor
-    holds zeros that decoding ``region`` never uses (the quantizer's ``companion_region`` says
+    holds ones (a filler every scale check accepts, for a quantizer that checks what ``decode``
+    is given) that decoding ``region`` never uses (the quantizer's ``companion_region`` says
     which rows or blocks it does use); a record of the load reads the rest when a save needs it
     (:class:`CompanionsRead`).
     """
@@ -165,7 +166,7 @@ def read_companion(
     dim = part.dim % len(whole.shape)
     if sum(e - a for a, e in part.intervals) >= whole.shape[dim]:
         return reader.get_tensor(companion), None
-    out = torch.zeros(whole.shape, dtype=whole.dtype)
+    out = torch.ones(whole.shape, dtype=whole.dtype)
     for a, e in part.intervals:
         out.narrow(dim, a, e - a).copy_(reader.read_region(companion, dim, [(a, e)]))
     return out, Region.of(dim, part.intervals)
