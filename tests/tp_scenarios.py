@@ -9,7 +9,6 @@ checkpoints are written by the test process beforehand (:func:`write_checkpoints
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import traceback
@@ -194,9 +193,9 @@ def moe_build(**kwargs: Any) -> nn.Module:
 
 def _share_bytes(model: nn.Module, ckpt: Path, rank: int, world: int, companions: Any, covering: Any) -> int:
     """The bytes a rank must read of ``ckpt``: its share of each weight and, of each of its
-    ``companions(key) -> names``, the part covering that share (``covering(companion, dim, interval,
-    shape) -> bytes``, ``None``: all of it); replicated tensors whole. Shares come from the loaded
-    model's placements: a source of a sharded parameter is split evenly on the sharded dim."""
+    ``companions(key) -> names``, the part covering that share (``covering(name, tensor, dim,
+    interval) -> bytes``, ``None``: all of it); replicated tensors whole. Shares come from the
+    loaded model's placements: a source of a sharded parameter is split evenly on the sharded dim."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
@@ -223,21 +222,24 @@ def _share_bytes(model: nn.Module, ckpt: Path, rank: int, world: int, companions
             per = t.shape[dim] // world
             total += t.nbytes // world
             for c in mine:
-                part = covering(c, dim, (rank * per, (rank + 1) * per), tuple(t.shape))
-                total += f.get_tensor(c).nbytes if part is None else part
+                scale = f.get_tensor(c)
+                part = covering(c.rpartition(".")[2], scale, dim, (rank * per, (rank + 1) * per))
+                total += scale.nbytes if part is None else part
     return total
+
+
+def _covered(interval: tuple[int, int], unit: int) -> int:
+    """How many units of ``unit`` elements the ``interval`` touches."""
+    return -(-interval[1] // unit) - interval[0] // unit
 
 
 def _fp8_companions(key: str) -> list[str]:
     return [key + "_scale_inv"]
 
 
-def _fp8_covering(companion: str, dim: int, interval: tuple[int, int], shape: tuple[int, ...]) -> int:
-    """Block scales (float32) covering ``interval`` of ``dim``: the blocks it touches, all blocks of the other dim."""
-    blocks = [math.ceil(n / b) for n, b in zip(shape, FP8_BLOCK)]
-    b = FP8_BLOCK[dim]
-    blocks[dim] = -(-interval[1] // b) - interval[0] // b
-    return math.prod(blocks) * 4
+def _fp8_covering(name: str, scale: torch.Tensor, dim: int, interval: tuple[int, int]) -> int:
+    """Block scales covering ``interval`` of ``dim``: the blocks it touches, all blocks of the other dim."""
+    return _covered(interval, FP8_BLOCK[dim]) * scale.shape[1 - dim] * scale.element_size()
 
 
 def _fp8(work: Path, rank: int, mesh: Any) -> dict[str, Any]:

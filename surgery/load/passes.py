@@ -148,6 +148,7 @@ class Planning:
     target_dtype: dict[str, torch.dtype] = field(default_factory=dict)
     checked: dict[str, torch.Tensor] = field(default_factory=dict)
     partial: set[str] = field(default_factory=set)  # companions in ``checked`` read in part
+    values: dict[str, torch.Tensor] = field(default_factory=dict)  # small companions read whole to plan
     targeted: list[Candidate] = field(default_factory=list)
     memo: Memo = field(default_factory=Memo)
 
@@ -250,7 +251,9 @@ def decode(ctx: Planning, c: Candidate) -> None:
             entry.companions = tuple(x for k in entry.source_keys for x in decoded.get(k, ()))
             entry.nbytes += sum(ctx.reader.info(x).nbytes for x in entry.companions)
             try:
-                c.infos = [decoded_info(hooks, i, decoded, ctx.reader, ctx.memo.decoded) for i in c.infos]
+                c.infos = [
+                    decoded_info(hooks, i, decoded, ctx.reader, ctx.memo.decoded, ctx.values) for i in c.infos
+                ]
             except ConversionError as exc:
                 fail(ctx, c, f"{hooks.name}.decode", str(exc))
                 return

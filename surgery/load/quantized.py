@@ -118,6 +118,7 @@ def check_stored(
     checked: dict[str, torch.Tensor],
     regions: Mapping[str, Any] | None = None,
     partial: set[str] | None = None,
+    read: Mapping[str, torch.Tensor] | None = None,
 ) -> str:
     """Read and check the tensors ``hooks.checks`` names among ``source_keys`` and their companions.
 
@@ -125,14 +126,16 @@ def check_stored(
     parallelism); a companion is then read and checked only where it covers that part
     (:func:`read_companion`), and named in ``partial``. Returns the first problem (``""`` when there is none). Companions
     that pass go into ``checked``, so that decoding uses what was checked instead of reading them
-    again.
+    again; ``read`` holds companions read whole already (values planning needed).
     """
     for key in source_keys:
         region = (regions or {}).get(key)
         for k in (*decoded.get(key, ()), key):
             if k in checked or not hooks.checks(k, reader.info(k)):
                 continue
-            if k == key:
+            if k in (read or {}):
+                tensor, part = (read or {})[k], None
+            elif k == key:
                 tensor, part = reader.get_tensor(k), None
             else:
                 tensor, part = read_companion(hooks, reader, key, k, region)
@@ -239,18 +242,24 @@ def decoded_info(
     decoded: dict[str, tuple[str, ...]],
     reader: CheckpointReader,
     cache: dict[Any, tuple[tuple[int, ...], torch.dtype]],
+    read: dict[str, torch.Tensor],
 ) -> StoredTensor:
     """``info`` as the op chain sees it after decoding (checked by a ``meta`` run of ``decode``).
 
     A quantizer whose decoding changes shapes (``stored_region``) gets the values of the small
-    companions (a stored ``weight_shape``); the memo then holds them too.
+    companions (a stored ``weight_shape``; not the scales a rank reads in part, see
+    :func:`read_companion`), kept in ``read`` for the checks; the memo then holds them too.
     """
     names = decoded.get(info.key)
     if not names:
         return info
     companions = {c: reader.info(c) for c in names}
     values = (
-        {c: reader.get_tensor(c) for c, i in companions.items() if i.nbytes <= SMALL_COMPANION_BYTES}
+        {
+            c: read[c] if c in read else read.setdefault(c, reader.get_tensor(c))
+            for c, i in companions.items()
+            if i.nbytes <= SMALL_COMPANION_BYTES and not _sliced(hooks, info, c)
+        }
         if hooks.reshapes
         else {}
     )
@@ -266,6 +275,14 @@ def decoded_info(
         found = cache[key] = (tuple(t.shape), t.dtype)
     shape, dtype = found
     return dataclasses.replace(info, shape=shape, dtype=dtype)
+
+
+def _sliced(hooks: QuantizerHooks, info: StoredTensor, companion: str) -> bool:
+    """Whether ``companion`` holds per-row or per-block values (a rank reads part of it), not a shape."""
+    dims = {0, len(info.shape) - 1} if info.shape else set()
+    return any(
+        hooks.companion_region(info.key, companion, Region(d, ((0, 1),)), info) is not None for d in dims
+    )
 
 
 def plan_quantize(
