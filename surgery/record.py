@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -96,7 +97,7 @@ class LoadRecord:
     source_shards: dict[str, int] = field(default_factory=dict)
     loaded_keys: set[str] = field(default_factory=set)
     checkpoint: str = ""
-    companions: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    companions: dict[str, Mapping[str, torch.Tensor]] = field(default_factory=dict)
     quantizer: Any = None
     residues: dict[str, torch.Tensor] = field(default_factory=dict)
 

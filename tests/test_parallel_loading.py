@@ -185,6 +185,8 @@ def test_an_fp8_checkpoint_decodes_each_ranks_slices_and_saves_back_bit_for_bit(
         assert facts["unequal"] == [] and facts["fallbacks"] == []
         assert facts["max_abs_diff"] < 1e-5  # parameters equal bit for bit; the reductions differ
         assert facts["bytes_read"] < 0.75 * facts["single_bytes"]
+        # its share of the codes, the scale blocks covering that share, replicated tensors whole
+        assert facts["bytes_read"] == facts["share_bytes"]
     assert ranks[0]["fp8"]["saved_identical"]
 
 

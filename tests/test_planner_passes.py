@@ -71,6 +71,7 @@ def test_the_passes_run_in_the_documented_order() -> None:
         "choose_dtypes",
         "choose_mode",
         "shard",
+        "check_values",
     ]
 
 

@@ -204,6 +204,57 @@ def moe_build(**kwargs: Any) -> nn.Module:
     return moe.build_moe_model(MOE, seed=None, **kwargs)
 
 
+def _share_bytes(model: nn.Module, ckpt: Path, rank: int, world: int, companions: Any, covering: Any) -> int:
+    """The bytes a rank must read of ``ckpt``: its share of each weight and, of each of its
+    ``companions(key) -> names``, the part covering that share (``covering(name, tensor, dim,
+    interval) -> bytes``, ``None``: all of it); replicated tensors whole. Shares come from the
+    loaded model's placements: a source of a sharded parameter is split evenly on the sharded dim."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+
+    dims: dict[str, int] = {}
+    for key, value in model.state_dict().items():
+        shard = (
+            [p for p in value.placements if hasattr(p, "dim")] if isinstance(value, DTensor) else []
+        )  # strided too
+        if shard:
+            dims[key.rpartition(".")[0]] = shard[0].dim
+    total = 0
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        claimed = {c for k in keys for c in companions(k) if c in keys}
+        for key in keys - claimed:
+            t = f.get_tensor(key)
+            module = key.rpartition(".")[0]
+            for part in (".gate_proj", ".up_proj"):  # fused into gate_up_proj at load
+                module = module.removesuffix(part) + ".gate_up_proj" if module.endswith(part) else module
+            dim, mine = dims.get(module), [c for c in companions(key) if c in keys]
+            if dim is None or t.dim() == 0:
+                total += t.nbytes + sum(f.get_tensor(c).nbytes for c in mine)
+                continue
+            per = t.shape[dim] // world
+            total += t.nbytes // world
+            for c in mine:
+                scale = f.get_tensor(c)
+                part = covering(c.rpartition(".")[2], scale, dim, (rank * per, (rank + 1) * per))
+                total += scale.nbytes if part is None else part
+    return total
+
+
+def _covered(interval: tuple[int, int], unit: int) -> int:
+    """How many units of ``unit`` elements the ``interval`` touches."""
+    return -(-interval[1] // unit) - interval[0] // unit
+
+
+def _fp8_companions(key: str) -> list[str]:
+    return [key + "_scale_inv"]
+
+
+def _fp8_covering(name: str, scale: torch.Tensor, dim: int, interval: tuple[int, int]) -> int:
+    """Block scales covering ``interval`` of ``dim``: the blocks it touches, all blocks of the other dim."""
+    return _covered(interval, FP8_BLOCK[dim]) * scale.shape[1 - dim] * scale.element_size()
+
+
 def _fp8(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
     """An FP8 checkpoint: each rank decodes only its slices, with the scale rows they cover."""
     import torch.distributed as dist
@@ -221,6 +272,7 @@ def _fp8(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
         "bytes_read": report.bytes_read,
         "single_bytes": single.bytes_read,
         "fallbacks": [str(f) for f in report.tp_fallbacks],
+        "share_bytes": _share_bytes(model, ckpt, rank, mesh.size(), _fp8_companions, _fp8_covering),
     }
     facts.update(_compare(model, ref))
     out = work / "dense-fp8-saved"

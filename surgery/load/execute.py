@@ -25,6 +25,7 @@ from ..parallel.regions import NOT_NEEDED, Box, Region, local_shape
 from ..placement import all_contiguous, flatten_slots, placement_views
 from .plan import Mode
 from .planner import Prepared, Work
+from .quantized import read_companion
 from .shapes import op_context
 from .sharding import Sharding, local_context
 
@@ -137,7 +138,14 @@ def _source(prep: Prepared, w: Work, key: str, region: Any = None) -> torch.Tens
     if isinstance(region, Region) and q.hooks.reshapes:
         stored = q.hooks.stored_region(key, region, prep.reader.info(key))
     t = _read(prep.reader, key, stored)
-    companions = {c: prep.checked[c] if c in prep.checked else prep.reader.get_tensor(c) for c in names}
+    companions: dict[str, torch.Tensor] = {}
+    for c in names:
+        if c in prep.checked and (c not in prep.partial_companions or isinstance(region, Region)):
+            companions[c] = prep.checked[c]
+            continue
+        companions[c], part = read_companion(q.hooks, prep.reader, key, c, region)
+        if part is not None:
+            prep.partial_companions.add(c)
     prep.companion_values[key] = companions
     return q.hooks.decode(key, t, companions, region if isinstance(region, Region) else None)
 

@@ -9,11 +9,12 @@ reported, not loaded):
 2. :func:`infer_shapes`: the converter's outputs from headers (a ``meta`` run, cached);
 3. :func:`check_targets`: the outputs against the model (names, shapes, device);
 4. :func:`plan_quantization`: the runtime keys an on-the-fly quantizer makes of each target;
-5. :func:`check_quantized`: casts across a quantization boundary, and the stored values a
-   quantizer asks to check (its scales), read now;
+5. :func:`check_quantized`: casts across a quantization boundary;
 6. :func:`choose_dtypes`: the dtype of every runtime key, and the casts nobody asked for;
 7. :func:`choose_mode`: ``mmap``, ``direct`` or ``convert`` (see :mod:`surgery.load.planner`);
-8. :func:`shard`: under tensor parallelism, what this rank reads (:mod:`surgery.load.sharding`).
+8. :func:`shard`: under tensor parallelism, what this rank reads (:mod:`surgery.load.sharding`);
+9. :func:`check_values`: the stored values a quantizer asks to check (its scales), read now
+   (under tensor parallelism, only the part covering this rank's region).
 
 Every pass reads and writes a :class:`Planning` context, built once per load: the model's runtime
 tensors, the routing, the quantizer and the rank, and what the passes find (mismatches, failures,
@@ -63,6 +64,7 @@ __all__ = [
     "Planning",
     "check_quantized",
     "check_targets",
+    "check_values",
     "choose_dtypes",
     "choose_mode",
     "decode",
@@ -145,6 +147,8 @@ class Planning:
     covered: set[str] = field(default_factory=set)
     target_dtype: dict[str, torch.dtype] = field(default_factory=dict)
     checked: dict[str, torch.Tensor] = field(default_factory=dict)
+    partial: set[str] = field(default_factory=set)  # companions in ``checked`` read in part
+    values: dict[str, torch.Tensor] = field(default_factory=dict)  # small companions read whole to plan
     targeted: list[Candidate] = field(default_factory=list)
     memo: Memo = field(default_factory=Memo)
 
@@ -247,7 +251,9 @@ def decode(ctx: Planning, c: Candidate) -> None:
             entry.companions = tuple(x for k in entry.source_keys for x in decoded.get(k, ()))
             entry.nbytes += sum(ctx.reader.info(x).nbytes for x in entry.companions)
             try:
-                c.infos = [decoded_info(hooks, i, decoded, ctx.reader, ctx.memo.decoded) for i in c.infos]
+                c.infos = [
+                    decoded_info(hooks, i, decoded, ctx.reader, ctx.memo.decoded, ctx.values) for i in c.infos
+                ]
             except ConversionError as exc:
                 fail(ctx, c, f"{hooks.name}.decode", str(exc))
                 return
@@ -345,8 +351,7 @@ def check_quantized(ctx: Planning, c: Candidate) -> None:
     """Refuse a cast across a quantization boundary; read and check what the quantizer names.
 
     Floats cast into a quantized module's integers, or int8 codes stored with their scales cast
-    into floats, would load garbage: the entry fails, naming the quantizer it needs. Then the small
-    stored tensors a quantizer checks (scales: NaN, zero, negative) are read and checked.
+    into floats, would load garbage: the entry fails, naming the quantizer it needs.
     """
     entry = c.entry
     if not c.decoded:
@@ -357,11 +362,6 @@ def check_quantized(ctx: Planning, c: Candidate) -> None:
             if problem:
                 fail(ctx, c, "dequantize", problem)
                 return
-    hooks = ctx.hooks
-    if hooks is not None and hooks.has("check"):
-        problem = check_stored(hooks, ctx.reader, entry.source_keys, c.decoded, ctx.checked)
-        if problem:
-            fail(ctx, c, f"{hooks.name}.check", problem)
 
 
 def choose_dtypes(ctx: Planning, c: Candidate) -> None:
@@ -495,6 +495,25 @@ def _stored_bytes(ctx: Planning, sources: dict[str, Any], nbytes: int, decoded: 
     return nbytes
 
 
+def check_values(ctx: Planning, c: Candidate) -> None:
+    """Read and check the small stored tensors a quantizer checks (scales: NaN, zero, negative).
+
+    Under tensor parallelism a companion is read (and checked) only where it covers this rank's
+    region of its weight (the quantizer's ``companion_region``): each rank checks what it uses.
+    """
+    hooks = ctx.hooks
+    if hooks is None or not hooks.has("check"):
+        return
+    sh = c.sharding
+    parts = sh is not None and sh.sharded and (sh.fallback is None or sh.operations is not None)
+    regions = sh.sources if sh is not None and parts else {}
+    problem = check_stored(
+        hooks, ctx.reader, c.entry.source_keys, c.decoded, ctx.checked, regions, ctx.partial
+    )
+    if problem:
+        fail(ctx, c, f"{hooks.name}.check", problem)
+
+
 PASSES: tuple[Callable[[Planning, Candidate], None], ...] = (
     decode,
     infer_shapes,
@@ -504,6 +523,7 @@ PASSES: tuple[Callable[[Planning, Candidate], None], ...] = (
     choose_dtypes,
     choose_mode,
     shard,
+    check_values,
 )
 """The passes in the order :func:`~surgery.load.planner.prepare` runs them on every candidate."""
 

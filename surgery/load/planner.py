@@ -193,6 +193,7 @@ class Prepared:
     placements: dict[str, tuple[Any, ...]]
     quantizer: QuantizerHooks | None
     checked: dict[str, torch.Tensor]  # companions read by planning
+    partial_companions: set[str]  # companions read only where they cover this rank's region
     companion_values: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
     residues: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     origins: list[Origin] = dataclasses.field(default_factory=list)  # aligned with transforms
@@ -428,6 +429,7 @@ def _finish(ctx: Planning) -> Prepared:
         ctx.placements,
         ctx.hooks,
         ctx.checked,
+        ctx.partial,
         origins=ctx.origins,
     )
 

@@ -14,17 +14,20 @@ scales are unusable fails before any tensor is set.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointReader, StoredTensor
+from ..checkpoint import CheckpointReader, StoredTensor, open_checkpoint
 from ..errors import ConversionError
 from ..model_state import dtype_name
+from ..parallel.regions import Region
 from ..quantization import SMALL_COMPANION_BYTES, QuantizerHooks
 
 __all__ = [
+    "CompanionsRead",
     "broken_units",
     "check_stored",
     "claim_companions",
@@ -32,6 +35,7 @@ __all__ = [
     "plan_quantize",
     "prequantized_sources",
     "quantized_cast_problem",
+    "read_companion",
 ]
 
 
@@ -112,24 +116,89 @@ def check_stored(
     source_keys: tuple[str, ...],
     decoded: dict[str, tuple[str, ...]],
     checked: dict[str, torch.Tensor],
+    regions: Mapping[str, Any] | None = None,
+    partial: set[str] | None = None,
+    read: Mapping[str, torch.Tensor] | None = None,
 ) -> str:
     """Read and check the tensors ``hooks.checks`` names among ``source_keys`` and their companions.
 
-    Returns the first problem (``""`` when there is none). Companions that pass go into
-    ``checked``, so that decoding uses what was checked instead of reading them again.
+    ``regions``: per source key, the part of its decoded values this rank reads (tensor
+    parallelism); a companion is then read and checked only where it covers that part
+    (:func:`read_companion`), and named in ``partial``. Returns the first problem (``""`` when there is none). Companions
+    that pass go into ``checked``, so that decoding uses what was checked instead of reading them
+    again; ``read`` holds companions read whole already (values planning needed).
     """
     for key in source_keys:
+        region = (regions or {}).get(key)
         for k in (*decoded.get(key, ()), key):
             if k in checked or not hooks.checks(k, reader.info(k)):
                 continue
-            tensor = reader.get_tensor(k)
+            if k in (read or {}):
+                tensor, part = (read or {})[k], None
+            elif k == key:
+                tensor, part = reader.get_tensor(k), None
+            else:
+                tensor, part = read_companion(hooks, reader, key, k, region)
             try:
-                hooks.check(k, tensor)
+                hooks.check(k, tensor if part is None else part.take(tensor))
             except ConversionError as exc:
                 return str(exc)
             if k != key:
                 checked[k] = tensor
+                if part is not None and partial is not None:
+                    partial.add(k)
     return ""
+
+
+def read_companion(
+    hooks: QuantizerHooks, reader: CheckpointReader, key: str, companion: str, region: Any
+) -> tuple[torch.Tensor, Region | None]:
+    """``companion`` of ``key`` at its full shape, read only where it covers ``region`` of ``key``.
+
+    Returns the tensor and the part read (``None``: all of it). Outside that part the tensor
+    holds ones (a filler every scale check accepts, for a quantizer that checks what ``decode``
+    is given) that decoding ``region`` never uses (the quantizer's ``companion_region`` says
+    which rows or blocks it does use); a record of the load reads the rest when a save needs it
+    (:class:`CompanionsRead`).
+    """
+    info = reader.info(key)
+    part = hooks.companion_region(key, companion, region, info) if isinstance(region, Region) else None
+    whole = reader.info(companion)
+    if part is None or len(whole.shape) == 0:
+        return reader.get_tensor(companion), None
+    dim = part.dim % len(whole.shape)
+    if sum(e - a for a, e in part.intervals) >= whole.shape[dim]:
+        return reader.get_tensor(companion), None
+    out = torch.ones(whole.shape, dtype=whole.dtype)
+    for a, e in part.intervals:
+        out.narrow(dim, a, e - a).copy_(reader.read_region(companion, dim, [(a, e)]))
+    return out, Region.of(dim, part.intervals)
+
+
+class CompanionsRead(Mapping[str, torch.Tensor]):
+    """The companions a decode used, some read only in part: the rest is read when first asked for.
+
+    A tensor-parallel rank reads the scale rows covering its share; a save that re-encodes the
+    whole tensor needs all of them, and gets them from the checkpoint that was loaded.
+    """
+
+    def __init__(self, values: dict[str, torch.Tensor], partial: set[str], checkpoint: str) -> None:
+        self._values = dict(values)
+        self._partial = set(partial) & set(values)
+        self._checkpoint = checkpoint
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._partial:
+            with open_checkpoint(self._checkpoint) as reader:
+                self._values[name] = reader.get_tensor(name)
+            self._partial.discard(name)
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
 
 
 def broken_units(model: nn.Module, filled: set[str]) -> dict[str, str]:
@@ -173,18 +242,24 @@ def decoded_info(
     decoded: dict[str, tuple[str, ...]],
     reader: CheckpointReader,
     cache: dict[Any, tuple[tuple[int, ...], torch.dtype]],
+    read: dict[str, torch.Tensor],
 ) -> StoredTensor:
     """``info`` as the op chain sees it after decoding (checked by a ``meta`` run of ``decode``).
 
     A quantizer whose decoding changes shapes (``stored_region``) gets the values of the small
-    companions (a stored ``weight_shape``); the memo then holds them too.
+    companions (a stored ``weight_shape``; not the scales a rank reads in part, see
+    :func:`read_companion`), kept in ``read`` for the checks; the memo then holds them too.
     """
     names = decoded.get(info.key)
     if not names:
         return info
     companions = {c: reader.info(c) for c in names}
     values = (
-        {c: reader.get_tensor(c) for c, i in companions.items() if i.nbytes <= SMALL_COMPANION_BYTES}
+        {
+            c: read[c] if c in read else read.setdefault(c, reader.get_tensor(c))
+            for c, i in companions.items()
+            if i.nbytes <= SMALL_COMPANION_BYTES and not _sliced(hooks, info, c)
+        }
         if hooks.reshapes
         else {}
     )
@@ -200,6 +275,14 @@ def decoded_info(
         found = cache[key] = (tuple(t.shape), t.dtype)
     shape, dtype = found
     return dataclasses.replace(info, shape=shape, dtype=dtype)
+
+
+def _sliced(hooks: QuantizerHooks, info: StoredTensor, companion: str) -> bool:
+    """Whether ``companion`` holds per-row or per-block values (a rank reads part of it), not a shape."""
+    dims = {0, len(info.shape) - 1} if info.shape else set()
+    return any(
+        hooks.companion_region(info.key, companion, Region(d, ((0, 1),)), info) is not None for d in dims
+    )
 
 
 def plan_quantize(

@@ -16,6 +16,7 @@ from ..record import Fired, LoadRecord, Origin, update_record
 from ..routing import BasePrefix
 from ..transforms import PrefixChange
 from .planner import Prepared, Work
+from .quantized import CompanionsRead
 
 __all__ = ["clear_record", "record_load"]
 
@@ -69,7 +70,13 @@ def record_load(
             source_shards={k: file_index.get(i.file, 0) for k, i in zip(in_order, infos)},
             loaded_keys=loaded,
             checkpoint=str(path),
-            companions={k: v for k, v in prep.companion_values.items() if k in sources},
+            companions={
+                k: CompanionsRead(v, prep.partial_companions, str(reader.path))
+                if prep.partial_companions & set(v)
+                else v
+                for k, v in prep.companion_values.items()
+                if k in sources
+            },
             quantizer=None if prep.quantizer is None else prep.quantizer.quantizer,
             residues={k: v for k, v in prep.residues.items() if k in loaded},
         ),

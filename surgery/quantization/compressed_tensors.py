@@ -268,6 +268,35 @@ class CompressedTensorsQuantizer:
                 "or was not written by compressed-tensors."
             )
 
+    def companion_region(self, key: str, companion: str, region: Region, info: StoredTensor) -> Region | None:
+        """The rows, groups or blocks of a scale or zero point covering ``region`` of the weight.
+
+        Per-tensor scales, ``weight_shape``, ``g_idx``, ``input_scale`` and the scales of a split
+        along the columns that act-order groups scatter are read whole (``None``).
+        """
+        owned = self._owned(key)
+        name = self._split(companion)[1]
+        if (
+            owned is None
+            or name not in ("weight_scale", "weight_zero_point")
+            or owned[1].strategy == "tensor"
+        ):
+            return None
+        s, dim = owned[1], region.dim % 2
+        if s.block is not None:
+            b = s.block[dim]
+            return Region.of(dim, [(a // b, -(-e // b)) for a, e in region.intervals])
+        if dim == 0:  # rows: one scale row per weight row; zero points pack rows into int32 words
+            if name == "weight_scale":
+                return Region.of(0, region.intervals)
+            return Region.of(
+                0, [(a * s.num_bits // 32, -(-e * s.num_bits // 32)) for a, e in region.intervals]
+            )
+        if s.strategy != "group" or s.g_idx or not s.group_size:
+            return None
+        g = s.group_size
+        return Region.of(1, [(a // g, -(-e // g)) for a, e in region.intervals])
+
     def _companion(self, key: str, name: str, companions: Mapping[str, torch.Tensor]) -> torch.Tensor:
         full = self._split(key)[0]
         full = (f"{full}." if full else "") + name

@@ -340,6 +340,21 @@ class FP8BlockQuantizer:
     def checks(self, key: str, info: StoredTensor) -> bool:
         return key.endswith(self.scale_suffix)
 
+    def companion_region(self, key: str, companion: str, region: Region, info: StoredTensor) -> Region | None:
+        """The scale blocks covering ``region`` of the weight: a rank reads the scales it decodes with.
+
+        >>> q = FP8BlockQuantizer(block_size=(128, 128))
+        >>> w = StoredTensor("w", torch.float8_e4m3fn, (300, 256), "f", 0, 0)
+        >>> q.companion_region("w", "w_scale_inv", Region(0, ((128, 300),)), w)
+        Region(dim=0, intervals=((1, 3),))
+        """
+        nd = len(info.shape)
+        d = region.dim % nd
+        if d < nd - 2:  # a leading (expert) dim: one scale slab per index
+            return Region.of(d, region.intervals)
+        b = self.block_size[d - (nd - 2)]
+        return Region.of(d, [(a // b, -(-e // b)) for a, e in region.intervals])
+
     def check(self, key: str, tensor: torch.Tensor) -> None:
         """Every scale finite, positive, and small enough that ``max(fmt) * scale`` is a finite float32.
 

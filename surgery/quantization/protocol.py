@@ -35,6 +35,12 @@ A quantizer is any object; the loader looks up each hook by name and uses the on
   ``checks`` names (small ones: scales), after its shape was checked, and ``check`` raises a
   :class:`~surgery.ConversionError` naming the key when its values cannot be right; the entry
   that needs it then fails before any tensor is set. What planning read is reused, not read again.
+* ``companion_region(key, companion, region, info) -> Region | None``: under tensor or expert
+  parallelism, the part of the stored ``companion`` that covers ``region`` of ``key``'s decoded
+  values (``info``: ``key`` as stored); ``None`` reads it whole (per-tensor scalars replicate).
+  A rank then reads, checks and decodes with only those rows or blocks, placed at their offsets
+  in a companion of its full shape; the rest of it is read from the checkpoint only if a save
+  needs it.
 * ``quantizes(key, module) -> bool`` and ``quantize(key, tensor) -> dict[str, Tensor]``:
   quantize on the fly, **after the op chain**; the result may name more runtime keys than the
   one it was given (``X.weight`` → ``X.weight``, ``X.weight_scale``).
@@ -207,6 +213,7 @@ class QuantizerHooks:
         "decode",
         "keeps_packed",
         "stored_region",
+        "companion_region",
         "quantizes",
         "quantize",
         "metadata",
@@ -259,6 +266,18 @@ class QuantizerHooks:
             raise ConfigurationError(
                 f"{self.name}.stored_region({key!r}) returned {bounded_repr(result)}; return a Region of a dim of "
                 f"the stored {tuple(info.shape)} tensor."
+            )
+        return result
+
+    def companion_region(self, key: str, companion: str, region: Region, info: StoredTensor) -> Region | None:
+        """The part of ``companion`` covering ``region`` of ``key``'s decoded values (``None``: all of it)."""
+        if "companion_region" not in self._hooks:
+            return None
+        result = self._call("companion_region", key, key, companion, region, info)
+        if result is not None and not isinstance(result, Region):
+            raise ConfigurationError(
+                f"{self.name}.companion_region({key!r}, {companion!r}) returned {bounded_repr(result)}; return a "
+                "Region of the companion, or None to read it whole."
             )
         return result
 

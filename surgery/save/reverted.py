@@ -106,7 +106,7 @@ class _Group:
     ctx: OpContext | None = None
     slot_shapes: list[Any] | None = None  # set when the outputs can be taken as views of the source
     chain_order: tuple[str, ...] = ()  # outputs in the order the reversed chain produces them
-    encoded: dict[str, dict[str, torch.Tensor]] | None = None  # name -> scales recorded at load
+    encoded: dict[str, Mapping[str, torch.Tensor]] | None = None  # name -> scales recorded at load
     companion_of: dict[str, str] | None = None  # companion name -> the name whose encode writes it
 
 
@@ -301,7 +301,10 @@ class RevertedState(Mapping[str, torch.Tensor]):
         return override if override is not None and is_castable(dtype) else dtype
 
     def _plan_encoding(
-        self, group: _Group, recorded: dict[str, dict[str, torch.Tensor]], metas: dict[str, torch.Tensor]
+        self,
+        group: _Group,
+        recorded: Mapping[str, Mapping[str, torch.Tensor]],
+        metas: dict[str, torch.Tensor],
     ) -> None:
         """Weights decoded at load get their recorded companions back: encode writes both."""
         group.encoded, group.companion_of = {}, {}
@@ -473,7 +476,7 @@ class RevertedState(Mapping[str, torch.Tensor]):
                 continue  # written by its weight's encode
             t = raw[o]
             if g.encoded and n in g.encoded:
-                out.update(self._encode(n, t, g.encoded[n]))
+                out.update(self._encode(n, t, dict(g.encoded[n])))
                 continue
             out[n], cast = cast_checked(n, t, d)
             if cast is not None:
