@@ -28,20 +28,18 @@ Example:
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from .. import meta
 from ..checkpoint import StoredTensor
 from ..errors import ConfigurationError, ConversionError
 from ..parallel.regions import Region
 from ..transforms import WeightRenaming, WeightTransform
-from .compressed_tensors_config import target_matches
+from .compressed_tensors_config import ConfigGroups
 from .fp4 import E2M1_MAX, E8M0_BIAS, e2m1_decode, e2m1_encode, e8m0_exponent, pack_nibbles, unpack_nibbles
 from .protocol import bounded_repr, first_bad_scale
 
@@ -112,7 +110,7 @@ def _index(intervals: tuple[tuple[int, int], ...] | list[tuple[int, int]]) -> to
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
 
 
-class CompressedFp4Quantizer:
+class CompressedFp4Quantizer(ConfigGroups):
     """Decode compressed-tensors NVFP4 and MXFP4 checkpoints; save them back byte for byte.
 
     Args:
@@ -125,87 +123,9 @@ class CompressedFp4Quantizer:
             names it), or the checkpoint is not stored compressed.
     """
 
-    method = "compressed-tensors"
     loads_in_transformers = True
-
-    def __init__(self, config: Mapping[str, Any]) -> None:
-        if not isinstance(config, Mapping) or config.get("quant_method") != self.method:
-            raise ConfigurationError(
-                f"quantization_config={bounded_repr(config)}; CompressedFp4Quantizer reads 'compressed-tensors' "
-                "configs."
-            )
-        status = config.get("quantization_status", "compressed")
-        if status != "compressed":
-            raise ConfigurationError(
-                f"quantization_config.quantization_status={bounded_repr(status)}; only 'compressed' checkpoints "
-                "store packed FP4 weights."
-            )
-        groups = config.get("config_groups")
-        if not isinstance(groups, Mapping) or not groups:
-            raise ConfigurationError(
-                f"quantization_config.config_groups={bounded_repr(groups)}; give at least one group."
-            )
-        self.schemes = {str(n): _scheme(str(n), g, config.get("format")) for n, g in groups.items()}
-        ignore = config.get("ignore") or []
-        if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
-            raise ConfigurationError(
-                f"quantization_config.ignore={bounded_repr(ignore)}; give a list of strings."
-            )
-        self.ignore = tuple(ignore)
-        self._config = copy.deepcopy(dict(config))
-        self._classes: dict[str, tuple[str, ...]] = {}
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> CompressedFp4Quantizer:
-        """Build from a ``quantization_config`` dict (or a whole ``config.json`` dict holding one)."""
-        inner = config.get("quantization_config") if isinstance(config, Mapping) else None
-        return cls(inner if isinstance(inner, Mapping) and "quant_method" not in config else config)
-
-    def __repr__(self) -> str:
-        formats = tuple(sorted({s.format for s in self.schemes.values()}))
-        return f"CompressedFp4Quantizer(formats={formats})"
-
-    def quantization_config(self) -> dict[str, Any]:
-        """The source ``quantization_config``, unchanged: an ``as_loaded`` save writes the same tensors."""
-        return copy.deepcopy(self._config)
-
-    # ------------------------------------------------------------------ which scheme a key has
-    def prepare(self, model: nn.Module) -> None:
-        """Note each module's class names (its bases' too: an FSDP2-wrapped ``Linear`` is still a
-        ``Linear``), for config groups that target classes."""
-        self._classes = {
-            path: tuple(c.__name__ for c in type(m).__mro__ if issubclass(c, nn.Module))
-            for path, m in model.named_modules()
-        }
-
-    def scheme_of(self, module: str) -> Fp4Scheme | None:
-        """The scheme of the module at path ``module`` (``None``: ignored, or no group targets it).
-
-        A path the model does not have (the load renames it) takes the scheme the groups that
-        target classes share.
-
-        Raises:
-            ConversionError: such a path, and class-targeting groups that quantize differently.
-        """
-        classes = self._classes.get(module)
-        if any(target_matches(p, module, classes or ()) for p in self.ignore):
-            return None
-        for scheme in self.schemes.values():
-            if any(target_matches(t, module, classes or ()) for t in scheme.targets):
-                return scheme
-        if classes is not None:
-            return None
-        by_class = {
-            (s.format, s.input_scale): s
-            for s in self.schemes.values()
-            if any(not t.startswith("re:") for t in s.targets)
-        }
-        if len(by_class) > 1:
-            raise ConversionError(
-                f"{module!r} is not a module of the model (the load renames it), and the config groups that target "
-                "module classes quantize differently: which one stored it cannot be told."
-            )
-        return next(iter(by_class.values()), None)
+    parse_scheme = staticmethod(_scheme)
+    stores = "packed FP4 weights"
 
     def _owned(self, key: str) -> tuple[str, Fp4Scheme] | None:
         module, _, name = key.rpartition(".")

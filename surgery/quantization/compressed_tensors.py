@@ -42,24 +42,20 @@ Example:
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import torch
-from torch import nn
 
 from .. import meta
 from ..checkpoint import StoredTensor
 from ..errors import ConfigurationError, ConversionError
 from ..parallel.regions import Region
 from ..transforms import WeightRenaming, WeightTransform
-from .compressed_tensors_config import FLOAT, FORMATS, PACKED, WeightScheme, parse_group, target_matches
+from .compressed_tensors_config import FLOAT, FORMATS, PACKED, ConfigGroups, WeightScheme, parse_group
 from .fp8 import FP8BlockQuantizer, blockwise_dequantize
 from .packing import pack_int32, pack_unit, packed_length, unpack_int32
-from .protocol import bounded_repr, first_bad_scale
+from .protocol import first_bad_scale
 
 __all__ = ["FORMATS", "CompressedTensorsQuantizer", "WeightScheme"]
 
@@ -80,7 +76,7 @@ def _index(intervals: list[tuple[int, int]]) -> torch.Tensor:
     )
 
 
-class CompressedTensorsQuantizer:
+class CompressedTensorsQuantizer(ConfigGroups):
     """Decode compressed-tensors ``pack-quantized`` and ``float-quantized`` checkpoints; save them back exactly.
 
     Args:
@@ -92,93 +88,9 @@ class CompressedTensorsQuantizer:
             names it), or the checkpoint is not stored compressed.
     """
 
-    method = "compressed-tensors"
+    parse_scheme = staticmethod(parse_group)
+    stores = "packed or FP8 weights with their scales"
     loads_in_transformers = True
-
-    def __init__(self, config: Mapping[str, Any]) -> None:
-        if not isinstance(config, Mapping):
-            raise ConfigurationError(f"expected a quantization_config dict, got {type(config).__name__}.")
-        if config.get("quant_method") != self.method:
-            raise ConfigurationError(
-                f"quantization_config.quant_method={bounded_repr(config.get('quant_method'))}; "
-                f"CompressedTensorsQuantizer reads {self.method!r} configs."
-            )
-        status = config.get("quantization_status", "compressed")
-        if status != "compressed":
-            raise ConfigurationError(
-                f"quantization_config.quantization_status={bounded_repr(status)}; only 'compressed' checkpoints "
-                "store packed or FP8 weights with their scales."
-            )
-        groups = config.get("config_groups")
-        if not isinstance(groups, Mapping) or not groups:
-            raise ConfigurationError(
-                f"quantization_config.config_groups={bounded_repr(groups)}; give at least one group."
-            )
-        self.schemes = {str(n): parse_group(str(n), g, config.get("format")) for n, g in groups.items()}
-        ignore = config.get("ignore") or []
-        if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
-            raise ConfigurationError(
-                f"quantization_config.ignore={bounded_repr(ignore)}; give a list of strings."
-            )
-        self.ignore = tuple(ignore)
-        self._config = copy.deepcopy(dict(config))
-        self._classes: dict[str, tuple[str, ...]] = {}
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> CompressedTensorsQuantizer:
-        """Build from a ``quantization_config`` dict (or a whole ``config.json`` dict holding one)."""
-        inner = config.get("quantization_config") if isinstance(config, Mapping) else None
-        return cls(inner if isinstance(inner, Mapping) and "quant_method" not in config else config)
-
-    def __repr__(self) -> str:
-        formats = tuple(sorted({s.format for s in self.schemes.values()}))
-        return f"CompressedTensorsQuantizer(formats={formats})"
-
-    def quantization_config(self) -> dict[str, Any]:
-        """The source ``quantization_config``, unchanged: an ``as_loaded`` save writes the same tensors."""
-        return copy.deepcopy(self._config)
-
-    # ------------------------------------------------------------------ which scheme a key has
-    def prepare(self, model: nn.Module) -> None:
-        """Note each module's class names, for config groups that target classes (``"Linear"``).
-
-        The names of its base classes count too: an FSDP2-wrapped ``Linear`` is an ``FSDPLinear``.
-        """
-        self._classes = {
-            path: tuple(c.__name__ for c in type(m).__mro__ if issubclass(c, nn.Module))
-            for path, m in model.named_modules()
-        }
-
-    def scheme_of(self, module: str) -> WeightScheme | None:
-        """The scheme of the module at path ``module`` (``None``: ignored, or no group targets it).
-
-        A path the model does not have (the load renames or fuses it: ``gate_proj`` into
-        ``gate_up_proj``) has no class to match: the groups that target classes decide, when they
-        all quantize the same way.
-
-        Raises:
-            ConversionError: such a path, and class-targeting groups that quantize differently.
-        """
-        classes = self._classes.get(module)
-        if any(target_matches(p, module, classes or ()) for p in self.ignore):
-            return None
-        for scheme in self.schemes.values():
-            if any(target_matches(t, module, classes or ()) for t in scheme.targets):
-                return scheme
-        if classes is not None:
-            return None
-        by_class = {
-            dataclasses.replace(s, targets=()): s
-            for s in self.schemes.values()
-            if any(not t.startswith("re:") for t in s.targets)
-        }
-        if len(by_class) > 1:
-            raise ConversionError(
-                f"{module!r} is not a module of the model (the load renames or fuses it), and the config groups "
-                f"that target module classes ({', '.join(sorted(self.schemes))}) quantize differently: which one "
-                "stored it cannot be told. Load into a model that has the checkpoint's module paths."
-            )
-        return next(iter(by_class.values()), None)
 
     def _split(self, key: str) -> tuple[str, str]:
         module, _, name = key.rpartition(".")

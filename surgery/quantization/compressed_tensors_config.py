@@ -13,15 +13,29 @@ Example:
 
 from __future__ import annotations
 
+import abc
+import copy
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from ..errors import ConfigurationError
+from torch import nn
+
+from ..errors import ConfigurationError, ConversionError
 from .protocol import bounded_repr
 
-__all__ = ["FLOAT", "FORMATS", "PACKED", "STRATEGIES", "WeightScheme", "parse_group", "target_matches"]
+__all__ = [
+    "FLOAT",
+    "FORMATS",
+    "PACKED",
+    "STRATEGIES",
+    "ConfigGroups",
+    "WeightScheme",
+    "parse_group",
+    "target_matches",
+]
 
 FORMATS = ("pack-quantized", "float-quantized")
 """The compressed-tensors formats this module reads (the others have quantizers of their own)."""
@@ -124,3 +138,105 @@ def target_matches(pattern: str, path: str, classes: tuple[str, ...]) -> bool:
     if pattern.startswith("re:"):
         return re.match(pattern[3:], path) is not None
     return pattern == path or pattern in classes
+
+
+class ConfigGroups(abc.ABC):
+    """What every compressed-tensors quantizer shares: its ``quantization_config`` read and kept,
+    and which config group's scheme each module has.
+
+    A subclass names its schemes' parser (``parse_scheme(name, group, top_format)``) and what its
+    checkpoints store (for the message refusing a checkpoint not stored compressed).
+    """
+
+    method = "compressed-tensors"
+    stores: ClassVar[str]
+
+    @staticmethod
+    @abc.abstractmethod
+    def parse_scheme(name: str, group: Any, top_format: Any) -> Any:
+        """The scheme of config group ``name`` (``top_format``: the config's own ``format``)."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        name = type(self).__name__
+        if not isinstance(config, Mapping):
+            raise ConfigurationError(f"expected a quantization_config dict, got {type(config).__name__}.")
+        if config.get("quant_method") != self.method:
+            raise ConfigurationError(
+                f"quantization_config.quant_method={bounded_repr(config.get('quant_method'))}; "
+                f"{name} reads {self.method!r} configs."
+            )
+        status = config.get("quantization_status", "compressed")
+        if status != "compressed":
+            raise ConfigurationError(
+                f"quantization_config.quantization_status={bounded_repr(status)}; only 'compressed' checkpoints "
+                f"store {self.stores}."
+            )
+        groups = config.get("config_groups")
+        if not isinstance(groups, Mapping) or not groups:
+            raise ConfigurationError(
+                f"quantization_config.config_groups={bounded_repr(groups)}; give at least one group."
+            )
+        self.schemes = {str(n): self.parse_scheme(str(n), g, config.get("format")) for n, g in groups.items()}
+        ignore = config.get("ignore") or []
+        if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
+            raise ConfigurationError(
+                f"quantization_config.ignore={bounded_repr(ignore)}; give a list of strings."
+            )
+        self.ignore = tuple(ignore)
+        self.config = copy.deepcopy(dict(config))
+        self.classes: dict[str, tuple[str, ...]] = {}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Any:
+        """Build from a ``quantization_config`` dict (or a whole ``config.json`` dict holding one)."""
+        inner = config.get("quantization_config") if isinstance(config, Mapping) else None
+        return cls(inner if isinstance(inner, Mapping) and "quant_method" not in config else config)
+
+    def __repr__(self) -> str:
+        formats = tuple(sorted({s.format for s in self.schemes.values()}))
+        return f"{type(self).__name__}(formats={formats})"
+
+    def quantization_config(self) -> dict[str, Any]:
+        """The source ``quantization_config``, unchanged: an ``as_loaded`` save writes the same tensors."""
+        return copy.deepcopy(self.config)
+
+    def prepare(self, model: nn.Module) -> None:
+        """Note each module's class names, for config groups that target classes (``"Linear"``).
+
+        The names of its base classes count too: an FSDP2-wrapped ``Linear`` is an ``FSDPLinear``.
+        """
+        self.classes = {
+            path: tuple(c.__name__ for c in type(m).__mro__ if issubclass(c, nn.Module))
+            for path, m in model.named_modules()
+        }
+
+    def scheme_of(self, module: str) -> Any:
+        """The scheme of the module at path ``module`` (``None``: ignored, or no group targets it).
+
+        A path the model does not have (the load renames or fuses it: ``gate_proj`` into
+        ``gate_up_proj``) has no class to match: the groups that target classes decide, when they
+        all quantize the same way.
+
+        Raises:
+            ConversionError: such a path, and class-targeting groups that quantize differently.
+        """
+        classes = self.classes.get(module)
+        if any(target_matches(p, module, classes or ()) for p in self.ignore):
+            return None
+        for scheme in self.schemes.values():
+            if any(target_matches(t, module, classes or ()) for t in scheme.targets):
+                return scheme
+        if classes is not None:
+            return None
+        by_class = {
+            dataclasses.replace(s, targets=()): s
+            for s in self.schemes.values()
+            if any(not t.startswith("re:") for t in s.targets)
+        }
+        if len(by_class) > 1:
+            raise ConversionError(
+                f"{module!r} is not a module of the model (the load renames or fuses it), and the config groups "
+                f"that target module classes ({', '.join(sorted(self.schemes))}) quantize differently: which one "
+                "stored it cannot be told. Load into a model that has the checkpoint's module paths."
+            )
+        return next(iter(by_class.values()), None)
