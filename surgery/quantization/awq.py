@@ -32,8 +32,8 @@ from ..checkpoint import StoredTensor
 from ..errors import ConfigurationError, ConversionError
 from ..parallel.regions import Region
 from ..transforms import WeightRenaming, WeightTransform
-from .gptq import interval_index, pack_words, packed_region, unpack_words
-from .protocol import bounded_repr, first_bad_scale
+from .gptq import QWeightHooks, interval_index, pack_words, packed_region, unpack_words
+from .protocol import bounded_repr
 
 __all__ = ["AWQ_ORDER", "AWQ_REVERSE_ORDER", "AWQQuantizer", "awq_dequantize", "awq_quantize"]
 
@@ -68,7 +68,7 @@ def awq_quantize(
     return pack_words(q.clamp_(0, 15).to(torch.int32), bits=4, dim=1, order=AWQ_REVERSE_ORDER)
 
 
-class AWQQuantizer:
+class AWQQuantizer(QWeightHooks):
     """Decode AWQ GEMM checkpoints; re-encode them with the recorded zeros and scales on save.
 
     :meth:`from_config` keeps the ``quantization_config`` exactly as read, so a save writes it
@@ -86,6 +86,8 @@ class AWQQuantizer:
 
     method = "awq"
     loads_in_transformers = True
+    companion_names = _COMPANIONS
+    format_name = "AWQ"
     """The config is written back as read: transformers reads the copy as it read the source."""
 
     def __init__(self, *, group_size: int = 128, config: Mapping[str, Any] | None = None) -> None:
@@ -125,42 +127,6 @@ class AWQQuantizer:
 
     def __repr__(self) -> str:
         return f"AWQQuantizer(group_size={self.group_size})"
-
-    def quantization_config(self) -> dict[str, Any]:
-        """The ``quantization_config`` as read (or as built): a save writes it back unchanged."""
-        return dict(self._config)
-
-    # ------------------------------------------------------------------ hooks
-    def dequantized_name(self, key: str) -> str:
-        """A dequantized save writes the floats of ``X.qweight`` as ``X.weight``."""
-        return key.removesuffix("qweight") + "weight" if key.rpartition(".")[2] == "qweight" else key
-
-    def companions(self, key: str, info: StoredTensor) -> tuple[str, ...]:
-        prefix, _, name = key.rpartition(".")
-        if name != "qweight":
-            return ()
-        return tuple(f"{prefix}.{c}" if prefix else c for c in _COMPANIONS)
-
-    def companion_of(self, key: str) -> str | None:
-        prefix, _, name = key.rpartition(".")
-        return (f"{prefix}.qweight" if prefix else "qweight") if name in _COMPANIONS else None
-
-    def checks(self, key: str, info: StoredTensor) -> bool:
-        return key.rpartition(".")[2] == "scales"
-
-    def check(self, key: str, tensor: torch.Tensor) -> None:
-        """Scales are floats, finite and not negative.
-
-        Raises:
-            ConversionError: naming ``key``, the first bad scale and its value.
-        """
-        if not tensor.is_floating_point():
-            raise ConversionError(f"{key!r} is {tensor.dtype}; AWQ scales are floats (float16 as written).")
-        bad = first_bad_scale(tensor, zero_allowed=True, limit=torch.finfo(torch.float32).max)
-        if bad is not None:
-            raise ConversionError(
-                f"{key!r}: the scale at {bad[0]} is {bad[1]}; AWQ scales are finite and >= 0."
-            )
 
     def _parts(self, key: str, companions: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         prefix = key.rpartition(".")[0]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -42,6 +42,7 @@ from .protocol import bounded_repr, first_bad_scale
 __all__ = [
     "GPTQ_BITS",
     "GPTQQuantizer",
+    "QWeightHooks",
     "gptq_dequantize",
     "gptq_quantize",
     "interval_index",
@@ -178,7 +179,57 @@ def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-class GPTQQuantizer:
+class QWeightHooks:
+    """The hooks GPTQ and AWQ share: ``X.qweight`` stored with its companions (``companion_names``)
+    next to it, scales checked for values a file controls, the config written back as read.
+
+    A subclass sets ``companion_names``, ``format_name`` (for messages) and ``_config``.
+    """
+
+    companion_names: ClassVar[tuple[str, ...]]
+    format_name: ClassVar[str]
+    _config: dict[str, Any]
+
+    def quantization_config(self) -> dict[str, Any]:
+        """The ``quantization_config`` as read (or as built): a save writes it back unchanged."""
+        return dict(self._config)
+
+    def dequantized_name(self, key: str) -> str:
+        """A dequantized save writes the floats of ``X.qweight`` as ``X.weight``."""
+        return key.removesuffix("qweight") + "weight" if key.rpartition(".")[2] == "qweight" else key
+
+    def companions(self, key: str, info: StoredTensor) -> tuple[str, ...]:
+        prefix, _, name = key.rpartition(".")
+        if name != "qweight":
+            return ()
+        return tuple(f"{prefix}.{c}" if prefix else c for c in self.companion_names)
+
+    def companion_of(self, key: str) -> str | None:
+        prefix, _, name = key.rpartition(".")
+        return (f"{prefix}.qweight" if prefix else "qweight") if name in self.companion_names else None
+
+    def checks(self, key: str, info: StoredTensor) -> bool:
+        return key.rpartition(".")[2] == "scales"
+
+    def check(self, key: str, tensor: torch.Tensor) -> None:
+        """Scales are floats, finite and not negative.
+
+        Raises:
+            ConversionError: naming ``key``, the first bad scale and its value.
+        """
+        what = self.format_name
+        if not tensor.is_floating_point():
+            raise ConversionError(
+                f"{key!r} is {tensor.dtype}; {what} scales are floats (float16 as written)."
+            )
+        bad = first_bad_scale(tensor, zero_allowed=True, limit=torch.finfo(torch.float32).max)
+        if bad is not None:
+            raise ConversionError(
+                f"{key!r}: the scale at {bad[0]} is {bad[1]}; {what} scales are finite and >= 0."
+            )
+
+
+class GPTQQuantizer(QWeightHooks):
     """Decode GPTQ checkpoints; re-encode them with the recorded zeros and scales on save.
 
     Build it with :meth:`from_config` from the checkpoint's ``quantization_config``, which it keeps
@@ -200,6 +251,8 @@ class GPTQQuantizer:
 
     method = "gptq"
     loads_in_transformers = True
+    companion_names = _COMPANIONS
+    format_name = "GPTQ"
     """The config is written back as read: transformers reads the copy as it read the source."""
 
     def __init__(
@@ -256,42 +309,6 @@ class GPTQQuantizer:
         return (
             f"GPTQQuantizer(bits={self.bits}, group_size={self.group_size}, zero_offset={self.zero_offset})"
         )
-
-    def quantization_config(self) -> dict[str, Any]:
-        """The ``quantization_config`` as read (or as built): a save writes it back unchanged."""
-        return dict(self._config)
-
-    # ------------------------------------------------------------------ hooks
-    def dequantized_name(self, key: str) -> str:
-        """A dequantized save writes the floats of ``X.qweight`` as ``X.weight``."""
-        return key.removesuffix("qweight") + "weight" if key.rpartition(".")[2] == "qweight" else key
-
-    def companions(self, key: str, info: StoredTensor) -> tuple[str, ...]:
-        prefix, _, name = key.rpartition(".")
-        if name != "qweight":
-            return ()
-        return tuple(f"{prefix}.{c}" if prefix else c for c in _COMPANIONS)
-
-    def companion_of(self, key: str) -> str | None:
-        prefix, _, name = key.rpartition(".")
-        return (f"{prefix}.qweight" if prefix else "qweight") if name in _COMPANIONS else None
-
-    def checks(self, key: str, info: StoredTensor) -> bool:
-        return key.rpartition(".")[2] == "scales"
-
-    def check(self, key: str, tensor: torch.Tensor) -> None:
-        """Scales are floats, finite and not negative.
-
-        Raises:
-            ConversionError: naming ``key``, the first bad scale and its value.
-        """
-        if not tensor.is_floating_point():
-            raise ConversionError(f"{key!r} is {tensor.dtype}; GPTQ scales are floats (float16 as written).")
-        bad = first_bad_scale(tensor, zero_allowed=True, limit=torch.finfo(torch.float32).max)
-        if bad is not None:
-            raise ConversionError(
-                f"{key!r}: the scale at {bad[0]} is {bad[1]}; GPTQ scales are finite and >= 0."
-            )
 
     def _parts(self, key: str, companions: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         prefix = key.rpartition(".")[0]
