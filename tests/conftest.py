@@ -101,3 +101,31 @@ def fresh_python() -> Iterator[FreshPython]:
     yield run
     zygote.stdin.close()
     zygote.wait(timeout=60)
+
+
+# The interop modules whose scenarios join the one 4-rank spawn, and the suite each belongs to.
+MESH4_INTEROP = {"test_nd_loading_interop.py": "nd", "test_fsdp_loading_interop.py": "fsdp"}
+
+
+@pytest.fixture(scope="session")
+def mesh4_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Every 4-rank n-D scenario (``tests/mesh_scenarios.py``) run in one spawn for the session:
+    each rank's facts by suite (``"nd"``, ``"fsdp"``, and ``"nd-interop"`` / ``"fsdp-interop"``
+    with the ``FAMILIES`` of those interop modules when they are collected and transformers is
+    installed)."""
+    import importlib.util
+    import sys
+
+    families: dict[str, tuple[str, ...]] = {}
+    if importlib.util.find_spec("transformers") is not None:
+        for item in request.session.items:
+            suite = MESH4_INTEROP.get(item.path.name)
+            if suite is not None:
+                families[suite] = tuple(item.module.FAMILIES)
+    here = str(Path(__file__).resolve().parent)
+    sys.path.insert(0, here)
+    try:
+        import mesh_scenarios
+    finally:
+        sys.path.remove(here)
+    return mesh_scenarios.spawn(tmp_path_factory.mktemp("mesh4"), families)

@@ -1,6 +1,6 @@
 """``load_checkpoint(..., device_mesh=mesh, tp_plan=..., fsdp=...)`` on 4 gloo ranks.
 
-:func:`run` is the body each rank executes (spawned by ``tests/test_fsdp_loading.py``). For each
+:func:`scenarios` lists what each rank executes (the one 4-rank spawn of ``tests/mesh_scenarios.py``). For each
 mesh and example model it builds the model on meta twice: once parallelized by hand the
 torchtitan way (``nd_scenarios.torchtitan_parallelize``: ``parallelize_module`` on ``mesh["tp"]``,
 ``fully_shard`` per layer and at the root), once left to the convenient path. It records whether
@@ -18,19 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from distsave_scenarios import run_scenarios
 from nd_scenarios import (
     MESHES,
     MODELS,
     _logits,
     _torch_flow,
     torchtitan_parallelize,
-    write_inputs,
 )
 from torch import nn
 
 import surgery
-from surgery.checkpoint import write_checkpoint
 from surgery.examples import dense
 from surgery.parallel.fsdp import FSDPOptions
 
@@ -221,7 +218,7 @@ CASES = (
 )
 
 
-def _scenarios(work: Path, _mesh: Any, families: tuple[str, ...] = ()) -> dict[str, Any]:
+def scenarios(work: Path, _mesh: Any, families: tuple[str, ...] = ()) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     meshes = {
@@ -239,31 +236,3 @@ def _scenarios(work: Path, _mesh: Any, families: tuple[str, ...] = ()) -> dict[s
     out["recipe"] = functools.partial(_guarded, _recipe, work)
     out["moe_step"] = functools.partial(_guarded, _moe_step, work)
     return out
-
-
-def spawn(work: Path, families: tuple[str, ...] = (), *, deadline_s: float = 600) -> list[dict[str, Any]]:
-    """Write the inputs, run every scenario on ``WORLD`` spawned ranks, return each rank's facts."""
-    import json
-    import time
-
-    import torch.multiprocessing as mp
-
-    write_inputs(work, families)
-    write_checkpoint({f"layers.{i}.weight": torch.ones(8, 4) for i in range(2)}, work / "blocks")
-    context = mp.spawn(run, args=(WORLD, str(work), families), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + deadline_s
-    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            raise TimeoutError(f"the ranks did not finish within {deadline_s} s")
-    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    for f in facts:
-        if "crash" in f:
-            raise AssertionError(f["crash"])
-    return facts
-
-
-def run(rank: int, world: int, workdir: str, families: tuple[str, ...] = ()) -> None:
-    """One rank: the example scenarios, or with ``families`` the transformers ones."""
-    run_scenarios(rank, world, workdir, functools.partial(_scenarios, families=families), barrier=True)

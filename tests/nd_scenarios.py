@@ -1,6 +1,6 @@
 """Loads into models parallelized on n-D device meshes, run by every rank of a 4-process gloo group.
 
-:func:`run` is the body each rank executes (spawned by ``tests/test_nd_loading.py``). Each mesh
+:func:`scenarios` lists what each rank executes (the one 4-rank spawn of ``tests/mesh_scenarios.py``). Each mesh
 (``dp_shard=2 x tp=2``, ``tp=4``, ``dp_shard=4``, ``dp_replicate=2 x dp_shard=2``) is built once;
 for each example model the scenario builds it on meta, parallelizes it the torchtitan way
 (``parallelize_module`` on ``mesh["tp"]``, then ``fully_shard`` per decoder layer and at the root
@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from distsave_scenarios import run_scenarios
 from fp8_reference import quantize_state
 from torch import nn
 
@@ -451,7 +450,7 @@ def _box_with_a_cover(work: Path, mesh: Any) -> dict[str, Any]:
     }
 
 
-def _scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, Any]:
+def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     out: dict[str, Any] = {}
@@ -482,30 +481,3 @@ def _guarded(fn: Any, *args: Any) -> Any:
         return fn(*args)
     except Exception:
         return {"error": traceback.format_exc()}
-
-
-def spawn(work: Path, families: tuple[str, ...] = (), *, deadline_s: float = 600) -> list[dict[str, Any]]:
-    """Write the inputs, run every scenario on ``WORLD`` spawned ranks, return each rank's facts."""
-    import json
-    import time
-
-    import torch.multiprocessing as mp
-
-    write_inputs(work, families)
-    context = mp.spawn(run, args=(WORLD, str(work), families), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + deadline_s
-    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            raise TimeoutError(f"the ranks did not finish within {deadline_s} s")
-    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    for f in facts:
-        if "crash" in f:
-            raise AssertionError(f["crash"])
-    return facts
-
-
-def run(rank: int, world: int, workdir: str, families: tuple[str, ...] = ()) -> None:
-    """One rank: the example scenarios, or with ``families`` the transformers ones."""
-    run_scenarios(rank, world, workdir, functools.partial(_scenarios, families=families), barrier=True)

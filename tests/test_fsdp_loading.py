@@ -1,13 +1,12 @@
 """The convenient path: ``load_checkpoint(model, ckpt, device_mesh=mesh, tp_plan="auto", fsdp=True)``.
 
 TP on ``mesh["tp"]``, then FSDP2's ``fully_shard`` per decoder layer and at the root on the
-data-parallel dims, validated before anything changes, then the n-D load. One spawn of 4 gloo
+data-parallel dims, validated before anything changes, then the n-D load. The session's one 4-rank spawn
 ranks runs every scenario of ``tests/fsdp_scenarios.py``; the rest runs in this process.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -49,13 +48,8 @@ def test_fsdp_options_are_true_or_the_options_object_and_anything_else_is_refuse
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    sys.path.insert(0, str(HERE))
-    try:
-        import fsdp_scenarios
-    finally:
-        sys.path.remove(str(HERE))
-    return fsdp_scenarios.spawn(tmp_path_factory.mktemp("fsdp"))
+def ranks(mesh4_ranks) -> list[dict]:
+    return [r["fsdp"] for r in mesh4_ranks]
 
 
 def _facts(ranks: list[dict], case: str) -> list[dict]:

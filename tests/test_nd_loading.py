@@ -1,6 +1,6 @@
 """Loading into models parallelized on n-D device meshes, the torchtitan way, on 4 gloo ranks (CPU).
 
-One ``torch.multiprocessing.spawn`` of 4 ranks runs every scenario of ``tests/nd_scenarios.py``:
+The session's one 4-rank spawn (``tests/mesh_scenarios.py``) runs every scenario of ``tests/nd_scenarios.py``:
 meshes ``dp_shard=2 x tp=2``, ``tp=4``, ``dp_shard=4`` and ``dp_replicate=2 x dp_shard=2`` (HSDP),
 the dense and Mixtral-style examples built on meta, ``parallelize_module`` on ``mesh["tp"]`` then
 ``fully_shard`` per decoder layer and at the root, then ``load_checkpoint`` with no ``tp_plan``.
@@ -16,7 +16,6 @@ processes against torch's own split functions over random shapes, meshes and pla
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -134,13 +133,8 @@ def test_a_tensor_cut_on_two_dims_is_a_box_and_a_mismatched_mesh_is_refused():
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    sys.path.insert(0, str(HERE))
-    try:
-        import nd_scenarios
-    finally:
-        sys.path.remove(str(HERE))
-    return nd_scenarios.spawn(tmp_path_factory.mktemp("ndload"))
+def ranks(mesh4_ranks) -> list[dict]:
+    return [r["nd"] for r in mesh4_ranks]
 
 
 def _facts(ranks: list[dict], case: str) -> list[dict]:

@@ -1,7 +1,7 @@
 """The convenient path on transformers models: ``load_checkpoint(..., device_mesh=mesh,
 tp_plan="auto", fsdp=True)`` on (dp_shard=2, tp=2) finds their decoder layers through
 ``_no_split_modules``, shards as ``parallelize_module`` + ``fully_shard`` by hand, holds torch's
-own shards and matches the single-process logits (one spawn; ``tests/fsdp_scenarios.py``). The
+own shards and matches the single-process logits (the session's one 4-rank spawn, ``tests/mesh_scenarios.py``; scenarios in ``tests/fsdp_scenarios.py``). The
 plan is ``tp_plan="auto"``: the model's own plan in transformers' style names, translated
 (:mod:`surgery.parallel.hf_plan`), laid out as the hand-written plan of ``tests/nd_scenarios.py``
 is by hand.
@@ -9,7 +9,6 @@ is by hand.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,14 +20,9 @@ FAMILIES = ("llama", "mixtral")
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+def ranks(mesh4_ranks) -> list[dict]:
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(TESTS))
-    try:
-        import fsdp_scenarios
-    finally:
-        sys.path.remove(str(TESTS))
-    return fsdp_scenarios.spawn(tmp_path_factory.mktemp("fsdp-interop"), FAMILIES)
+    return [r["fsdp-interop"] for r in mesh4_ranks]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -3,12 +3,11 @@
 with a hand-written tp plan, and loaded from their own ``save_pretrained`` checkpoints with no
 ``tp_plan``: every local tensor is what torch's own flow holds, the logits match the
 single-process model's, each rank reads only its shards, nothing is gathered during the load,
-and DCP's ``HuggingFaceStorageReader`` reads the same slices (one spawn; ``tests/nd_scenarios.py``).
+and DCP's ``HuggingFaceStorageReader`` reads the same slices (the session's one 4-rank spawn, ``tests/mesh_scenarios.py``; scenarios in ``tests/nd_scenarios.py``).
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,14 +19,9 @@ FAMILIES = ("llama", "mixtral", "qwen2_moe")
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+def ranks(mesh4_ranks) -> list[dict]:
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(TESTS))
-    try:
-        import nd_scenarios
-    finally:
-        sys.path.remove(str(TESTS))
-    return nd_scenarios.spawn(tmp_path_factory.mktemp("ndload-interop"), FAMILIES)
+    return [r["nd-interop"] for r in mesh4_ranks]
 
 
 def _facts(ranks: list[dict], case: str) -> list[dict]:
