@@ -129,3 +129,29 @@ def mesh4_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     finally:
         sys.path.remove(here)
     return mesh_scenarios.spawn(tmp_path_factory.mktemp("mesh4"), families)
+
+
+@pytest.fixture(scope="session")
+def tp2_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Every 2-rank scenario the collected modules ask for, run in one spawn for the session
+    (``tests/tp2_scenarios.py``): a module asks with ``TP2 = (suite, scenario names)``; an
+    interop module's suite runs where transformers is installed. Each rank's facts by suite."""
+    import importlib.util
+    import sys
+
+    has_transformers = importlib.util.find_spec("transformers") is not None
+    suites: dict[str, list[str]] = {}
+    for item in request.session.items:
+        declared = getattr(getattr(item, "module", None), "TP2", None)
+        if declared is None or (item.get_closest_marker("interop") and not has_transformers):
+            continue
+        suite, names = declared
+        wanted = suites.setdefault(suite, [])
+        wanted.extend(n for n in names if n not in wanted)
+    here = str(Path(__file__).resolve().parent)
+    sys.path.insert(0, here)
+    try:
+        import tp2_scenarios
+    finally:
+        sys.path.remove(here)
+    return tp2_scenarios.spawn(tmp_path_factory.mktemp("tp2"), suites)

@@ -3,8 +3,8 @@
 :func:`write_mxfp4` writes the gpt-oss fixture (a tiny ``GptOssForCausalLM`` whose experts are
 stored as gpt-oss ships them: ``*_blocks``/``*_scales``), shared with
 ``tests/test_quantization_mxfp4.py``; :func:`write_inputs` writes it and the compressed-tensors
-NVFP4 and MXFP4 checkpoints (``tests/ct_fp4_reference.py``). :func:`run` is the body each rank
-executes: the gpt-oss scenarios parallelize the experts of a fresh model with ``distribute_tensor``
+NVFP4 and MXFP4 checkpoints (``tests/ct_fp4_reference.py``). :func:`scenarios` lists what each rank
+executes (in the session's one 2-rank spawn, ``tests/tp2_scenarios.py``): the gpt-oss scenarios parallelize the experts of a fresh model with ``distribute_tensor``
 (expert parallel: ``Shard(0)``; tensor parallel: the model's last dims), the compressed-tensors
 ones load with a ``tp_plan`` (``colwise``: rows; ``rowwise``: columns, in whole groups); each
 records what the rank read, what its local shards hold and whether the parallel save wrote the
@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from ct_fp4_reference import SHAPES, reference_weights, write_fp4
 from ct_reference import Net
-from distsave_scenarios import run_scenarios
 from torch import nn
 from transformers import GptOssConfig, GptOssForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -213,7 +212,7 @@ def _ct_scenario(work: Path, rank: int, mesh: Any, preset: str, plan_name: str) 
     return facts
 
 
-def _scenarios(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
+def scenarios(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
     out: dict[str, Any] = {name: (lambda n=name: _scenario(work, rank, mesh, n)) for name in LAYOUTS}
     for preset in SHAPES:
         for plan_name in CT_PLANS:
@@ -221,7 +220,3 @@ def _scenarios(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
                 work, rank, mesh, p, n
             )
     return out
-
-
-def run(rank: int, world: int, workdir: str) -> None:
-    run_scenarios(rank, world, workdir, lambda work, mesh: _scenarios(work, rank, mesh), barrier=True)

@@ -1,7 +1,7 @@
 """``tp_plan="auto"`` on transformers models as they come, TP=2 on 2 gloo ranks.
 
-:func:`run` is the body each rank executes (spawned by
-``tests/interop/test_hf_tp_plans_interop.py``). For each family it loads the model's own
+:func:`scenarios` lists what each rank executes (in the session's one 2-rank spawn,
+``tests/tp2_scenarios.py``, for ``tests/interop/test_hf_tp_plans_interop.py``). For each family it loads the model's own
 checkpoint (written by ``save_pretrained``) once in a single process and once with
 ``device_mesh`` and ``tp_plan="auto"``, and records the parameters whose local tensors differ
 from torch's own split of the single-process tensor by the same placements, the logits'
@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from distsave_scenarios import run_scenarios
 from torch import nn
 
 import surgery
@@ -105,32 +104,5 @@ def _guarded(fn: Any, *args: Any) -> Any:
         return {"error": traceback.format_exc()}
 
 
-def _scenarios(work: Path, mesh: Any) -> dict[str, Any]:
+def scenarios(work: Path, mesh: Any) -> dict[str, Any]:
     return {f: functools.partial(_guarded, _family, work, mesh, f) for f in FAMILIES}
-
-
-def spawn(work: Path, *, deadline_s: float = 600) -> list[dict[str, Any]]:
-    """Write the checkpoints, run every family on ``WORLD`` spawned ranks, return each rank's facts."""
-    import json
-    import time
-
-    import torch.multiprocessing as mp
-
-    write_inputs(work)
-    context = mp.spawn(run, args=(WORLD, str(work)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + deadline_s
-    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            raise TimeoutError(f"the ranks did not finish within {deadline_s} s")
-    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    for f in facts:
-        if "crash" in f:
-            raise AssertionError(f["crash"])
-    return facts
-
-
-def run(rank: int, world: int, workdir: str) -> None:
-    """One rank: every family's scenario in turn."""
-    run_scenarios(rank, world, workdir, _scenarios, barrier=True)

@@ -9,43 +9,25 @@ interop marker (``tests/interop/test_parallel_fusion_interop.py``).
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from surgery.parallel import local_split_sizes
 
-HERE = Path(__file__).parent
-
-
-def spawn_fusion_scenarios(work: Path, scenarios: list[str]) -> list[dict[str, dict]]:
-    """Run ``scenarios`` on 2 gloo ranks; per rank, the facts of each scenario by name."""
-    import torch.multiprocessing as mp
-
-    sys.path.insert(0, str(HERE))
-    try:
-        import tp_fusion_scenarios
-    finally:
-        sys.path.remove(str(HERE))
-    tp_fusion_scenarios.write_checkpoints(work, scenarios)
-    mp.spawn(tp_fusion_scenarios.run, args=(2, str(work), scenarios), nprocs=2, join=True)
-    ranks = [{s: json.loads((work / f"{s}-rank{r}.json").read_text()) for s in scenarios} for r in range(2)]
-    for facts in ranks:
-        for name, f in facts.items():
-            assert "crash" not in f, f"{name}: {f['crash']}"
-    return ranks
-
-
 SCENARIOS = ["decoder_gate_up", "decoder_qkv_gate_up"]
 ALL = ["split_sizes", *SCENARIOS]
 
 
+TP2 = ("fusion", ALL)  # this module's scenarios in the session's one 2-rank spawn (tests/tp2_scenarios.py)
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
-    return spawn_fusion_scenarios(tmp_path_factory.mktemp("tp-fusion"), ALL)
+def ranks(tp2_ranks: list[dict[str, dict]]) -> list[dict[str, dict]]:
+    ranks = [{s: r["fusion"][s] for s in ALL} for r in tp2_ranks]
+    for facts in ranks:
+        for name, f in facts.items():
+            assert "crash" not in f, f"{name}: {f['crash']}"
+    return ranks
 
 
 @pytest.mark.distributed

@@ -1,4 +1,4 @@
-"""FP4 checkpoints under expert and tensor parallelism: one spawn of 2 gloo ranks (``tests/fp4_scenarios.py``).
+"""FP4 checkpoints under expert and tensor parallelism: the session's one 2-rank spawn (``tests/tp2_scenarios.py``; scenarios in ``tests/fp4_scenarios.py``).
 
 Each rank reads only its share of the packed codes (and the scales, which are small, whole),
 decodes exactly its slice of the reference decode (transformers' for gpt-oss MXFP4,
@@ -8,9 +8,7 @@ a split inside a block or group fails on every rank naming the key, the dim and 
 
 from __future__ import annotations
 
-import json
 import re
-import time
 
 import pytest
 
@@ -23,27 +21,12 @@ pytestmark = pytest.mark.distributed
 
 # --------------------------------------------------------------------------- gpt-oss MXFP4 experts
 
-SPAWN_DEADLINE_S = 600
+TP2 = ("fp4", ())  # every scenario, in the session's one 2-rank spawn (tests/tp2_scenarios.py)
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    import fp4_scenarios
-    import torch.multiprocessing as mp
-
-    work = tmp_path_factory.mktemp("fp4-parallel")
-    fp4_scenarios.write_inputs(work)
-    context = mp.spawn(fp4_scenarios.run, args=(2, str(work)), nprocs=2, join=False)
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {SPAWN_DEADLINE_S} s")
-    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(2)]
-    for f in facts:
-        assert "crash" not in f, f["crash"]
-    return facts
+def ranks(tp2_ranks: list[dict[str, dict]]) -> list[dict]:
+    return [r["fp4"] for r in tp2_ranks]
 
 
 @pytest.mark.parametrize("layout", ["ep", "tp"])

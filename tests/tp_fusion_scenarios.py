@@ -1,8 +1,9 @@
 """Fusions under tensor parallelism, run by every rank of a real 2-process gloo group.
 
-:func:`run` is the body each rank executes (spawned by ``tests/test_parallel_fusion.py``, and by
-``tests/interop/test_parallel_fusion_interop.py`` for transformers' Llama); it records facts per
-rank in ``<workdir>/<scenario>-rank<r>.json`` and the tests assert on them. The checkpoints are
+:data:`SCENARIOS` are what each rank executes (in the session's one 2-rank spawn,
+``tests/tp2_scenarios.py``, for ``tests/test_parallel_fusion.py``, and for
+``tests/interop/test_parallel_fusion_interop.py`` transformers' Llama); each returns the rank's
+facts and the tests assert on them. The checkpoints are
 written by the test process beforehand (:func:`write_checkpoints`), in the unfused layout.
 
 A fused ``gate_up_proj`` (or ``qkv_proj``) splits its output by its parts' widths; under
@@ -13,10 +14,6 @@ the local sizes (issue 25: it took the global ones and the first forward raised
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -203,24 +200,3 @@ SCENARIOS: dict[str, Callable[[Path, int, Any], dict[str, Any]]] = {
     "decoder_qkv_gate_up": decoder_qkv_gate_up,
     "llama": llama,
 }
-
-
-def run(rank: int, world: int, workdir: str, scenarios: list[str]) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    work = Path(workdir)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-    for name in scenarios:
-        try:
-            facts = SCENARIOS[name](work, rank, mesh)
-        except Exception:
-            facts = {"crash": traceback.format_exc()}
-        (work / f"{name}-rank{rank}.json").write_text(json.dumps(facts, default=str))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no interpreter teardown with a live gloo group: see tests/distsave_scenarios.py

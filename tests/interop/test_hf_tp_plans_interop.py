@@ -1,12 +1,11 @@
 """``tp_plan="auto"`` on transformers models as they come: their own plan vocabulary is
 translated (:mod:`surgery.parallel.hf_plan`), no hand-written plan. Every name of the installed
-release's registry maps or is refused by name; six families load exactly at TP=2 (one spawn,
+release's registry maps or is refused by name; six families load exactly at TP=2 (the session's one 2-rank spawn,
 ``tests/hfplan_scenarios.py``), with the single-process logits and ``generate()`` tokens.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -51,15 +50,13 @@ def test_moe_tp_experts_folds_its_parameter_entries_into_the_experts_style():
         translate_hf_plan({**plan, "e.down_proj": "colwise"})
 
 
+TP2 = ("hfplan", ())  # every family, in the session's one 2-rank spawn (tests/tp2_scenarios.py)
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+def ranks(tp2_ranks: list[dict[str, dict]]) -> list[dict]:
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(TESTS))
-    try:
-        import hfplan_scenarios
-    finally:
-        sys.path.remove(str(TESTS))
-    return hfplan_scenarios.spawn(tmp_path_factory.mktemp("hf-tp-plans"))
+    return [r["hfplan"] for r in tp2_ranks]
 
 
 @pytest.mark.distributed

@@ -8,26 +8,20 @@ save writes back ``save_pretrained``'s file byte for byte.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.interop, pytest.mark.distributed]
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-try:
-    from test_parallel_fusion import spawn_fusion_scenarios
-finally:
-    sys.path.remove(str(Path(__file__).parents[1]))
+TP2 = ("fusion", ["llama"])  # in the session's one 2-rank spawn (tests/tp2_scenarios.py)
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return [
-        facts["llama"] for facts in spawn_fusion_scenarios(tmp_path_factory.mktemp("tp-llama"), ["llama"])
-    ]
+def llama(tp2_ranks: list[dict[str, dict]]) -> list[dict]:
+    out = [r["fusion"]["llama"] for r in tp2_ranks]
+    for f in out:
+        assert "crash" not in f, f["crash"]
+    return out
 
 
 def test_a_fused_sharded_llama_loads_every_parameter_equal_to_the_single_process_fused_load(llama):
