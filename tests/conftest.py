@@ -132,7 +132,13 @@ def mesh4_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 
 
 @pytest.fixture(scope="session")
-def tp2_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def tp2_work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The work folder of the one 2-rank spawn: each suite's inputs in ``<tp2_work>/<suite>``."""
+    return tmp_path_factory.mktemp("tp2")
+
+
+@pytest.fixture(scope="session")
+def tp2_ranks(request: pytest.FixtureRequest, tp2_work: Path) -> list[dict]:
     """Every 2-rank scenario the collected modules ask for, run in one spawn for the session
     (``tests/tp2_scenarios.py``): a module asks with ``TP2 = (suite, scenario names)``; an
     interop module's suite runs where transformers is installed. Each rank's facts by suite."""
@@ -154,4 +160,4 @@ def tp2_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         import tp2_scenarios
     finally:
         sys.path.remove(here)
-    return tp2_scenarios.spawn(tmp_path_factory.mktemp("tp2"), suites)
+    return tp2_scenarios.spawn(tp2_work, suites)

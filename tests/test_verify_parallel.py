@@ -1,7 +1,7 @@
 """``surgery verify`` from a tensor-parallel launch: each rank audits its share, all get one card.
 
-One spawn of 2 gloo ranks runs every scenario of ``tests/verify_tp_scenarios.py`` (a spawn costs
-seconds, so they share it); one ``torchrun`` launch covers ``surgery verify --tp 2`` with the
+The session's one 2-rank spawn (``tests/tp2_scenarios.py``) runs every scenario of
+``tests/verify_tp_scenarios.py`` (a spawn costs seconds, so they share it); one ``torchrun`` launch covers ``surgery verify --tp 2`` with the
 process group initialized from torchrun's environment. Specification: an exact round trip is
 identical on every rank, with the same card as an audit in one process; a perturbed tensor
 makes every rank exit 1 and the card name it; a failure on one rank is raised on every rank,
@@ -14,52 +14,28 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from verify_tp_scenarios import PERTURBED
 
 import surgery
 from surgery.examples import dense
 
 pytestmark = pytest.mark.distributed
 
-HERE = Path(__file__).parent
-SPAWN_DEADLINE_S = 600
-
-
-def _scenarios_module():
-    sys.path.insert(0, str(HERE))
-    try:
-        import verify_tp_scenarios
-    finally:
-        sys.path.remove(str(HERE))
-    return verify_tp_scenarios
+TP2 = ("verify", ())  # every scenario, in the session's one 2-rank spawn (tests/tp2_scenarios.py)
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    work = tmp_path_factory.mktemp("verify-tp")
-    _scenarios_module().write_inputs(work)
-    return work
+def ranks(tp2_ranks: list[dict[str, dict]]) -> list[dict]:
+    return [r["verify"] for r in tp2_ranks]
 
 
 @pytest.fixture(scope="module")
-def ranks(work: Path) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    scenarios = _scenarios_module()
-    context = mp.spawn(scenarios.run, args=(2, str(work)), nprocs=2, join=False)
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0)):  # True once every rank exited
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {SPAWN_DEADLINE_S} s")
-    facts = [json.loads((work / f"rank{r}.json").read_text()) for r in range(2)]
-    for f in facts:
-        assert "crash" not in f, f["crash"]
-    return facts
+def work(ranks: list[dict], tp2_work: Path) -> Path:
+    """The folder the spawn's verify scenarios read (``tests/verify_tp_scenarios.write_inputs``)."""
+    return tp2_work / "verify"
 
 
 def _verdicts(card: dict) -> dict:
@@ -94,12 +70,11 @@ def test_the_cli_under_tp_exits_0_on_every_rank_and_rank_0_prints_and_writes_the
 
 
 def test_a_perturbed_tensor_exits_1_on_every_rank_and_is_named(ranks: list[dict]) -> None:
-    scenarios = _scenarios_module()
     first, second = (r["cli_perturbed"] for r in ranks)
     assert first["rc"] == second["rc"] == 1
     lines = first["out"].splitlines()
     assert "DIFFERENT (1 changed, 20 identical)" in lines[0]
-    assert lines[1].startswith(f"  changed     {scenarios.PERTURBED}  float32")
+    assert lines[1].startswith(f"  changed     {PERTURBED}  float32")
 
 
 def test_a_failure_on_one_rank_is_raised_on_every_rank_naming_the_rank_and_the_cause(

@@ -1,11 +1,12 @@
 """Every 2-rank tensor-parallel scenario in one spawn: fusion (``tests/tp_fusion_scenarios.py``),
-FP4 (``tests/fp4_scenarios.py``) and ``tp_plan="auto"`` on transformers (``tests/hfplan_scenarios.py``).
+FP4 (``tests/fp4_scenarios.py``), ``tp_plan="auto"`` on transformers (``tests/hfplan_scenarios.py``)
+and ``surgery verify`` under TP (``tests/verify_tp_scenarios.py``).
 
 Starting 2 processes and importing torch and transformers in each costs seconds per spawn; the
-test modules that check these scenarios (``test_parallel_fusion``, ``test_quantization_fp4_parallel``,
+test modules that check these scenarios (``test_parallel_fusion``, ``test_quantization_fp4_parallel``, ``test_verify_parallel``,
 ``interop/test_parallel_fusion_interop``, ``interop/test_hf_tp_plans_interop``) read one session's
 facts instead (the ``tp2_ranks`` fixture in ``tests/conftest.py``), which asks only for the suites
-of the modules collected. Each suite runs in its own folder of the work folder; each rank's facts
+of the modules collected. Each suite runs in its own folder of the work folder (``<work>/<suite>``); each rank's facts
 come back split by suite, each the scenario names of its module.
 """
 
@@ -55,7 +56,13 @@ def _hfplan(work: Path, _rank: int, mesh: Any, _names: Sequence[str]) -> dict[st
     return hfplan_scenarios.scenarios(work, mesh)
 
 
-SUITES = {"fusion": _fusion, "fp4": _fp4, "hfplan": _hfplan}
+def _verify(work: Path, rank: int, mesh: Any, _names: Sequence[str]) -> dict[str, Any]:
+    import verify_tp_scenarios
+
+    return verify_tp_scenarios.scenarios(work, rank, mesh)
+
+
+SUITES = {"fusion": _fusion, "fp4": _fp4, "hfplan": _hfplan, "verify": _verify}
 
 
 def _write_inputs(work: Path, suite: str, names: Sequence[str]) -> None:
@@ -67,10 +74,14 @@ def _write_inputs(work: Path, suite: str, names: Sequence[str]) -> None:
         import fp4_scenarios
 
         fp4_scenarios.write_inputs(work)
-    else:
+    elif suite == "hfplan":
         import hfplan_scenarios
 
         hfplan_scenarios.write_inputs(work)
+    else:
+        import verify_tp_scenarios
+
+        verify_tp_scenarios.write_inputs(work)
 
 
 def _scenarios(work: Path, mesh: Any, rank: int, suites: Mapping[str, Sequence[str]]) -> dict[str, Any]:
@@ -90,11 +101,11 @@ def spawn(
     work: Path, suites: Mapping[str, Sequence[str]], *, deadline_s: float = 900
 ) -> list[dict[str, dict[str, Any]]]:
     """Write each suite's inputs, run its scenarios on ``WORLD`` spawned ranks, return each rank's
-    facts by suite. ``suites``: suite name (``fusion``, ``fp4``, ``hfplan``) to the scenario names
+    facts by suite. ``suites``: suite name (``fusion``, ``fp4``, ``hfplan``, ``verify``) to the scenario names
     it runs (only ``fusion`` picks among its scenarios; the others run all of theirs)."""
     import torch.multiprocessing as mp
 
-    suites = {s: list(n) for s, n in suites.items()}
+    suites = {s: list(suites[s]) for s in SUITES if s in suites}  # in SUITES' order
     for suite, names in suites.items():
         (work / suite).mkdir()
         _write_inputs(work / suite, suite, names)

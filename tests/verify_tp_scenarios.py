@@ -1,6 +1,6 @@
 """``surgery verify`` from a tensor-parallel launch, run by every rank of a real 2-process gloo group.
 
-:func:`run` is the body each rank executes (spawned by ``tests/test_verify_parallel.py``). Every
+:func:`scenarios` lists what each rank executes (the session's one 2-rank spawn, ``tests/tp2_scenarios.py``). Every
 scenario runs on both ranks, in order, in one process group whose timeout is
 :data:`distsave_scenarios.PG_TIMEOUT_S`, and records per rank what :func:`surgery.verify` (or the ``surgery verify``
 command, in the rank's own process) returned, printed or raised, in ``<workdir>/rank<r>.json``.
@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from distsave_scenarios import run_scenarios
 
 import surgery
 from surgery.checkpoint import open_checkpoint, write_checkpoint
@@ -97,8 +96,3 @@ def scenarios(work: Path, rank: int, mesh: Any) -> dict[str, Callable[[], dict[s
             )
         ),
     }
-
-
-def run(rank: int, world: int, workdir: str) -> None:
-    # the distributed-save runner; every rank waits for the others before the group goes
-    run_scenarios(rank, world, workdir, lambda work, mesh: scenarios(work, rank, mesh), barrier=True)
