@@ -111,39 +111,37 @@ def test_a_qwen2_vl_model_built_with_init_empty_loads_and_matches_from_pretraine
         assert torch.equal(model.eval()(input_ids=ids).logits, reference(input_ids=ids).logits)
 
 
-def test_convert_output_loads_in_transformers_and_equals(tmp_path: Path) -> None:
-    """`surgery convert` with a factory of the user's own: the output has its config and loads in transformers."""
-    import subprocess
+def test_convert_output_loads_in_transformers_and_equals(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`surgery convert` with a factory of the user's own: the output has its config and loads in transformers.
+
+    The command runs in this process (``surgery.cli.main``, from the factory's directory, as
+    ``python -m surgery`` would find it); ``tests/test_cli.py`` launches the entry point itself."""
     import sys
+
+    from surgery.cli import main
 
     config_cls, model_cls, extra = FAMILIES["mixtral"]
     torch.manual_seed(0)
     model_cls(config_cls(**COMMON, **extra)).save_pretrained(tmp_path / "src")
     reference = model_cls.from_pretrained(tmp_path / "src").eval()
-    (tmp_path / "factory.py").write_text(
+    (tmp_path / "mixtral_factory.py").write_text(
         "import json, surgery, transformers\n"
         "def build():\n"
         f"    cfg = transformers.MixtralConfig.from_pretrained({str(tmp_path / 'src')!r})\n"
         "    with surgery.init_empty():\n"
         "        return transformers.MixtralForCausalLM(cfg)\n"
     )
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "surgery",
-            "convert",
-            str(tmp_path / "src"),
-            str(tmp_path / "out"),
-            "--model",
-            "factory:build",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        code = main(
+            ["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--model", "mixtral_factory:build"]
+        )
+    finally:
+        sys.modules.pop("mixtral_factory", None)
+    assert code == 0
     assert (tmp_path / "out" / "config.json").is_file()
     again = model_cls.from_pretrained(tmp_path / "out").eval()
     ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
