@@ -423,9 +423,15 @@ def _tp_mesh(tp: int | None) -> Any:
                 f"--tp {tp} but {dist.get_world_size()} processes were launched: run `{launch}`."
             )
         yield init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (tp,))
-    finally:
-        if started:
+    except BaseException:
+        if started:  # no barrier: a rank that failed alone must not wait for the others
             dist.destroy_process_group()
+        raise
+    if started:
+        # Every rank is done before any tears down: a rank whose peer closed the connections
+        # under it while it still shut down its own gloo threads was seen aborting at exit.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _unmatched_fusions(args: argparse.Namespace, applied: dict[str, object] | None) -> None:

@@ -225,6 +225,12 @@ def scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Callable[
         facts["previous_size"] = sum(len(b) for b in before.values())
         return facts
 
+    def directory_cannot_be_created_on_rank_0() -> dict[str, Any]:
+        # /proc passes every check made before the save (it exists and, to root, is writable), then
+        # the kernel refuses the new directory in it: only rank 0 creates the directory, so only it fails.
+        target = Path("/proc") / "surgery-save"
+        return _attempt(lambda: surgery.save_checkpoint(model, target))
+
     def conversion_error_on_rank_1_only() -> dict[str, Any]:
         projections = _projections_tp(mesh)
         target = work / "projections"
@@ -308,6 +314,7 @@ def scenarios(work: Path, rank: int, mesh: Any) -> Iterator[tuple[str, Callable[
 
     yield from {
         "path_is_a_file": path_is_a_file,
+        "directory_cannot_be_created_on_rank_0": directory_cannot_be_created_on_rank_0,
         "path_under_a_file": path_under_a_file,
         "path_is_a_file_on_rank_1_only": path_is_a_file_on_rank_1_only,
         "bad_shard_size_on_rank_1_only": bad_shard_size_on_rank_1_only,

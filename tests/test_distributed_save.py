@@ -17,6 +17,7 @@ and no rank allocates more than its local shards plus one group (storages counte
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -133,6 +134,14 @@ def test_a_failing_write_on_rank_0_is_raised_on_every_rank_and_keeps_the_previou
     facts = ranks[0]["rank_0_write_fails"]
     assert facts["previous_size"] > 16 * 1024  # the limit cut the file in the middle
     assert all(r["rank_0_write_fails"]["previous_unchanged"] for r in ranks)
+
+
+@pytest.mark.skipif(
+    not os.access("/proc", os.W_OK), reason="needs a /proc this process may try to write into"
+)
+def test_a_directory_rank_0_cannot_create_fails_the_save_on_every_rank_without_a_hang(ranks):
+    message = _raised_alike(ranks, "directory_cannot_be_created_on_rank_0", "CheckpointError")
+    assert "failed on rank 0 of 2" in message and "Cannot create '/proc/surgery-save'" in message
 
 
 def test_a_conversion_error_on_rank_1_only_is_raised_on_every_rank_and_nothing_is_committed(ranks):

@@ -28,7 +28,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -47,8 +47,10 @@ __all__ = [
     "FilePlan",
     "check_write_arguments",
     "commit_files",
+    "create_directory",
     "parse_size",
     "plan_files",
+    "remove_directories",
     "stage_file",
     "staging",
     "write_checkpoint",
@@ -539,6 +541,27 @@ def plan_files(
     return FilePlan(target, directory, tuple(names), single_file, meta, tuple(tuple(s) for s in shards))
 
 
+def create_directory(plan: FilePlan) -> list[Path]:
+    """Create ``plan``'s directory; return the directories this created, innermost first.
+
+    Raises:
+        CheckpointError: the directory cannot be created.
+    """
+    created = [d for d in (plan.directory, *plan.directory.parents) if not d.exists()]
+    try:
+        plan.directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"Cannot create '{plan.directory}': {exc.strerror or exc}.") from None
+    return created
+
+
+def remove_directories(created: Sequence[Path]) -> None:
+    """Remove the directories :func:`create_directory` created, innermost first, each only while empty."""
+    for directory in created:
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+
+
 @contextlib.contextmanager
 def staging(plan: FilePlan, *, create: bool = True) -> Iterator[list[tuple[Path, str]]]:
     """Create the directory (``create``), and on any failure remove every staged file listed and the
@@ -546,12 +569,7 @@ def staging(plan: FilePlan, *, create: bool = True) -> Iterator[list[tuple[Path,
 
     Yields the list the caller appends each ``(temporary file, name)`` it stages to.
     """
-    new_directories = [d for d in (plan.directory, *plan.directory.parents) if not d.exists()]
-    if create:
-        try:
-            plan.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointError(f"Cannot create '{plan.directory}': {exc.strerror or exc}.") from None
+    created = create_directory(plan) if create else []
     staged: list[tuple[Path, str]] = []
     try:
         yield staged
@@ -559,9 +577,7 @@ def staging(plan: FilePlan, *, create: bool = True) -> Iterator[list[tuple[Path,
         for temp, _ in staged:
             with contextlib.suppress(OSError):
                 temp.unlink()
-        for created in new_directories if create else ():  # innermost first; only while empty
-            with contextlib.suppress(OSError):
-                created.rmdir()
+        remove_directories(created)
         if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
             raise CheckpointError(
                 f"Saving to '{plan.target}' failed: {exc}. The previous checkpoint there (if any) is unchanged; "

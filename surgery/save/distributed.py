@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -34,7 +35,14 @@ import torch
 from ..casting import Cast, SavedFiles
 from ..checkpoint import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from ..checkpoint.commit import recover, save_token
-from ..checkpoint.writer import FilePlan, commit_files, stage_file, staging
+from ..checkpoint.writer import (
+    FilePlan,
+    commit_files,
+    create_directory,
+    remove_directories,
+    stage_file,
+    staging,
+)
 from ..collective import Collective
 from ..parallel import is_dtensor
 from .reverted import RevertedState
@@ -161,32 +169,40 @@ def write_distributed(
     runs = schedule(plan, state, owners, collective.size)
     rounds = _Rounds(collective, state, runs)
     me = collective.rank
-    with save_token() as token, staging(plan, create=me == 0) as staged:
-        try:
-            with collective.step():
-                if me == 0:
-                    recover(plan.directory, (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME))
-                _check_assemblable(state, runs[me])
-            collective.agree()  # the directory is there, and every rank can assemble its groups
-            with collective.step():
-                for i in (i for i, owner in enumerate(owners) if owner == me):
-                    stage_file(plan, i, token, staged, rounds)
-                rounds.drain()
-            collective.agree()  # every file is on disk
-            everyone = collective.gather((list(staged), state.casts, state.requantized))
-            with collective.step():
-                if me == 0:
-                    by_name = {name: temp for part, _, _ in everyone for temp, name in part}
-                    commit_files(plan, [(by_name[n], n) for n in plan.names], token)
-                    finish()
-            collective.agree()  # committed
-        except BaseException:  # every rank raises here, after the same agreement point
-            for temp, _ in staged:
-                with contextlib.suppress(OSError):
-                    temp.unlink()
-            with contextlib.suppress(Exception):
-                collective.agree()  # every rank's files are gone before rank 0 removes the directory
-            raise
+    created: list[Path] = []  # rank 0 creates the directory, in the first step
+    try:
+        with save_token() as token, staging(plan, create=False) as staged:
+            try:
+                with collective.step():
+                    if me == 0:
+                        created = create_directory(plan)
+                        recover(plan.directory, (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME))
+                    _check_assemblable(state, runs[me])
+                collective.agree()  # the directory is there, and every rank can assemble its groups
+                with collective.step():
+                    for i in (i for i, owner in enumerate(owners) if owner == me):
+                        stage_file(plan, i, token, staged, rounds)
+                    rounds.drain()
+                collective.agree()  # every file is on disk
+                everyone = collective.gather((list(staged), state.casts, state.requantized))
+                with collective.step():
+                    if me == 0:
+                        by_name = {name: temp for part, _, _ in everyone for temp, name in part}
+                        commit_files(plan, [(by_name[n], n) for n in plan.names], token)
+                        finish()
+                collective.agree()  # committed
+            except BaseException:  # every rank raises here, after the same agreement point
+                for temp, _ in staged:
+                    with contextlib.suppress(OSError):
+                        temp.unlink()
+                with contextlib.suppress(Exception):
+                    collective.agree()  # every rank's files are gone before rank 0 removes the directory
+                raise
+    except BaseException:
+        remove_directories(created)
+        with contextlib.suppress(Exception):
+            collective.agree()  # no rank returns before the directory is gone: each sees nothing there
+        raise
     mine = [plan.directory / name for i, name in enumerate(plan.names) if owners[i] == me]
     if me == 0 and plan.indexed:
         mine.append(plan.directory / SAFE_WEIGHTS_INDEX_NAME)
