@@ -190,6 +190,21 @@ def test_an_fp8_checkpoint_decodes_each_ranks_slices_and_saves_back_bit_for_bit(
     assert ranks[0]["fp8"]["saved_identical"]
 
 
+def test_a_nan_scale_only_one_rank_reads_fails_the_load_on_every_rank_with_one_error(ranks):
+    facts = [rank["nan_scale"] for rank in ranks]
+    assert facts[0]["raised"] == "ConversionError" and facts[0]["message"] == facts[1]["message"], facts
+    message = facts[0]["message"]
+    assert "planning failed on rank 1 of 2 only" in message and "model.layers.0.self_attn.q_proj" in message
+    assert "nan" in message.lower(), message
+    assert all(f["unchanged"] for f in facts)  # refused before any parameter was set
+
+
+def test_a_checkpoint_one_rank_cannot_open_fails_the_load_on_every_rank(ranks):
+    facts = [rank["missing_on_one_rank"] for rank in ranks]
+    assert facts[0]["raised"] == "CheckpointError" and facts[0]["message"] == facts[1]["message"], facts
+    assert "failed on rank 1 of 2" in facts[0]["message"] and "nowhere" in facts[0]["message"]
+
+
 @pytest.mark.parametrize("name", ["w4", "w4asym", "w8", "fp8", "moe-w4"])
 def test_a_compressed_tensors_checkpoint_reads_each_ranks_packed_share_and_saves_back_bit_for_bit(
     ranks, name

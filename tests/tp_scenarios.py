@@ -31,6 +31,7 @@ DENSE = dense.ExampleDenseConfig()
 MOE = moe.ExampleMoEConfig(num_attention_heads=4, num_key_value_heads=2)
 INPUT_IDS = torch.tensor([[1, 5, 9, 3, 7], [2, 4, 6, 8, 10]])
 FP8_BLOCK = (6, 10)  # blocks that straddle every rank boundary, edge blocks in both dims
+NAN_SCALE = "model.layers.0.self_attn.q_proj.weight_scale_inv"
 CT_SCHEMES = ("w4", "w4asym", "w8", "fp8", "g16")
 """The compressed-tensors schemes written by :func:`write_checkpoints` (see :func:`_ct_schemes`)."""
 
@@ -114,6 +115,10 @@ def write_checkpoints(work: Path) -> None:
     write_checkpoint({"unembed.weight": torch.randn(8, 8)}, work / "padded")  # rows 6, 7: padding
     fp8 = quantize_state(dense.original_state_dict(dense.build_dense_model(DENSE, seed=4)), FP8_BLOCK)
     write_checkpoint(fp8, work / "dense-fp8")
+    nan = dict(fp8)  # a NaN in the scale block of rows 12-16 of one q_proj: rows only rank 1 reads
+    nan[NAN_SCALE] = nan[NAN_SCALE].clone()
+    nan[NAN_SCALE][2, 0] = float("nan")
+    write_checkpoint(nan, work / "dense-fp8-nan")
     write_packed_checkpoints(work, dense.original_state_dict(dense.build_dense_model(DENSE, seed=8)))
     from ct_reference import compress_state
 
@@ -281,6 +286,40 @@ def _fp8(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
     if rank == 0:
         facts["saved_identical"] = _files(out) == _files(ckpt)
     return facts
+
+
+def _nan_scale_one_rank_reads(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
+    """A NaN scale only rank 1 reads: the load fails on both ranks with one error."""
+    model = dense_build(device="meta")
+    try:
+        surgery.load_checkpoint(
+            model,
+            work / "dense-fp8-nan",
+            tp_plan="auto",
+            device_mesh=mesh,
+            quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK),
+        )
+    except surgery.SurgeryError as exc:
+        return {
+            "raised": type(exc).__name__,
+            "message": str(exc),
+            "unchanged": all(p.device.type == "meta" for p in model.parameters()),
+        }
+    return {"raised": None}
+
+
+def _missing_on_one_rank(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
+    """Rank 1 is given a checkpoint path that does not exist: both ranks raise its error."""
+    try:
+        surgery.load_checkpoint(
+            dense_build(device="meta"),
+            work / ("nowhere" if rank == 1 else "dense"),
+            tp_plan="auto",
+            device_mesh=mesh,
+        )
+    except surgery.SurgeryError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    return {"raised": None}
 
 
 def _compressed_tensors(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
@@ -484,6 +523,8 @@ def run(rank: int, world: int, workdir: str, torchrun: bool = False) -> None:
             facts["moe"] = _family("moe", moe_build, moe.original_state_dict, work, rank, mesh)
             facts["oracle"] = _oracle(work, mesh)
             facts["fp8"] = _fp8(work, rank, mesh)
+            facts["nan_scale"] = _nan_scale_one_rank_reads(work, rank, mesh)
+            facts["missing_on_one_rank"] = _missing_on_one_rank(work, rank, mesh)
             facts["compressed_tensors"] = _compressed_tensors(work, rank, mesh)
             facts["fallback"] = _fallback(work, mesh)
             facts["padded_head"] = _padded_head(work, rank, mesh)
