@@ -215,6 +215,8 @@ def test_a_compressed_tensors_checkpoint_reads_each_ranks_packed_share_and_saves
         assert facts["unequal"] == [] and facts["fallbacks"] == []
         assert facts["max_abs_diff"] < 1e-5  # parameters equal bit for bit; the reductions differ
         assert facts["bytes_read"] < 0.75 * facts["single_bytes"]
+        # its share of the codes, the scale and zero rows or groups covering it, the rest whole
+        assert facts["bytes_read"] == facts["expected_bytes"], facts
     assert ranks[0]["compressed_tensors"][name]["saved_identical"]
 
 
@@ -227,13 +229,15 @@ def test_a_split_of_packed_columns_that_cuts_a_group_is_an_error_naming_key_dim_
         assert not any("down_proj" in e for e in errors)
 
 
-@pytest.mark.parametrize("name", ["gptq", "awq"])
+@pytest.mark.parametrize("name", ["gptq", "gptq-ordered", "awq"])
 def test_a_gptq_or_awq_checkpoint_reads_each_ranks_packed_share_and_saves_back_bit_for_bit(ranks, name):
     for rank in ranks:
         facts = rank["gptq_awq"][name]
         assert facts["ok"], facts["report"]
         assert facts["unequal"] == [] and facts["fallbacks"] == []
         assert facts["bytes_read"] < 0.75 * facts["single_bytes"]
+        # its share of the words, the scale/zero columns or groups covering it (packed_scenarios)
+        assert facts["bytes_read"] == facts["expected_bytes"], facts
     assert ranks[0]["gptq_awq"][name]["saved_identical"]
 
 

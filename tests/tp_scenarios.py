@@ -322,6 +322,45 @@ def _missing_on_one_rank(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
     return {"raised": None}
 
 
+def _ct_expected_bytes(ckpt: Path, rank: int, world: int) -> int:
+    """The bytes a rank must read of a compressed-tensors dense checkpoint at TP=``world``.
+
+    The dense plan splits q/k/v and gate/up by out-features (rows), o/down by in-features
+    (columns), the embedding and head by vocabulary rows, and replicates the norms. A rank reads
+    its share of every split float and of each packed or FP8 weight; of ``weight_scale`` its rows
+    (an out-feature split) or its groups (an in-feature split; a per-channel ``[N, 1]`` scale
+    whole); of ``weight_zero_point`` (rows packed 8 to an int32 word) the words holding its rows,
+    or its groups; ``weight_shape`` and other per-tensor values whole, once.
+    """
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        for key in sorted(f.keys()):
+            module, _, name = key.rpartition(".")
+            t = f.get_tensor(key)
+            shape, nbytes = tuple(t.shape), t.nbytes
+            out_split = module.rpartition(".")[2] not in ("o_proj", "down_proj")
+            if name == "weight" and "_proj" not in module:
+                split = "embed_tokens" in module or module == "lm_head"
+                total += nbytes // world if split else nbytes
+            elif name in ("weight", "weight_packed"):
+                total += nbytes // world
+            elif len(shape) < 2:  # weight_shape, per-tensor scales
+                total += nbytes
+            elif name == "weight_scale":
+                total += nbytes if not out_split and shape[1] == 1 else nbytes // world
+            elif name == "weight_zero_point" and out_split:
+                per = int(f.get_tensor(f"{module}.weight_shape")[0]) // world
+                words = _covered((rank * per * 4, (rank + 1) * per * 4), 32)
+                total += words * shape[1] * t.element_size()
+            elif name == "weight_zero_point":
+                total += nbytes if shape[1] == 1 else nbytes // world
+            else:
+                raise AssertionError(f"{key}: not in the compressed-tensors layout this counts")
+    return total
+
+
 def _compressed_tensors(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
     """compressed-tensors checkpoints: each rank reads its share of the packed words and decodes it."""
     import torch.distributed as dist
@@ -343,6 +382,7 @@ def _compressed_tensors(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
             "report": str(report),
             "bytes_read": report.bytes_read,
             "single_bytes": single.bytes_read,
+            "expected_bytes": _ct_expected_bytes(ckpt, rank, mesh.size()),
             "fallbacks": [str(f) for f in report.tp_fallbacks],
             **_compare(model, ref),
         }
