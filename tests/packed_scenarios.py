@@ -18,9 +18,9 @@ from packed_reference import awq_state, gptq_state
 
 import surgery
 from surgery.checkpoint import write_checkpoint
-from surgery.quantization import AWQQuantizer, GPTQQuantizer
+from surgery.quantization import AWQQuantizer, GPTQQuantizer, KeepPacked, PackedLinear
 
-__all__ = ["expected_bytes", "run_packed", "write_packed_checkpoints"]
+__all__ = ["expected_bytes", "run_kept_packed", "run_packed", "write_packed_checkpoints"]
 
 GROUP = 8
 
@@ -131,3 +131,48 @@ def expected_bytes(ckpt: Path, rank: int, world: int, *, act_order: bool) -> int
             else:  # the groups these in-features fall in
                 total += _share(mine, GROUP) * shape[1] * (nbytes // (shape[0] * shape[1]))
     return total
+
+
+def run_kept_packed(
+    work: Path, rank: int, mesh: Any, *, build, inputs, files, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """Facts per checkpoint kept packed (``KeepPacked``) under ``tp_plan="auto"``: which linears
+    stay packed and how their stored tensors are split, the forward against the single-process
+    decoded model's, and the save. ``extra``: more ``name -> (checkpoint dir, quantizer)``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    cases = {n: (work / f"dense-{n}", q) for n, q in _quantizers().items() if n != "awq-kv"}
+    facts: dict[str, Any] = {}
+    for name, (ckpt, quantizer) in {**cases, **extra}.items():
+        model = build(device="meta")
+        report = surgery.load_checkpoint(
+            model, ckpt, tp_plan="auto", device_mesh=mesh, quantizer=KeepPacked(quantizer, checkpoint=ckpt)
+        )
+        ref = build(device="meta")
+        single = surgery.load_checkpoint(ref, ckpt, quantizer=quantizer)
+        packed = {p: m for p, m in model.named_modules() if isinstance(m, PackedLinear)}
+        split = {
+            f"{p}.{n}": [repr(t.placements[0]), list(t.to_local().shape), list(t.shape)]
+            for p, m in packed.items()
+            for n in m.packed_names
+            if isinstance(t := getattr(m, n), DTensor)
+        }
+        with torch.no_grad():
+            out, want = model(inputs), ref(inputs)
+        target = work / f"kept-{name}-saved"
+        surgery.save_checkpoint(model, target)
+        dist.barrier()
+        facts[name] = {
+            "ok": report.ok and single.ok,
+            "report": str(report),
+            "packed": sorted(packed),
+            "split": split,
+            "max_abs_diff": float((out - want).abs().max()),
+            "scale": float(want.abs().max()),
+            "bytes_read": report.bytes_read,
+            "single_bytes": single.bytes_read,
+            "saved_identical": files(target) == files(ckpt) if rank == 0 else None,
+        }
+    return facts

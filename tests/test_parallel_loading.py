@@ -12,6 +12,7 @@ for bit, the forward output matches, each rank reads about half the bytes, and
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -239,6 +240,33 @@ def test_a_gptq_or_awq_checkpoint_reads_each_ranks_packed_share_and_saves_back_b
         # its share of the words, the scale/zero columns or groups covering it (packed_scenarios)
         assert facts["bytes_read"] == facts["expected_bytes"], facts
     assert ranks[0]["gptq_awq"][name]["saved_identical"]
+
+
+KEPT = ["gptq", "gptq-ordered", "awq", "fp8"]
+
+
+@pytest.mark.parametrize("name", KEPT)
+def test_linears_kept_packed_are_split_where_their_layout_splits_evenly_and_run_the_tp_forward(ranks, name):
+    for rank in ranks:
+        facts = rank["kept_packed"][name]
+        assert facts["ok"], facts["report"]
+        # v, o and down stay packed; q and k go through the mapping's RoPE permute and gate/up are
+        # fused, so those decode (the AWQ checkpoint stores k and v in float)
+        kept = ("o_proj", "down_proj") if name == "awq" else ("v_proj", "o_proj", "down_proj")
+        assert sorted(p.rsplit(".", 1)[1] for p in facts["packed"]) == sorted(kept * 2), facts["packed"]
+        packed_weight = {
+            k: v for k, v in facts["split"].items() if k.rsplit(".", 1)[1] in ("qweight", "weight")
+        }
+        for key, (placement, local, whole) in packed_weight.items():
+            assert placement.startswith("Shard") and math.prod(local) * 2 == math.prod(whole), (
+                key,
+                local,
+                whole,
+            )
+        # the forward equals the decoded single-process model's (reductions differ across ranks)
+        assert facts["max_abs_diff"] <= 1e-5 * max(1.0, facts["scale"]), facts
+        assert facts["bytes_read"] < facts["single_bytes"]
+    assert ranks[0]["kept_packed"][name]["saved_identical"]
 
 
 def test_an_awq_split_inside_a_packed_word_is_an_error_naming_key_dim_and_factor(ranks):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from fp8_reference import quantize_state
-from packed_scenarios import run_packed, write_packed_checkpoints
+from packed_scenarios import run_kept_packed, run_packed, write_packed_checkpoints
 from torch import nn
 
 import surgery
@@ -574,6 +574,10 @@ def run(rank: int, world: int, workdir: str, torchrun: bool = False) -> None:
             facts["packed"] = _packed_guard(mesh)
             facts["gptq_awq"] = run_packed(
                 work, rank, mesh, build=dense_build, compare=_compare, files=_files
+            )
+            fp8 = {"fp8": (work / "dense-fp8", FP8BlockQuantizer(block_size=FP8_BLOCK))}
+            facts["kept_packed"] = run_kept_packed(
+                work, rank, mesh, build=dense_build, inputs=INPUT_IDS, files=_files, extra=fp8
             )
     except Exception:
         facts["crash"] = traceback.format_exc()

@@ -6,7 +6,7 @@
 * :mod:`~surgery.parallel.hf_plan`: :func:`~surgery.parallel.hf_plan.translate_hf_plan`,
   transformers' ``tp_plan`` style names turned into this package's (what ``tp_plan="auto"``
   applies to a transformers model's own plan), or refused by name.
-* :mod:`~surgery.parallel.styles`: :class:`PackedColwiseParallel` and :class:`ExpertsParallel`,
+* :mod:`~surgery.parallel.styles`: :class:`PackedColwiseParallel`, :class:`ExpertsParallel` and :class:`PackedLinearParallel`,
   ``ParallelStyle`` subclasses (importing it imports ``torch.distributed.tensor``).
 * :mod:`~surgery.parallel.apply`: :func:`parallelize`, a plan applied to a model.
 * :mod:`~surgery.parallel.fsdp`: :func:`shard_model` (TP on ``mesh["tp"]``, then FSDP2 per
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
         resolve_tp_plan,
     )
     from .regions import Region, TPSlice
-    from .styles import ExpertsParallel, PackedColwiseParallel, strided_shard
+    from .styles import ExpertsParallel, PackedColwiseParallel, PackedLinearParallel, strided_shard
 
 _LAZY = {
     "parallelize": ".apply",
@@ -66,6 +66,7 @@ _LAZY = {
     "TPSlice": ".regions",
     "ExpertsParallel": ".styles",
     "PackedColwiseParallel": ".styles",
+    "PackedLinearParallel": ".styles",
 }
 
 
@@ -89,6 +90,7 @@ __all__ = [
     "ExpertsParallel",
     "FSDPOptions",
     "PackedColwiseParallel",
+    "PackedLinearParallel",
     "Region",
     "ResolvedStyle",
     "TPSlice",

@@ -236,10 +236,14 @@ def _check_module(model: nn.Module, r: ResolvedStyle, world: int) -> None:
 
 def _check_module_type(model: nn.Module, module: nn.Module, r: ResolvedStyle, where: str) -> None:
     """The style applies to this kind of module (and a packed one to parts of equal size)."""
-    if r.kind in ("colwise", "rowwise", "colwise_gather") and not isinstance(
-        module, (nn.Linear, nn.Embedding)
+    packed = callable(getattr(module, "tp_placements", None))  # a PackedLinear: colwise or rowwise
+    if r.kind in ("colwise", "rowwise", "colwise_gather") and not (
+        isinstance(module, (nn.Linear, nn.Embedding)) or (packed and r.kind != "colwise_gather")
     ):
-        raise ConfigurationError(f"{where}: {r.kind} applies to nn.Linear and nn.Embedding only.")
+        raise ConfigurationError(
+            f"{where}: {r.kind} applies to nn.Linear and nn.Embedding only"
+            + (" (a linear kept packed takes colwise or rowwise)." if packed else ".")
+        )
     if r.kind == "packed_colwise":
         if not isinstance(module, nn.Linear):
             raise ConfigurationError(f"{where}: packed_colwise applies to nn.Linear only.")

@@ -28,7 +28,15 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from ..errors import ConfigurationError
 
-__all__ = ["ExpertsParallel", "PackedColwiseParallel", "expert_placements", "strided_shard", "style_for"]
+__all__ = [
+    "ExpertsParallel",
+    "PackedColwiseParallel",
+    "PackedLinearParallel",
+    "expert_placements",
+    "strided_shard",
+    "style_for",
+    "sum_over_ranks",
+]
 
 
 def strided_shard(dim: int, split_factor: int) -> Any:
@@ -196,6 +204,35 @@ class _OutputSum(torch.autograd.Function):
         return grad, None
 
 
+def sum_over_ranks(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``x`` summed over the ranks of ``group`` (each holds a partial result); the gradient passes
+    through unchanged (every rank has all of it)."""
+    return _OutputSum.apply(x, group)
+
+
+class PackedLinearParallel(ParallelStyle):
+    """``colwise`` / ``rowwise`` for a linear that keeps its weight packed
+    (:class:`~surgery.quantization.packed.PackedLinear`): its stored tensors are split where the
+    format's layout splits them evenly (the packed words, the scale rows or groups), the rest is
+    replicated, and each rank decodes its share per forward. The output follows torch's styles:
+    a colwise output stays local, a rowwise output is summed over the ranks.
+
+    Args:
+        dim: the weight dim split: 0 (out-features, ``colwise``) or 1 (in-features, ``rowwise``).
+    """
+
+    def __init__(self, *, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        module.shard(device_mesh, self.dim)  # type: ignore[operator]
+        return module
+
+    def __repr__(self) -> str:
+        return f"PackedLinearParallel(dim={self.dim})"
+
+
 def style_for(kind: str, module: nn.Module) -> ParallelStyle:
     """The style instance that applies the plan's style name ``kind`` to ``module``.
 
@@ -203,6 +240,8 @@ def style_for(kind: str, module: nn.Module) -> ParallelStyle:
         ConfigurationError: ``kind`` is not one of the names a plan applies (``replicate`` applies
             nothing, so it has no style).
     """
+    if kind in ("colwise", "rowwise") and callable(getattr(module, "tp_placements", None)):
+        return PackedLinearParallel(dim=0 if kind == "colwise" else 1)  # a PackedLinear
     if kind == "colwise":
         return ColwiseParallel()
     if kind == "rowwise":  # an embedding takes whole token ids; a Linear the colwise output's shards

@@ -26,8 +26,9 @@ act-order, AWQ, compressed-tensors int4 groups without act-order) runs PyTorch's
   stored tensors (those stay for the save): the weight then takes twice its packed size, still
   half of bfloat16.
 
-Only linears whose checkpoint keys are the module's own (``<path>.qweight``: no renaming) are
-kept packed; the others load as the wrapped quantizer loads them (decoded).
+Only linears whose checkpoint keys are the module's own (``<path>.qweight``: no renaming) and
+that the model's conversion mapping leaves alone (no RoPE permute of ``q_proj``, say) are kept
+packed; the others load as the wrapped quantizer loads them (decoded).
 
 Example:
     >>> q = KeepPacked(GPTQQuantizer.from_config(cfg), checkpoint="llama-gptq/")  # doctest: +SKIP
@@ -37,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 import threading
 from typing import Any
 
@@ -49,6 +51,7 @@ from ..errors import ConfigurationError, ConversionError, SurgeryError
 from ..graph import match_modules, swap_module
 from ..parallel.regions import Region
 from ..record import update_record
+from ..transforms import WeightRenaming, WeightTransform
 from .int8 import kernel_operand
 from .protocol import SMALL_COMPANION_BYTES
 
@@ -135,6 +138,8 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.float_dtype = dtype if dtype is not None and dtype.is_floating_point else torch.float32
         self.packed_names = tuple(stored)
+        self.stored = dict(stored)
+        self._tp: tuple[Any, Region] | None = None  # (process group, this rank's region of the weight)
         for name, info in stored.items():
             self.register_buffer(name, torch.empty(tuple(info.shape), dtype=info.dtype, device=device))
         if bias:
@@ -146,7 +151,10 @@ class PackedLinear(nn.Module):
         return f"{self.prefix}.{name}" if self.prefix else name
 
     def decoded_weight(self) -> torch.Tensor:
-        """The float weight the stored tensors stand for (the wrapped quantizer's ``decode``)."""
+        """The float weight the stored tensors stand for (the wrapped quantizer's ``decode``);
+        under tensor parallelism, this rank's share of it."""
+        if self._tp is not None:
+            return self._local_weight(self._tp[1])
         w = self.decoder.decode(self.key, getattr(self, self.packed_name), self._companions(), None)
         if tuple(w.shape) != (self.out_features, self.in_features):
             raise ConfigurationError(
@@ -197,7 +205,98 @@ class PackedLinear(nn.Module):
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), _INNER_K_TILES)
         return packed, torch.stack([scale, zero], -1).to(torch.bfloat16).contiguous(), group
 
+    # ------------------------------------------------------------------ tensor parallelism
+    def tp_placements(self, dim: int, world: int) -> dict[str, Any]:
+        """Per stored tensor, its placement when the weight's ``dim`` (0: out-, 1: in-features) is
+        split over ``world`` ranks: ``Shard`` on the stored dim where each rank's part (the format's
+        ``stored_region`` / ``companion_region``) is exactly torch's chunk of it, else ``Replicate``.
+
+        Raises:
+            ConfigurationError: the split cuts a packed word, group or block (the format says
+                which), or leaves the packed weight itself without an even split.
+        """
+        from torch.distributed.tensor import Replicate, Shard
+
+        size = (self.out_features, self.in_features)[dim]
+        if size % world:
+            raise ConfigurationError(
+                f"{self.key!r}: dim {dim} of its {(self.out_features, self.in_features)} weight does not split "
+                f"over {world} ranks; use a world size that divides {size}."
+            )
+        regions = [Region.of(dim, [(r * size // world, (r + 1) * size // world)]) for r in range(world)]
+        info = self.stored[self.packed_name]
+        out: dict[str, Any] = {}
+        for name, stored in self.stored.items():
+            if name == self.packed_name:
+                hook = getattr(self.decoder, "stored_region", None)
+                parts = [hook(self.key, r, info) if callable(hook) else r for r in regions]
+            else:
+                hook = getattr(self.decoder, "companion_region", None)
+                parts = [
+                    hook(self.key, self._full(name), r, info) if callable(hook) else None for r in regions
+                ]
+            chunked = _chunk_dim(parts, tuple(stored.shape))
+            if chunked is None and name == self.packed_name:
+                raise ConfigurationError(
+                    f"{self.key!r}: splitting dim {dim} of the weight over {world} ranks gives stored parts "
+                    f"{[p.intervals if p else None for p in parts]}, not equal chunks of a stored dim; use a world "
+                    "size that splits it into whole words, groups or blocks."
+                )
+            out[name] = Replicate() if chunked is None else Shard(chunked)
+        return out
+
+    def shard(self, mesh: Any, dim: int) -> None:
+        """Make the stored tensors (and the bias) DTensors split as :meth:`tp_placements` says, and
+        the forward compute this rank's share: its out-features (``dim=0``: the output stays
+        local, as ``ColwiseParallel``'s) or its in-features (``dim=1``: the input is the local
+        shard, the output is summed over the ranks, as ``RowwiseParallel``'s)."""
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        world, rank = mesh.size(), mesh.get_local_rank()
+        for name, placement in self.tp_placements(dim, world).items():
+            self.register_buffer(
+                name, distribute_tensor(getattr(self, name), mesh, [placement], src_data_rank=None)
+            )
+        if self.bias is not None:
+            self.bias = nn.Parameter(
+                distribute_tensor(
+                    self.bias.data, mesh, [Shard(0) if dim == 0 else Replicate()], src_data_rank=None
+                ),
+                requires_grad=self.bias.requires_grad,
+            )
+        size = (self.out_features, self.in_features)[dim]
+        self._tp = (mesh.get_group(), Region.of(dim, [(rank * size // world, (rank + 1) * size // world)]))
+
+    def _local_weight(self, region: Region) -> torch.Tensor:
+        """This rank's ``region`` of the weight, decoded from its local parts (companions at their
+        full shape, ones where another rank's part lies: decoding ``region`` never reads them)."""
+        packed = getattr(self, self.packed_name)
+        companions = {}
+        for name in self.packed_names:
+            if name == self.packed_name:
+                continue
+            t = getattr(self, name)
+            local = _local(t)
+            shard = [p for p in getattr(t, "placements", ()) if hasattr(p, "dim")]
+            if shard:
+                d, n = shard[0].dim, local.shape[shard[0].dim]
+                full = torch.ones(tuple(self.stored[name].shape), dtype=local.dtype, device=local.device)
+                full.narrow(d, t.device_mesh.get_local_rank() * n, n).copy_(local)
+                local = full
+            companions[self._full(name)] = local
+        return self.decoder.decode(self.key, _local(packed), companions, region)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._tp is not None:
+            group, region = self._tp
+            bias = None if self.bias is None else _local(self.bias)
+            w = self._local_weight(region).to(x.dtype)
+            if region.dim == 0:  # its out-features of the whole input: a local output
+                return F.linear(x, w, bias)
+            from ..parallel.styles import sum_over_ranks
+
+            y = sum_over_ranks(F.linear(x, w), group)  # its in-features' part of every output, summed
+            return y if bias is None else y + bias
         ops = self.int4_operands()
         if ops is None:
             return F.linear(x, self.decoded_weight().to(x.dtype), self.bias)
@@ -279,13 +378,14 @@ class KeepPacked:
             )
         self.quantizer, self.checkpoint, self.targets, self.kernel = quantizer, checkpoint, targets, kernel
         self._kept: set[str] = set()  # checkpoint keys held packed (primary and companions)
+        self._decoded: list[str] = []  # stored-quantized keys not kept: they decode as the format does
 
     def __repr__(self) -> str:
         return f"KeepPacked({self.quantizer!r})"
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("quantization_config", "metadata", "loads_in_transformers", "encode"):
-            return getattr(self.quantizer, name)
+        if name in ("quantization_config", "metadata", "loads_in_transformers", "encode", "stored_region"):
+            return getattr(self.quantizer, name)  # a format that reshapes (packed values) has stored_region
         raise AttributeError(name)
 
     def prepare(self, model: nn.Module) -> None:
@@ -298,6 +398,8 @@ class KeepPacked:
         with open_checkpoint(self.checkpoint) as reader:
             infos = {k: reader.info(k) for k in reader}
             small = {k: reader.get_tensor(k) for k, i in infos.items() if i.nbytes <= SMALL_COMPANION_BYTES}
+        converted = self._converted(model)
+        self._kept.clear()
         for path, module in list(model.named_modules()):
             if not isinstance(module, nn.Linear) or (paths is not None and path not in paths):
                 continue
@@ -308,6 +410,8 @@ class KeepPacked:
             if len(packed) != 1:
                 continue
             key, companions = packed[0]
+            if converted(key):  # its weight goes through the model's mapping (a RoPE permute): decode it
+                continue
             missing = [c for c in companions if c not in infos]
             if missing:
                 raise ConversionError(
@@ -334,7 +438,55 @@ class KeepPacked:
                 ),
             )
             self._kept.update(prefix + n for n in stored)
+        self._decoded = [
+            k for k, i in infos.items() if k not in self._kept and self.quantizer.companions(k, i)
+        ]
         update_record(model, quantizer=self)
+
+    def _converted(self, model: nn.Module) -> Any:
+        """``key -> bool``: whether the model's conversion mapping transforms ``key`` (as stored, or
+        under the float name the format renames it to). Such a weight cannot load as stored: the
+        transform (a RoPE permute of rows) would miss its scales, or not run at all."""
+        from ..resolution import get_model_conversion_mapping
+
+        mapping = list(get_model_conversion_mapping(model))
+        hook = getattr(self.quantizer, "update_weight_conversions", None)
+        renames = hook([]) if callable(hook) else []
+
+        def converted(key: str) -> bool:
+            names = {key}
+            for t in renames:
+                names.add(t.rename_source_key(key)[0])
+            return any(t.match(n) is not None for t in mapping for n in names)
+
+        return converted
+
+    def update_weight_conversions(self, transforms: list[WeightTransform]) -> list[WeightTransform]:
+        """The wrapped format's renamings (``X.qweight`` → ``X.weight``), for the keys it decodes only:
+        a kept key loads under its own name into its :class:`PackedLinear`. Each decoded key gets
+        its renaming by name when some are kept; the format's own otherwise."""
+        hook = getattr(self.quantizer, "update_weight_conversions", None)
+        if not callable(hook):
+            return transforms
+        added = hook(list(transforms))[len(transforms) :]
+        if not self._kept:
+            return [*transforms, *added]
+        renames = []
+        for key in self._decoded:
+            new = key
+            for t in added:
+                new = t.rename_source_key(new)[0]
+            if new != key:
+                renames.append(WeightRenaming(f"^{re.escape(key)}$", new))
+        return [*transforms, *renames]
+
+    def companion_region(self, key: str, companion: str, region: Region, info: StoredTensor) -> Region | None:
+        hook = getattr(self.quantizer, "companion_region", None)
+        return hook(key, companion, region, info) if callable(hook) else None
+
+    def dequantized_name(self, key: str) -> str:
+        hook = getattr(self.quantizer, "dequantized_name", None)
+        return hook(key) if callable(hook) else key
 
     # ------------------------------------------------------------------ hooks: the wrapped quantizer's, minus the kept keys
     def companions(self, key: str, info: StoredTensor) -> tuple[str, ...]:
@@ -364,3 +516,23 @@ class KeepPacked:
 
     def check(self, key: str, tensor: torch.Tensor) -> None:
         self.quantizer.check(key, tensor)
+
+
+def _chunk_dim(parts: list[Region | None], shape: tuple[int, ...]) -> int | None:
+    """The stored dim the ``parts`` (one per rank) split into torch's equal chunks, or ``None``."""
+    if any(p is None for p in parts):
+        return None
+    dims = {p.dim % len(shape) for p in parts if p is not None}
+    if len(dims) != 1:
+        return None
+    d, world = dims.pop(), len(parts)
+    if shape[d] % world:
+        return None
+    step = shape[d] // world
+    want = [((r * step, (r + 1) * step),) for r in range(world)]
+    return d if [p.intervals for p in parts if p is not None] == want else None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
