@@ -143,6 +143,7 @@ PARALLEL = [
     "ExpertsParallel",
     "FSDPOptions",
     "PackedColwiseParallel",
+    "PackedLinearParallel",
     "Region",
     "ResolvedStyle",
     "STYLE_NAMES",
