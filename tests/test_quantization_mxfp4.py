@@ -290,3 +290,39 @@ def test_a_dequantized_save_writes_the_experts_as_floats_under_the_models_names(
     again = tiny_model()
     assert surgery.load_checkpoint(again, tmp_path, strict=True).ok  # floats: no quantizer
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+# --------------------------------------------------------------------------- kept packed at runtime
+def test_experts_kept_packed_run_like_the_decoded_model_and_save_the_same_bytes(written, tmp_path):
+    from surgery.quantization import KeepPacked, PackedModule
+
+    path, state = written
+    model = tiny_model()
+    report = surgery.load_checkpoint(
+        model, path, quantizer=KeepPacked(quantizer_by_name("auto", path), checkpoint=path), strict=True
+    )
+    assert not report.decoded_keys  # nothing decoded: the blocks and scales load as stored
+    packed = {p: m for p, m in model.named_modules() if isinstance(m, PackedModule)}
+    assert sorted(packed) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    experts = packed["model.layers.0.mlp.experts"]
+    assert experts.num_experts == tiny_model().model.layers[0].mlp.experts.num_experts  # reads through
+    blocks = experts.get_buffer("gate_up_proj_blocks")
+    assert blocks.dtype == torch.uint8 and torch.equal(
+        blocks, state["model.layers.0.mlp.experts.gate_up_proj_blocks"]
+    )
+    decoded, _ = _load(path)
+    ids = torch.tensor([[1, 5, 9, 2, 33, 7]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, decoded(ids).logits)
+    # the experts take the packed size: 4 bits and a scale byte per 32 values, about 1/7 of float32
+    packed_bytes = sum(b.nbytes for m in packed.values() for b in m.buffers())
+    float_bytes = sum(p.nbytes for m in packed for p in decoded.get_submodule(m).parameters() if p.dim() == 3)
+    assert packed_bytes * 7 < float_bytes
+    surgery.save_checkpoint(model, tmp_path / "saved")
+    assert _tensors(tmp_path / "saved") == _tensors(path)
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["quantization_config"] == QCONFIG
+    # floats on request: the same file a dequantized save of the decoded model writes
+    surgery.save_checkpoint(model, tmp_path / "floats", quantization="dequantized")
+    surgery.save_checkpoint(decoded, tmp_path / "floats-decoded", quantization="dequantized")
+    assert _tensors(tmp_path / "floats") == _tensors(tmp_path / "floats-decoded")

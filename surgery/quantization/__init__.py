@@ -9,7 +9,8 @@
 * :mod:`~surgery.quantization.gptq` / :mod:`~surgery.quantization.awq`: :class:`GPTQQuantizer`
   and :class:`AWQQuantizer`, int4 (GPTQ also 2/8-bit) checkpoints packed in int32 words.
 * :mod:`~surgery.quantization.packed`: :class:`KeepPacked` keeps a stored-quantized checkpoint
-  packed at runtime in :class:`PackedLinear` modules that decode per forward.
+  packed at runtime in :class:`PackedLinear` modules (and :class:`PackedModule` for experts) that
+  decode per forward.
 * :mod:`~surgery.quantization.compressed_fp4`: :class:`CompressedFp4Quantizer`, compressed-tensors
   ``nvfp4-pack-quantized`` and ``mxfp4-pack-quantized`` decoded on read and saved back byte for byte.
 * :mod:`~surgery.quantization.mxfp4`: :class:`Mxfp4Quantizer`, gpt-oss MXFP4 experts
@@ -52,7 +53,7 @@ from .fp8 import FP8BlockQuantizer, blockwise_dequantize, blockwise_quantize, ex
 from .gptq import GPTQQuantizer, gptq_dequantize, gptq_quantize, pack_words, unpack_words
 from .int8 import Int8WeightOnlyLinear, Int8WeightOnlyQuantizer, int8_kernel_usable, quantize_per_channel
 from .mxfp4 import Mxfp4Quantizer, mxfp4_dequantize
-from .packed import INT4_GROUP_SIZES, KeepPacked, PackedLinear, int4_kernel_usable
+from .packed import INT4_GROUP_SIZES, KeepPacked, PackedLinear, PackedModule, int4_kernel_usable
 from .packing import pack_int32, unpack_int32
 from .protocol import (
     QUANTIZATION_METADATA_KEY,
@@ -82,6 +83,7 @@ __all__ = [
     "KeepPacked",
     "Mxfp4Quantizer",
     "PackedLinear",
+    "PackedModule",
     "QuantizedModule",
     "Quantizer",
     "QuantizerHooks",

@@ -37,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import threading
@@ -55,7 +56,7 @@ from ..transforms import WeightRenaming, WeightTransform
 from .int8 import kernel_operand
 from .protocol import SMALL_COMPANION_BYTES
 
-__all__ = ["INT4_GROUP_SIZES", "KeepPacked", "PackedLinear", "int4_kernel_usable"]
+__all__ = ["INT4_GROUP_SIZES", "KeepPacked", "PackedLinear", "PackedModule", "int4_kernel_usable"]
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 """The group sizes ``aten._weight_int4pack_mm_for_cpu`` takes (torch 2.13)."""
@@ -313,12 +314,102 @@ class PackedLinear(nn.Module):
         )
 
 
+class PackedModule(nn.Module):
+    """A module (an experts block: 3-D ``gate_up_proj``, ``down_proj``) whose stored-quantized
+    parameters stay as stored; per forward they are decoded and the module's own forward runs.
+
+    The wrapped module is held, not registered as a child: this module's state is the stored
+    tensors under their checkpoint names (``gate_up_proj_blocks``, ``gate_up_proj_scales``) and
+    the wrapped module's other parameters and buffers (biases), the same objects, so a load fills
+    them 1:1 and a save writes them back unchanged. Attributes the wrapped module has
+    (``num_experts``) read through.
+
+    Args:
+        decoder: the format's quantizer (its ``decode``).
+        module: the module whose parameters are stored quantized.
+        kept: parameter name → (checkpoint key of its packed tensor, local name → stored info of
+            the packed tensor and its companions).
+    """
+
+    def __init__(
+        self, decoder: Any, module: nn.Module, kept: dict[str, tuple[str, dict[str, StoredTensor]]]
+    ) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self._wrapped = (module,)  # a tuple: not a child module
+        self.kept = {pname: key for pname, (key, _) in kept.items()}
+        self._stored_of = {pname: tuple(stored) for pname, (_, stored) in kept.items()}
+        self.float_dtypes = {p: module._parameters[p].dtype for p in kept}  # type: ignore[union-attr]
+        device = next(iter(module._parameters.values())).device  # type: ignore[union-attr]
+        names: list[str] = []
+        for _, stored in kept.values():
+            for name, info in stored.items():
+                self.register_buffer(name, torch.empty(tuple(info.shape), dtype=info.dtype, device=device))
+                names.append(name)
+        self.packed_names = tuple(names)
+        for n, p in module._parameters.items():
+            if n not in kept:
+                self.register_parameter(n, p)
+        for n, b in module._buffers.items():
+            self.register_buffer(n, b, persistent=n not in module._non_persistent_buffers_set)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            wrapped = self.__dict__.get("_wrapped")
+            if wrapped is None or name in wrapped[0]._parameters or name in wrapped[0]._buffers:
+                raise  # its tensors are this module's own (or, kept, stored packed here)
+            return getattr(wrapped[0], name)
+
+    def _decoded(self, pname: str) -> torch.Tensor:
+        key = self.kept[pname]
+        prefix = key[: len(key) - len(key.rpartition(".")[2])]
+        companions = {prefix + n: getattr(self, n) for n in self._stored_of[pname] if prefix + n != key}
+        return self.decoder.decode(key, getattr(self, key[len(prefix) :]), companions, None)
+
+    def dequantized(self, *, meta: bool = False) -> dict[str, torch.Tensor]:
+        """Each kept parameter's float value: what a ``quantization="dequantized"`` save writes."""
+        module = self._wrapped[0]
+        if meta:
+            return {
+                p: torch.empty(tuple(module._parameters[p].shape), dtype=d, device="meta")  # type: ignore[union-attr]
+                for p, d in self.float_dtypes.items()
+            }
+        return {p: self._decoded(p).to(d) for p, d in self.float_dtypes.items()}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._wrapped[0]
+        saved = dict(module._parameters)
+        x = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        try:
+            for pname in self.kept:
+                w = self._decoded(pname)
+                module._parameters[pname] = w.to(x.dtype if x is not None else self.float_dtypes[pname])  # type: ignore[assignment]
+            for n in saved:
+                if n not in self.kept:
+                    module._parameters[n] = self._parameters[n]
+            for n in module._buffers:
+                module._buffers[n] = self._buffers[n]
+            return module(*args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+
+    def extra_repr(self) -> str:
+        return f"{type(self._wrapped[0]).__name__}, packed={self.packed_names}"
+
+
+def _leaf(module: nn.Module) -> bool:
+    """Whether ``module`` holds no parameters or buffers below its own (its children hold none)."""
+    return not any(True for c in module.children() for _ in itertools.chain(c.parameters(), c.buffers()))
+
+
 def _check_decodes(
     quantizer: Any,
     key: str,
     stored: dict[str, StoredTensor],
     prefix: str,
-    shape: tuple[int, int],
+    shape: tuple[int, ...],
     small: dict[str, torch.Tensor],
 ) -> None:
     """Run ``decode`` on ``meta`` tensors of the stored shapes and dtypes (``small`` companions, a
@@ -401,47 +492,91 @@ class KeepPacked:
         converted = self._converted(model)
         self._kept.clear()
         for path, module in list(model.named_modules()):
-            if not isinstance(module, nn.Linear) or (paths is not None and path not in paths):
+            if paths is not None and path not in paths:
                 continue
             prefix = f"{path}." if path else ""
-            own = [k for k, info in infos.items() if k.startswith(prefix) and "." not in k[len(prefix) :]]
-            packed = [(k, self.quantizer.companions(k, infos[k])) for k in own]
-            packed = [(k, c) for k, c in packed if c]
-            if len(packed) != 1:
+            own = [k for k in infos if k.startswith(prefix) and "." not in k[len(prefix) :]]
+            packed = [(k, tuple(self.quantizer.companions(k, infos[k]))) for k in own]
+            packed = [(k, c) for k, c in packed if c and not converted(k)]  # a converted one decodes
+            if not packed:
                 continue
-            key, companions = packed[0]
-            if converted(key):  # its weight goes through the model's mapping (a RoPE permute): decode it
-                continue
-            missing = [c for c in companions if c not in infos]
-            if missing:
-                raise ConversionError(
-                    f"{key!r} is stored quantized, but its {', '.join(map(repr, missing))} "
-                    f"{'is' if len(missing) == 1 else 'are'} missing from the checkpoint; it cannot be decoded, "
-                    "so it is not loaded as raw codes."
-                )
-            stored = {k[len(prefix) :]: infos[k] for k in (key, *companions)}
-            shape = (module.out_features, module.in_features)
-            _check_decodes(self.quantizer, key, stored, prefix, shape, small)
-            swap_module(
-                model,
-                path,
-                PackedLinear(
-                    self.quantizer,
-                    key,
-                    stored,
-                    in_features=module.in_features,
-                    out_features=module.out_features,
-                    bias=module.bias is not None,
-                    device=module.weight.device,
-                    dtype=module.weight.dtype,
-                    kernel=self.kernel,
-                ),
-            )
-            self._kept.update(prefix + n for n in stored)
+            for key, companions in packed:
+                missing = [c for c in companions if c not in infos]
+                if missing:
+                    raise ConversionError(
+                        f"{key!r} is stored quantized, but its {', '.join(map(repr, missing))} "
+                        f"{'is' if len(missing) == 1 else 'are'} missing from the checkpoint; it cannot be decoded, "
+                        "so it is not loaded as raw codes."
+                    )
+            if isinstance(module, nn.Linear):
+                if len(packed) == 1 and self._parameter_of(packed[0][0], prefix) == "weight":
+                    self._keep_linear(model, path, module, packed[0], infos, small)
+            elif _leaf(module) and all(
+                isinstance(module._parameters.get(self._parameter_of(k, prefix)), torch.Tensor)
+                for k, _ in packed
+            ):
+                self._keep_module(model, path, module, packed, infos, small)
         self._decoded = [
             k for k, i in infos.items() if k not in self._kept and self.quantizer.companions(k, i)
         ]
         update_record(model, quantizer=self)
+
+    def _parameter_of(self, key: str, prefix: str) -> str:
+        """The module's parameter a stored-quantized ``key`` decodes into (``X_blocks`` → ``X``)."""
+        hook = getattr(self.quantizer, "dequantized_name", None)
+        name = hook(key) if callable(hook) else key
+        return name[len(prefix) :] if name.startswith(prefix) else name
+
+    def _keep_linear(
+        self,
+        model: nn.Module,
+        path: str,
+        module: nn.Linear,
+        packed: tuple[str, tuple[str, ...]],
+        infos: dict[str, StoredTensor],
+        small: dict[str, torch.Tensor],
+    ) -> None:
+        prefix = f"{path}." if path else ""
+        key, companions = packed
+        stored = {k[len(prefix) :]: infos[k] for k in (key, *companions)}
+        _check_decodes(self.quantizer, key, stored, prefix, (module.out_features, module.in_features), small)
+        swap_module(
+            model,
+            path,
+            PackedLinear(
+                self.quantizer,
+                key,
+                stored,
+                in_features=module.in_features,
+                out_features=module.out_features,
+                bias=module.bias is not None,
+                device=module.weight.device,
+                dtype=module.weight.dtype,
+                kernel=self.kernel,
+            ),
+        )
+        self._kept.update(prefix + n for n in stored)
+
+    def _keep_module(
+        self,
+        model: nn.Module,
+        path: str,
+        module: nn.Module,
+        packed: list[tuple[str, tuple[str, ...]]],
+        infos: dict[str, StoredTensor],
+        small: dict[str, torch.Tensor],
+    ) -> None:
+        prefix = f"{path}." if path else ""
+        kept: dict[str, tuple[str, dict[str, StoredTensor]]] = {}
+        for key, companions in packed:
+            pname = self._parameter_of(key, prefix)
+            stored = {k[len(prefix) :]: infos[k] for k in (key, *companions)}
+            _check_decodes(
+                self.quantizer, key, stored, prefix, tuple(module.get_parameter(pname).shape), small
+            )
+            kept[pname] = (key, stored)
+        swap_module(model, path, PackedModule(self.quantizer, module, kept))
+        self._kept.update(prefix + n for _, stored in kept.values() for n in stored)
 
     def _converted(self, model: nn.Module) -> Any:
         """``key -> bool``: whether the model's conversion mapping transforms ``key`` (as stored, or
