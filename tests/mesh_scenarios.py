@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import ep_scenarios
 import fsdp_scenarios
 import nd_scenarios
 import torch
@@ -27,7 +28,7 @@ from surgery.checkpoint import write_checkpoint
 __all__ = ["SUITES", "WORLD", "run", "spawn"]
 
 WORLD = 4
-SUITES = {"nd": nd_scenarios.scenarios, "fsdp": fsdp_scenarios.scenarios}
+SUITES = {"nd": nd_scenarios.scenarios, "fsdp": fsdp_scenarios.scenarios, "ep": ep_scenarios.scenarios}
 SEPARATOR = "::"
 
 
@@ -59,6 +60,7 @@ def spawn(
     families = dict(families or {})
     nd_scenarios.write_inputs(work, tuple(sorted({f for fs in families.values() for f in fs})))
     write_checkpoint({f"layers.{i}.weight": torch.ones(8, 4) for i in range(2)}, work / "blocks")
+    ep_scenarios.write_inputs(work)
     context = mp.spawn(run, args=(WORLD, str(work), families), nprocs=WORLD, join=False)
     deadline = time.monotonic() + deadline_s
     while not context.join(timeout=max(deadline - time.monotonic(), 0)):

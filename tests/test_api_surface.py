@@ -140,6 +140,7 @@ def test_every_module_declares_all() -> None:
 
 
 PARALLEL = [
+    "ExpertParallel",
     "ExpertsParallel",
     "FSDPOptions",
     "PackedColwiseParallel",

@@ -6,7 +6,8 @@
 * :mod:`~surgery.parallel.hf_plan`: :func:`~surgery.parallel.hf_plan.translate_hf_plan`,
   transformers' ``tp_plan`` style names turned into this package's (what ``tp_plan="auto"``
   applies to a transformers model's own plan), or refused by name.
-* :mod:`~surgery.parallel.styles`: :class:`PackedColwiseParallel`, :class:`ExpertsParallel` and :class:`PackedLinearParallel`,
+* :mod:`~surgery.parallel.styles`: :class:`PackedColwiseParallel`, :class:`ExpertsParallel`, :class:`ExpertParallel` and
+  :class:`PackedLinearParallel`,
   ``ParallelStyle`` subclasses (importing it imports ``torch.distributed.tensor``).
 * :mod:`~surgery.parallel.apply`: :func:`parallelize`, a plan applied to a model.
 * :mod:`~surgery.parallel.fsdp`: :func:`shard_model` (TP on ``mesh["tp"]``, then FSDP2 per
@@ -42,7 +43,13 @@ if TYPE_CHECKING:
         resolve_tp_plan,
     )
     from .regions import Region, TPSlice
-    from .styles import ExpertsParallel, PackedColwiseParallel, PackedLinearParallel, strided_shard
+    from .styles import (
+        ExpertParallel,
+        ExpertsParallel,
+        PackedColwiseParallel,
+        PackedLinearParallel,
+        strided_shard,
+    )
 
 _LAZY = {
     "parallelize": ".apply",
@@ -64,6 +71,7 @@ _LAZY = {
     "strided_shard": ".styles",
     "Region": ".regions",
     "TPSlice": ".regions",
+    "ExpertParallel": ".styles",
     "ExpertsParallel": ".styles",
     "PackedColwiseParallel": ".styles",
     "PackedLinearParallel": ".styles",
@@ -87,6 +95,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "STYLE_NAMES",
+    "ExpertParallel",
     "ExpertsParallel",
     "FSDPOptions",
     "PackedColwiseParallel",

@@ -24,8 +24,10 @@ transformers                       here                 semantics
                                                         here (no sequence sharding), the results equal
 =================================  ===================  ==============================================
 
-Refused, each with the reason in :data:`REFUSED`: the expert-parallel names (``grouped_gemm``,
-``ep_dispatch_experts``: expert parallelism is not supported yet) and the names whose module
+Expert parallelism: ``ep_dispatch_experts`` on an experts module is ``expert_parallel`` (whole
+experts per rank, ``Shard(0)``), and the ``grouped_gemm`` entries of its parameters fold into it,
+so a transformers ``base_model_ep_plan`` translates whole; ``grouped_gemm`` alone is refused.
+Refused, each with the reason in :data:`REFUSED`, are also the names whose module
 behaviour has no equal style here (``colwise_rep``, ``rowwise_rep``, ``rowwise_split_input``,
 ``packed_rowwise``, ``embedding_colwise``, ``local_params``, ``all_reduce``, ``mla_kv_a_proj``,
 ``moe_identity_expert``).
@@ -55,16 +57,16 @@ HF_STYLES: Mapping[str, str] = {
     "embedding_rowwise": "rowwise",
     "packed_colwise": "packed_colwise",
     "moe_tp_experts": "experts",
+    "ep_dispatch_experts": "expert_parallel",
     "replicate": "replicate",
     "replicated_with_grad_allreduce": "replicate",
     "sequence_parallel": "replicate",
 }
 """transformers' style name → this package's style name (same placements, equal forward)."""
 
-_EP = "expert parallelism is not supported yet; load with moe_tp_experts (the 'experts' style) instead"
 REFUSED: Mapping[str, str] = {
-    "grouped_gemm": _EP,
-    "ep_dispatch_experts": _EP,
+    "grouped_gemm": "it shards an expert parameter on the expert dim only under an 'ep_dispatch_experts' module; "
+    "give the experts module 'ep_dispatch_experts' (or this package's 'expert_parallel')",
     "colwise_rep": "its replicated-output layout has no equal style here; use 'colwise_gather'",
     "rowwise_rep": "its replicated-input layout has no equal style here; use 'rowwise'",
     "rowwise_split_input": "it splits a whole input inside the module; use 'rowwise' after a colwise module",
@@ -85,15 +87,19 @@ def translate_hf_plan(plan: Mapping[str, Any]) -> dict[str, Any]:
 
     Names this package already uses with the same meaning, and ``ParallelStyle`` instances, pass
     through. The parameter entries ``X.gate_up_proj`` / ``X.down_proj`` of a ``X: moe_tp_experts``
-    module fold into ``X: experts``.
+    module fold into ``X: experts``; the ``grouped_gemm`` entries of a ``X: ep_dispatch_experts``
+    module (transformers' ``base_model_ep_plan``) fold into ``X: expert_parallel``.
 
     Raises:
         ConfigurationError: a refused name (naming the key, the style and what to use instead), or
             expert parameter entries that do not match what ``moe_tp_experts`` shards.
     """
     experts = {k for k, v in plan.items() if v == "moe_tp_experts"}
+    dispatched = {k for k, v in plan.items() if v == "ep_dispatch_experts"}
     out: dict[str, Any] = {}
     for key, style in plan.items():
+        if style == "grouped_gemm" and key.rpartition(".")[0] in dispatched:
+            continue  # the expert_parallel style shards the module's experts on their expert dim
         if isinstance(style, str) and style in REFUSED:
             raise ConfigurationError(
                 f"tp_plan[{key!r}] = {style!r} (a transformers style) is refused: {REFUSED[style]}; or pass "

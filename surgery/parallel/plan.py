@@ -58,7 +58,15 @@ __all__ = [
     "tied_names",
 ]
 
-STYLE_NAMES = ("colwise", "rowwise", "colwise_gather", "replicate", "packed_colwise", "experts")
+STYLE_NAMES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather",
+    "replicate",
+    "packed_colwise",
+    "experts",
+    "expert_parallel",
+)
 
 
 # --------------------------------------------------------------------------- resolving a plan
@@ -248,6 +256,19 @@ def _check_module_type(model: nn.Module, module: nn.Module, r: ResolvedStyle, wh
         if not isinstance(module, nn.Linear):
             raise ConfigurationError(f"{where}: packed_colwise applies to nn.Linear only.")
         _check_packed_parts(model, r, module, where)
+    if r.kind == "expert_parallel":
+        params = dict(module.named_parameters(recurse=False))
+        experts = getattr(module, "num_experts", None)
+        if (
+            not isinstance(experts, int)
+            or not params
+            or any(p.dim() < 2 or p.shape[0] != experts for p in params.values())
+        ):
+            raise ConfigurationError(
+                f"{where}: expert_parallel shards experts stored as 3-D parameters (E, ...) with num_experts = E "
+                f"on the module; this one has num_experts={experts!r} and parameters "
+                f"{ {n: tuple(p.shape) for n, p in params.items()} }. Apply it to the experts module (mlp.experts)."
+            )
     if r.kind == "experts":
         names = sorted(n for n, _ in module.named_parameters(recurse=False))
         if (
@@ -340,6 +361,8 @@ def param_placements(module: nn.Module, r: ResolvedStyle) -> dict[str, tuple[Any
             out[n] = (strided_shard(0, r.split_factor),)
         elif r.kind == "experts":
             out[n] = tuple(expert_placements(n, r.split_factor))
+        elif r.kind == "expert_parallel":
+            out[n] = (Shard(0),)
     return out
 
 
