@@ -28,16 +28,23 @@ Example (shape only; see docs/parallel.md, "Resharding with DCP")::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..errors import CheckpointError, ConfigurationError, LoadError
@@ -168,6 +175,14 @@ class _SavePlanner(DefaultSavePlanner):
 class _LoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, which reads into the view of a :class:`LocalShards` box."""
 
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        # DCP's set-up allocates meta tensors in place and leaves None for a type it does not
+        # know: put the boxes back (they are allocated already)
+        shards = {k: v for k, v in state_dict.items() if isinstance(v, LocalShards)}
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        state_dict.update(shards)
+        self.state_dict.update(shards)
+
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         value = self.state_dict[index.fqn]
         if isinstance(value, LocalShards):
@@ -295,6 +310,7 @@ def save_dcp(model: nn.Module, path: str | os.PathLike[str]) -> None:
     Raises:
         ConfigurationError: a placement DCP cannot store (``Partial``), or a load record this
             cannot carry (a quantized load), before anything is written.
+        CheckpointError: DCP failed (on every rank: DCP shares the failure).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -302,7 +318,13 @@ def save_dcp(model: nn.Module, path: str | os.PathLike[str]) -> None:
     record = _encode_record(model)
     if record is not None:
         state[RECORD_KEY] = record
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(os.fspath(path)), planner=_SavePlanner())
+    with _failures_raised(f"dcp.save to {os.fspath(path)!r}"):
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(os.fspath(path)),
+            planner=_SavePlanner(),
+            no_dist=not _distributed(),
+        )
 
 
 def load_dcp(model: nn.Module, path: str | os.PathLike[str], *, device: str | torch.device = "cpu") -> None:
@@ -331,20 +353,45 @@ def load_dcp(model: nn.Module, path: str | os.PathLike[str], *, device: str | to
     if not (Path(where) / ".metadata").is_file():
         raise CheckpointError(f"{where!r} is not a DCP checkpoint (no .metadata): write one with save_dcp.")
     stored = reader.read_metadata().state_dict_metadata
+    _check_matches(model, stored, where)  # before the model changes
     _allocate(model, device)
     state = dcp_state_dict(model)
-    _check_matches(model, stored, where)
-    if RECORD_KEY in stored:
-        state[RECORD_KEY] = torch.empty(tuple(stored[RECORD_KEY].size), dtype=torch.uint8)
-    dcp.load(state, storage_reader=reader, planner=_LoadPlanner())
+    record_md = stored.get(RECORD_KEY)
+    if isinstance(record_md, TensorStorageMetadata):
+        state[RECORD_KEY] = torch.empty(tuple(record_md.size), dtype=torch.uint8)
+    with _failures_raised(f"dcp.load from {where!r}"):
+        dcp.load(state, storage_reader=reader, planner=_LoadPlanner(), no_dist=not _distributed())
     record = _decode_record(model, state[RECORD_KEY], where) if RECORD_KEY in state else None
     update_record(model, load=record)
 
 
+def _distributed() -> bool:
+    """Whether a process group is up (without one, DCP reads and writes in this process alone)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _failures_raised(what: str) -> Iterator[None]:
+    """DCP's own error (raised on every rank, a ``BaseException``) as a :class:`CheckpointError`."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # one process is what we asked for, not DCP's guess
+            warnings.filterwarnings(
+                "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+            )
+            yield
+    except CheckpointException as exc:
+        rank, cause = next(iter(exc.failures.items()), (None, exc))
+        raise CheckpointError(
+            f"{what} failed on rank(s) {sorted(exc.failures)}; rank {rank}: {type(cause).__name__}: {cause}"
+        ) from exc
+
+
 def _check_matches(model: nn.Module, stored: Mapping[str, Any], where: str) -> None:
     """Every key of the model stored with its shape and dtype, and nothing else stored."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     ours = model.state_dict()
     missing = sorted(set(ours) - set(stored))
     unexpected = sorted(set(stored) - set(ours) - {RECORD_KEY})
