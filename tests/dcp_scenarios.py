@@ -8,7 +8,8 @@ MoE: experts), each rank: loads the hub checkpoint through the transforms on mes
 (``tp=4``), loads it with :func:`~surgery.parallel.load_dcp` and records whether every local
 tensor equals torch's own split of the single-process load on mesh B (``parallelize_module``
 with real weights), then saves mesh B's model back to the hub layout (``<work>/dcp/<family>-hub``)
-for the test to compare with the hub file byte for byte. Torch's plain ``dcp.save`` of the same
+for the test to compare with the hub file byte for byte, and saves mesh B's model with DCP again
+and loads that back on mesh A (``shard_model``, FSDP2 over TP), equal to torch's split there. Torch's plain ``dcp.save`` of the same
 state dict is read back in one process, and the keys it got wrong are recorded (the defect
 :class:`~surgery.parallel.LocalShards` avoids). Last, bad inputs: a DCP checkpoint of another
 model, and one whose shapes differ, each refused on every rank.
@@ -26,7 +27,7 @@ from torch import nn
 
 import surgery
 from surgery.examples import dense
-from surgery.parallel import load_dcp, parallelize, save_dcp
+from surgery.parallel import load_dcp, parallelize, save_dcp, shard_model
 
 __all__ = ["FAMILIES", "scenarios"]
 
@@ -92,8 +93,14 @@ def _round_trip(work: Path, meshes: dict[str, Any], family: str) -> dict[str, An
     load_dcp(b, out)
     unequal_b = _unequal_to(b, _torch_flow(ref, family, meshes[MESH_B]).state_dict())
     surgery.save_checkpoint(b, work / "dcp" / f"{family}-hub")
+    save_dcp(b, work / "dcp" / f"{family}-tp4")  # and back: into FSDP2 over TP, strided boxes read in place
+    back = build(device="meta")
+    shard_model(back, meshes[MESH_A], tp_plan="auto", fsdp=True)
+    load_dcp(back, work / "dcp" / f"{family}-tp4")
+    unequal_back = _unequal_to(back, _torch_flow(ref, family, meshes[MESH_A]).state_dict())
     dist.barrier()
     return {
+        "unequal_back_on_a": unequal_back,
         "loaded_on_a": report.ok,
         "strided_on_a": _strided(a),
         "strided_on_b": _strided(b),

@@ -108,6 +108,13 @@ def test_fsdp_over_tp_reshards_to_tp4_equal_to_torchs_own_split(ranks, case):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("case", ROUND_TRIPS)
+def test_tp4_reshards_back_to_fsdp_over_tp_equal_to_torchs_own_split(ranks, case):
+    for f in _facts(ranks, case):
+        assert f["unequal_back_on_a"] == []
+
+
+@pytest.mark.distributed
 def test_fsdp_over_packed_colwise_is_the_case_torchs_plain_dcp_save_refuses(ranks):
     for f in _facts(ranks, f"{MESH_A}->{MESH_B}/dense"):
         assert any("gate_up_proj" in k for k in f["strided_on_a"])
