@@ -12,7 +12,9 @@ for the test to compare with the hub file byte for byte, and saves mesh B's mode
 and loads that back on mesh A (``shard_model``, FSDP2 over TP), equal to torch's split there. Torch's plain ``dcp.save`` of the same
 state dict is read back in one process, and the keys it got wrong are recorded (the defect
 :class:`~surgery.parallel.LocalShards` avoids). Last, bad inputs: a DCP checkpoint of another
-model, and one whose shapes differ, each refused on every rank.
+model, one whose shapes differ, and a ``packed_colwise`` weight for the safetensors storage, each
+refused on every rank. The safetensors storage (DCP's ``HuggingFaceStorageWriter``) is checked
+from (dp_shard=4) to (tp=4) with the MoE.
 """
 
 from __future__ import annotations
@@ -112,6 +114,32 @@ def _round_trip(work: Path, meshes: dict[str, Any], family: str) -> dict[str, An
     }
 
 
+def _safetensors(work: Path, meshes: dict[str, Any]) -> dict[str, Any]:
+    """The MoE on (dp_shard=4) (FSDP2: one box per rank) saved with DCP's safetensors storage,
+    reloaded on (tp=4) and saved back to the hub layout."""
+    import torch.distributed as dist
+
+    build = MODELS["moe"]
+    ref = build(device="meta")
+    assert surgery.load_checkpoint(ref, work / "moe").ok
+    a = build(device="meta")
+    assert surgery.load_checkpoint(a, work / "moe", device_mesh=meshes["dp_shard4"], fsdp=True).ok
+    out = work / "dcp" / "moe-safetensors"
+    save_dcp(a, out, storage="safetensors")
+    b = build(device="meta")
+    parallelize(b, "auto", meshes[MESH_B]["tp"])
+    load_dcp(b, out)
+    unequal = _unequal_to(b, _torch_flow(ref, "moe", meshes[MESH_B]).state_dict())
+    surgery.save_checkpoint(b, work / "dcp" / "moe-safetensors-hub")
+    dist.barrier()
+    return {
+        "files": sorted(p.name for p in out.iterdir()),
+        "unequal_on_b": unequal,
+        "hub": str(work / "moe"),
+        "hub_again": str(work / "dcp" / "moe-safetensors-hub"),
+    }
+
+
 def _refused(fn: Any) -> dict[str, Any]:
     try:
         fn()
@@ -131,10 +159,16 @@ def _bad_inputs(work: Path, meshes: dict[str, Any]) -> dict[str, Any]:
         parallelize(model, "auto", meshes[MESH_B]["tp"])
         load_dcp(model, work / "dcp" / "dense")
 
+    def packed_as_safetensors() -> None:
+        model = MODELS["dense"](device="meta")
+        parallelize(model, "auto", meshes[MESH_B]["tp"])
+        save_dcp(model, work / "dcp" / "refused", storage="safetensors")
+
     return {
+        "packed_as_safetensors": _refused(packed_as_safetensors),
         "another_model": _refused(lambda: into(MODELS["moe"])),
         "other_shapes": _refused(lambda: into(functools.partial(dense.build_dense_model, other_shapes))),
-        "not_dcp": _refused(lambda: load_dcp(MODELS["dense"](device="meta"), work / "dense")),
+        "not_dcp": _refused(lambda: load_dcp(MODELS["dense"](device="meta"), work / "dcp" / "nothing")),
     }
 
 
@@ -144,9 +178,13 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...] = ()) -> dict[st
 
     if families:  # no interop part
         return {}
-    meshes = {m: init_device_mesh("cpu", MESHES[m][1], mesh_dim_names=MESHES[m][0]) for m in (MESH_A, MESH_B)}
+    meshes = {
+        m: init_device_mesh("cpu", MESHES[m][1], mesh_dim_names=MESHES[m][0])
+        for m in (MESH_A, MESH_B, "dp_shard4")
+    }
     out: dict[str, Any] = {
         f"{MESH_A}->{MESH_B}/{f}": functools.partial(_guarded, _round_trip, work, meshes, f) for f in FAMILIES
     }
+    out["safetensors"] = functools.partial(_guarded, _safetensors, work, meshes)
     out["bad_inputs"] = functools.partial(_guarded, _bad_inputs, work, meshes)
     return out

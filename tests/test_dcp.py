@@ -43,12 +43,13 @@ def test_a_box_of_local_shards_is_a_view_so_dcp_reads_land_in_the_local_tensor()
         shards.view((1, 0))
 
 
-def test_a_one_process_model_round_trips_through_dcp_and_saves_the_hub_layout(tmp_path):
+@pytest.mark.parametrize("storage", ["dcp", "safetensors"])
+def test_a_one_process_model_round_trips_through_dcp_and_saves_the_hub_layout(tmp_path, storage):
     config = dense.ExampleDenseConfig()
     write_checkpoint(dense.original_state_dict(dense.build_dense_model(config, seed=3)), tmp_path / "hub")
     loaded = dense.build_dense_model(config, device="meta")
     assert surgery.load_checkpoint(loaded, tmp_path / "hub").ok
-    save_dcp(loaded, tmp_path / "dcp")
+    save_dcp(loaded, tmp_path / "dcp", storage=storage)
     again = dense.build_dense_model(config, device="meta")
     load_dcp(again, tmp_path / "dcp")
     for key, value in loaded.state_dict().items():
@@ -76,9 +77,15 @@ def test_a_quantized_load_record_is_refused_before_anything_is_written(tmp_path)
     assert not (tmp_path / "dcp").exists()
 
 
+def test_an_unknown_storage_is_refused_naming_the_choices(tmp_path):
+    with pytest.raises(surgery.ConfigurationError, match=r"choose one of \['dcp', 'safetensors'\]"):
+        save_dcp(nn.Linear(3, 2), tmp_path / "dcp", storage="hf")
+
+
 def test_a_folder_without_dcp_metadata_is_refused_with_the_fix(tmp_path):
     with pytest.raises(
-        surgery.CheckpointError, match=r"not a DCP checkpoint \(no \.metadata\): write one with save_dcp"
+        surgery.CheckpointError,
+        match=r"not a DCP checkpoint \(no \.metadata, no safetensors files\): write one with save_dcp",
     ):
         load_dcp(nn.Linear(3, 2), tmp_path)
 
@@ -146,14 +153,24 @@ def test_the_4_rank_dcp_checkpoint_reloads_in_one_process_bit_equal_and_saves_th
 
 
 @pytest.mark.distributed
+def test_fsdp_on_dp_shard4_saved_as_safetensors_reshards_to_tp4_and_saves_the_hub_file(ranks):
+    facts = _facts(ranks, "safetensors")
+    for f in facts:
+        assert f["unequal_on_b"] == []
+    assert len([n for n in facts[0]["files"] if n.endswith(".safetensors")]) == 4  # one file per rank
+    _same_files(Path(facts[0]["hub"]), Path(facts[0]["hub_again"]))
+
+
+@pytest.mark.distributed
 def test_a_dcp_checkpoint_of_another_model_is_refused_on_every_rank_naming_the_keys(ranks):
     facts = _facts(ranks, "bad_inputs")
     for case, named in (
         ("another_model", "missing ['model.layers.0.mlp.experts.down_proj'"),
         ("other_shapes", "'model.layers.0.mlp.gate_up_proj.weight' is stored in"),
         ("not_dcp", "not a DCP checkpoint"),
+        ("packed_as_safetensors", "cannot store 'model.layers.0.mlp.gate_up_proj.weight'"),
     ):
         refusals = [f[case] for f in facts]
-        assert refusals[0]["raised"] in ("LoadError", "CheckpointError")
+        assert refusals[0]["raised"] in ("LoadError", "CheckpointError", "ConfigurationError")
         assert named in refusals[0]["message"]
         assert all(r == refusals[0] for r in refusals)  # the same error on every rank

@@ -29,6 +29,7 @@ Example (shape only; see docs/parallel.md, "Resharding with DCP")::
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import warnings
@@ -54,7 +55,7 @@ from ..resolution import get_model_conversion_mapping
 from ..transforms import PrefixChange, WeightTransform
 from .assemble import boxes, local_indices
 
-__all__ = ["RECORD_KEY", "LocalShards", "dcp_state_dict", "load_dcp", "save_dcp"]
+__all__ = ["RECORD_KEY", "STORAGES", "LocalShards", "dcp_state_dict", "load_dcp", "save_dcp"]
 
 RECORD_KEY = "_surgery.load_record"
 """The DCP key of the load record: its JSON as a 1-D ``uint8`` tensor."""
@@ -296,35 +297,69 @@ def _decode_record(model: nn.Module, raw: torch.Tensor, path: str) -> LoadRecord
 # --------------------------------------------------------------------------- save and load
 
 
-def save_dcp(model: nn.Module, path: str | os.PathLike[str]) -> None:
-    """Save ``model``'s runtime state with ``dcp.save`` (DCP's default file format) and its load record.
+STORAGES = ("dcp", "safetensors")
+"""What :func:`save_dcp` writes: DCP's default files (``FileSystemWriter``) or safetensors
+(DCP's ``HuggingFaceStorageWriter``, one file per rank, each chunk's offset in its metadata)."""
+
+
+def save_dcp(model: nn.Module, path: str | os.PathLike[str], *, storage: str = "dcp") -> None:
+    """Save ``model``'s runtime state with ``dcp.save``, and its load record.
 
     Collective: every rank of the model's mesh calls it. Each rank writes the boxes it holds of
-    every DTensor (:func:`dcp_state_dict`; nothing is gathered); DCP commits by writing its
-    ``.metadata`` last, so a failed save is no checkpoint.
+    every DTensor (:func:`dcp_state_dict`; nothing is gathered). With ``storage="dcp"`` DCP
+    commits by writing its ``.metadata`` last, so a failed save is no checkpoint; the
+    ``"safetensors"`` storage writes no commit marker (DCP's own limit) and stores one chunk per
+    key per rank, so a DTensor with several boxes on a rank (a ``packed_colwise`` weight under
+    plain TP) is refused there.
 
     Args:
         model: a model loaded (or built) on any mesh, or in one process.
-        path: the DCP checkpoint directory.
+        path: the checkpoint directory.
+        storage: one of :data:`STORAGES`.
 
     Raises:
-        ConfigurationError: a placement DCP cannot store (``Partial``), or a load record this
-            cannot carry (a quantized load), before anything is written.
+        ConfigurationError: an unknown ``storage``, a placement DCP cannot store (``Partial``), a
+            tensor the safetensors storage cannot hold, or a load record this cannot carry (a
+            quantized load), before anything is written, on every rank.
         CheckpointError: DCP failed (on every rank: DCP shares the failure).
     """
     import torch.distributed.checkpoint as dcp
 
+    if storage not in STORAGES:
+        raise ConfigurationError(f"save_dcp(storage={storage!r}): choose one of {list(STORAGES)}.")
     state = dcp_state_dict(model)
     record = _encode_record(model)
     if record is not None:
         state[RECORD_KEY] = record
-    with _failures_raised(f"dcp.save to {os.fspath(path)!r}"):
-        dcp.save(
-            state,
-            storage_writer=dcp.FileSystemWriter(os.fspath(path)),
-            planner=_SavePlanner(),
-            no_dist=not _distributed(),
-        )
+    where = os.fspath(path)
+    if storage == "safetensors":
+        _check_one_box_per_rank(model)
+        writer: Any = dcp.HuggingFaceStorageWriter(where, save_distributed=_distributed())
+    else:
+        writer = dcp.FileSystemWriter(where)
+    with _failures_raised(f"dcp.save to {where!r}"):
+        dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=not _distributed())
+
+
+def _check_one_box_per_rank(model: nn.Module) -> None:
+    """Every DTensor one box on every rank (the same answer on every rank: all coordinates are
+    checked, only for DTensors with a ``_StridedShard``, the one placement that makes several)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from .dtensors import is_dtensor
+
+    for key, t in model.state_dict().items():
+        if not is_dtensor(t) or not any(isinstance(p, _StridedShard) for p in t.placements):
+            continue
+        mesh_shape = tuple(t.device_mesh.mesh.shape)
+        for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+            placed = boxes(local_indices(tuple(t.shape), mesh_shape, coordinate, tuple(t.placements)))
+            if len(placed) > 1:
+                raise ConfigurationError(
+                    f"save_dcp(storage='safetensors') cannot store {key!r}: with placements "
+                    f"{tuple(t.placements)} the rank at {coordinate} holds {len(placed)} separate boxes of it, "
+                    "and DCP's safetensors storage keeps one chunk per key per rank. Use storage='dcp'."
+                )
 
 
 def load_dcp(model: nn.Module, path: str | os.PathLike[str], *, device: str | torch.device = "cpu") -> None:
@@ -337,7 +372,8 @@ def load_dcp(model: nn.Module, path: str | os.PathLike[str], *, device: str | to
 
     Args:
         model: the target model, its parameters placed on the target mesh.
-        path: a directory :func:`save_dcp` wrote (``dcp.save`` of :func:`dcp_state_dict`).
+        path: a directory :func:`save_dcp` wrote (``dcp.save`` of :func:`dcp_state_dict`), in
+            either storage (DCP's ``.metadata`` says which).
         device: where a model on ``meta`` is allocated.
 
     Raises:
@@ -349,9 +385,7 @@ def load_dcp(model: nn.Module, path: str | os.PathLike[str], *, device: str | to
     import torch.distributed.checkpoint as dcp
 
     where = os.fspath(path)
-    reader = dcp.FileSystemReader(where)
-    if not (Path(where) / ".metadata").is_file():
-        raise CheckpointError(f"{where!r} is not a DCP checkpoint (no .metadata): write one with save_dcp.")
+    reader = _reader(where)
     stored = reader.read_metadata().state_dict_metadata
     _check_matches(model, stored, where)  # before the model changes
     _allocate(model, device)
@@ -363,6 +397,19 @@ def load_dcp(model: nn.Module, path: str | os.PathLike[str], *, device: str | to
         dcp.load(state, storage_reader=reader, planner=_LoadPlanner(), no_dist=not _distributed())
     record = _decode_record(model, state[RECORD_KEY], where) if RECORD_KEY in state else None
     update_record(model, load=record)
+
+
+def _reader(where: str) -> Any:
+    """DCP's reader for what :func:`save_dcp` wrote there: its ``.metadata``, else safetensors."""
+    import torch.distributed.checkpoint as dcp
+
+    if (Path(where) / ".metadata").is_file():
+        return dcp.FileSystemReader(where)
+    if Path(where).is_dir() and any(Path(where).glob("*.safetensors")):
+        return dcp.HuggingFaceStorageReader(where)
+    raise CheckpointError(
+        f"{where!r} is not a DCP checkpoint (no .metadata, no safetensors files): write one with save_dcp."
+    )
 
 
 def _distributed() -> bool:
