@@ -59,6 +59,28 @@ def test_a_one_process_model_round_trips_through_dcp_and_saves_the_hub_layout(tm
     _same_files(tmp_path / "hub", tmp_path / "out")
 
 
+def test_a_base_prefix_added_at_load_is_carried_and_stripped_again_at_save(tmp_path):
+    from safetensors.torch import load_file
+
+    from surgery.examples import moe
+    from surgery.record import Origin
+
+    config = moe.ExampleMoEConfig()
+    full = moe.original_state_dict(moe.build_moe_model(config, seed=5))
+    bare = {k.removeprefix("model."): v for k, v in full.items() if k != "lm_head.weight"}
+    write_checkpoint(bare, tmp_path / "hub")  # saved from the base model: no "model." prefix
+    loaded = moe.build_moe_model(config, seed=1)
+    surgery.load_checkpoint(loaded, tmp_path / "hub")
+    assert record_of(loaded).load.of(Origin.BASE_PREFIX_BEFORE, Origin.BASE_PREFIX_AFTER)  # type: ignore[union-attr]
+    save_dcp(loaded, tmp_path / "dcp")
+    again = moe.build_moe_model(config, device="meta")
+    load_dcp(again, tmp_path / "dcp")
+    surgery.save_checkpoint(again, tmp_path / "out")
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(saved) == sorted([*bare, "lm_head.weight"])  # the prefix stripped again, as loaded
+    assert all(torch.equal(saved[k], v) for k, v in bare.items())
+
+
 def test_a_model_never_loaded_saves_its_state_without_a_record(tmp_path):
     model = nn.Linear(3, 2)
     save_dcp(model, tmp_path / "dcp")

@@ -216,8 +216,12 @@ def _encode_fired(model: nn.Module, fired: Sequence[Fired]) -> list[dict[str, An
     for f in fired:
         entry: dict[str, Any] = {"origin": f.origin.value}
         if f.origin in (Origin.BASE_PREFIX_BEFORE, Origin.BASE_PREFIX_AFTER):
-            assert isinstance(f.transform, PrefixChange)  # record_load builds only these there
-            entry["add"], entry["remove"] = f.transform.prefix_to_add, f.transform.prefix_to_remove
+            change = f.transform
+            if not isinstance(change, PrefixChange):
+                raise ConfigurationError(
+                    f"save_dcp: a {f.origin.value} transform must be a PrefixChange, got {change!r}."
+                )
+            entry["add"], entry["remove"] = change.prefix_to_add, change.prefix_to_remove
         else:
             index = next((i for i, c in enumerate(candidates) if c == f.transform), None)
             if index is None:
