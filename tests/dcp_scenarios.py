@@ -20,6 +20,7 @@ from (dp_shard=4) to (tp=4) with the MoE.
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from torch import nn
 import surgery
 from surgery.examples import dense
 from surgery.parallel import load_dcp, parallelize, save_dcp, shard_model
+from surgery.parallel.dcp import RECORD_KEY
 
 __all__ = ["FAMILIES", "scenarios"]
 
@@ -79,6 +81,21 @@ def _torch_dcp_misread(model: nn.Module, ref: nn.Module, path: Path) -> list[str
     return sorted(k for k, v in ref.state_dict().items() if not torch.equal(whole[k], v))
 
 
+def _stored(path: Path) -> dict[str, int]:
+    """What DCP's metadata says was stored: chunks, their bytes, and the bytes of the files."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {
+        "chunks": sum(len(m.chunks) for m in stored.values()),
+        "chunk_bytes": sum(
+            math.prod(c.sizes) * m.properties.dtype.itemsize for m in stored.values() for c in m.chunks
+        ),
+        "record_bytes": math.prod(stored[RECORD_KEY].size),
+        "file_bytes": sum(p.stat().st_size for p in path.glob("*.distcp")),
+    }
+
+
 def _round_trip(work: Path, meshes: dict[str, Any], family: str) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -102,6 +119,8 @@ def _round_trip(work: Path, meshes: dict[str, Any], family: str) -> dict[str, An
     unequal_back = _unequal_to(back, _torch_flow(ref, family, meshes[MESH_A]).state_dict())
     dist.barrier()
     return {
+        "stored": _stored(out),
+        "model_bytes": sum(v.numel() * v.element_size() for v in ref.state_dict().values()),
         "unequal_back_on_a": unequal_back,
         "loaded_on_a": report.ok,
         "strided_on_a": _strided(a),

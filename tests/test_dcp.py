@@ -138,6 +138,15 @@ def test_fsdp_over_tp_reshards_to_tp4_equal_to_torchs_own_split(ranks, case):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", ROUND_TRIPS)
+def test_the_dcp_checkpoint_stores_every_byte_of_the_model_once(ranks, case):
+    f = _facts(ranks, case)[0]
+    stored = f["stored"]
+    assert stored["chunk_bytes"] == f["model_bytes"] + stored["record_bytes"]  # replicas written once
+    assert stored["file_bytes"] > stored["chunk_bytes"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ROUND_TRIPS)
 def test_tp4_reshards_back_to_fsdp_over_tp_equal_to_torchs_own_split(ranks, case):
     for f in _facts(ranks, case):
         assert f["unequal_back_on_a"] == []
