@@ -104,7 +104,11 @@ def fresh_python() -> Iterator[FreshPython]:
 
 
 # The interop modules whose scenarios join the one 4-rank spawn, and the suite each belongs to.
-MESH4_INTEROP = {"test_nd_loading_interop.py": "nd", "test_fsdp_loading_interop.py": "fsdp"}
+MESH4_INTEROP = {
+    "test_nd_loading_interop.py": "nd",
+    "test_fsdp_loading_interop.py": "fsdp",
+    "test_dcp_interop.py": "dcp",
+}
 
 
 @pytest.fixture(scope="session")

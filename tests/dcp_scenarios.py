@@ -9,7 +9,9 @@ MoE: experts), each rank: loads the hub checkpoint through the transforms on mes
 tensor equals torch's own split of the single-process load on mesh B (``parallelize_module``
 with real weights), then saves mesh B's model back to the hub layout (``<work>/dcp/<family>-hub``)
 for the test to compare with the hub file byte for byte, and saves mesh B's model with DCP again
-and loads that back on mesh A (``shard_model``, FSDP2 over TP), equal to torch's split there. Torch's plain ``dcp.save`` of the same
+and loads that back on mesh A (``shard_model``, FSDP2 over TP), equal to torch's split there.
+Under the interop marker the same round trip runs for transformers' Mixtral (its hub layout from
+``save_pretrained``; mesh B is ``dp_shard=4``: its two kv heads do not split four ways). Torch's plain ``dcp.save`` of the same
 state dict is read back in one process, and the keys it got wrong are recorded (the defect
 :class:`~surgery.parallel.LocalShards` avoids). Last, bad inputs: a DCP checkpoint of another
 model, one whose shapes differ, and a ``packed_colwise`` weight for the safetensors storage, each
@@ -38,6 +40,7 @@ __all__ = ["FAMILIES", "scenarios"]
 FAMILIES = ("dense", "moe")
 MESH_A = "dp_shard2_tp2"
 MESH_B = "tp4"
+TARGETS = {"mixtral": "dp_shard4"}  # its 2 kv heads do not split 4 ways: FSDP2 alone instead
 
 
 def _strided(model: nn.Module) -> list[str]:
@@ -108,9 +111,13 @@ def _round_trip(work: Path, meshes: dict[str, Any], family: str) -> dict[str, An
     save_dcp(a, out)
     misread = _torch_dcp_misread(a, ref, work / "dcp" / f"{family}-torch")
     b = build(device="meta")
-    parallelize(b, "auto", meshes[MESH_B]["tp"])
+    target = TARGETS.get(family, MESH_B)
+    if target == MESH_B:
+        parallelize(b, "auto", meshes[MESH_B]["tp"])
+    else:
+        shard_model(b, meshes[target], tp_plan=None, fsdp=True)
     load_dcp(b, out)
-    unequal_b = _unequal_to(b, _torch_flow(ref, family, meshes[MESH_B]).state_dict())
+    unequal_b = _unequal_to(b, _torch_flow(ref, family, meshes[target]).state_dict())
     surgery.save_checkpoint(b, work / "dcp" / f"{family}-hub")
     save_dcp(b, work / "dcp" / f"{family}-tp4")  # and back: into FSDP2 over TP, strided boxes read in place
     back = build(device="meta")
@@ -195,15 +202,16 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...] = ()) -> dict[st
     from nd_scenarios import _guarded
     from torch.distributed.device_mesh import init_device_mesh
 
-    if families:  # no interop part
-        return {}
     meshes = {
         m: init_device_mesh("cpu", MESHES[m][1], mesh_dim_names=MESHES[m][0])
         for m in (MESH_A, MESH_B, "dp_shard4")
     }
     out: dict[str, Any] = {
-        f"{MESH_A}->{MESH_B}/{f}": functools.partial(_guarded, _round_trip, work, meshes, f) for f in FAMILIES
+        f"{MESH_A}->{TARGETS.get(f, MESH_B)}/{f}": functools.partial(_guarded, _round_trip, work, meshes, f)
+        for f in families or FAMILIES
     }
+    if families:  # interop: the transformers families' round trips only
+        return out
     out["safetensors"] = functools.partial(_guarded, _safetensors, work, meshes)
     out["bad_inputs"] = functools.partial(_guarded, _bad_inputs, work, meshes)
     return out
