@@ -5,8 +5,9 @@ DCP stores each tensor as chunks (an offset and a size in the whole tensor) and 
 a rank of the target mesh needs by overlap: resharding is its job. What it cannot do alone is
 describe every placement a load here leaves: the chunk DCP computes for a DTensor is one box, and
 a ``_StridedShard`` (a ``packed_colwise`` weight: each of its packed halves sharded) fills several;
-under FSDP2 over such a weight torch even places the data wrongly (the dp chunk of each TP shard,
-see :func:`~surgery.parallel.assemble.local_indices`). So :func:`dcp_state_dict` hands DCP each
+under FSDP2 over such a weight torch declares placements its data does not follow (the dp chunk
+of each TP shard, see :func:`~surgery.parallel.assemble.local_indices`), and a plain ``dcp.save``
+of it fails ("overlapping chunks", torch 2.13). So :func:`dcp_state_dict` hands DCP each
 DTensor as a :class:`LocalShards`: the rank's own local tensor and the boxes it fills in the whole
 tensor, each box one DCP chunk. Nothing moves between ranks and nothing is gathered: every rank
 writes, and later reads, only the boxes it holds (replicas write one copy, DCP deduplicates them).
@@ -15,13 +16,14 @@ writes, and later reads, only the boxes it holds (replicas write one copy, DCP d
 fired, the checkpoint dtypes, shapes and shards) as JSON in one more DCP tensor,
 :data:`RECORD_KEY` (``uint8``, committed with the rest by DCP's own metadata), so that after
 :func:`load_dcp` on another mesh :func:`surgery.save_checkpoint` writes the original hub layout.
-Nothing pickled is written or read beyond DCP's own ``.metadata``.
+Nothing pickled is written or read beyond DCP's own ``.metadata``. ``storage="safetensors"``
+writes through DCP's ``HuggingFaceStorageWriter`` instead, where every DTensor is one box per rank.
 
 Example (shape only; see docs/parallel.md, "Resharding with DCP")::
 
     surgery.load_checkpoint(model_a, "hub/", device_mesh=mesh_a, tp_plan="auto", fsdp=True)
     save_dcp(model_a, "ckpt-dcp/")                       # every rank of mesh A
-    shard_model(model_b, mesh_b, tp_plan="auto", fsdp=None)
+    parallelize(model_b, "auto", mesh_b["tp"])             # or shard_model(..., fsdp=True)
     load_dcp(model_b, "ckpt-dcp/")                        # every rank of mesh B
     surgery.save_checkpoint(model_b, "hub-again/")        # byte-identical to hub/
 """
