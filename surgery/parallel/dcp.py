@@ -387,6 +387,8 @@ def load_dcp(model: nn.Module, path: str | os.PathLike[str], *, device: str | to
         LoadError: a key the model has is not stored, a stored key the model does not have, or
             a key stored with another shape or dtype, naming it. Every rank decides from the
             same metadata and the same model, so every rank raises it, before any collective.
+            Also a stored load record naming a transform this model's mapping does not have
+            (checked before the model's tensors are read into).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -394,15 +396,26 @@ def load_dcp(model: nn.Module, path: str | os.PathLike[str], *, device: str | to
     reader = _reader(where)
     stored = reader.read_metadata().state_dict_metadata
     _check_matches(model, stored, where)  # before the model changes
+    record = _read_record(model, stored, where)  # checked before the model changes, too
     _allocate(model, device)
-    state = dcp_state_dict(model)
-    record_md = stored.get(RECORD_KEY)
-    if isinstance(record_md, TensorStorageMetadata):
-        state[RECORD_KEY] = torch.empty(tuple(record_md.size), dtype=torch.uint8)
     with _failures_raised(f"dcp.load from {where!r}"):
-        dcp.load(state, storage_reader=reader, planner=_LoadPlanner(), no_dist=not _distributed())
-    record = _decode_record(model, state[RECORD_KEY], where) if RECORD_KEY in state else None
+        dcp.load(
+            dcp_state_dict(model), storage_reader=reader, planner=_LoadPlanner(), no_dist=not _distributed()
+        )
     update_record(model, load=record)
+
+
+def _read_record(model: nn.Module, stored: Mapping[str, Any], where: str) -> LoadRecord | None:
+    """The load record stored there (``None`` if none), rebuilt for ``model``: a DCP load of its one key."""
+    import torch.distributed.checkpoint as dcp
+
+    md = stored.get(RECORD_KEY)
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    raw = {RECORD_KEY: torch.empty(tuple(md.size), dtype=torch.uint8)}
+    with _failures_raised(f"dcp.load of the load record from {where!r}"):
+        dcp.load(raw, storage_reader=_reader(where), no_dist=not _distributed())
+    return _decode_record(model, raw[RECORD_KEY], where)
 
 
 def _reader(where: str) -> Any:
