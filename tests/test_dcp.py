@@ -81,6 +81,37 @@ def test_a_base_prefix_added_at_load_is_carried_and_stripped_again_at_save(tmp_p
     assert all(torch.equal(saved[k], v) for k, v in bare.items())
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_record_naming_a_transform_the_model_lacks_is_refused_before_the_model_changes(tmp_path):
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from surgery.parallel.dcp import RECORD_KEY
+
+    config = dense.ExampleDenseConfig()
+    state = dcp_state_dict(dense.build_dense_model(config, seed=0))
+    record = {
+        "version": 1,
+        "checkpoint": "elsewhere",
+        "fired": [
+            {"origin": "mapping", "index": 999, "type": "WeightConverter", "source": ["a"], "target": ["b"]}
+        ],
+        "source_dtypes": {},
+        "source_shapes": {},
+        "source_shards": {},
+        "loaded_keys": [],
+    }
+    state[RECORD_KEY] = torch.frombuffer(bytearray(json.dumps(record).encode()), dtype=torch.uint8)
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    target = dense.build_dense_model(config, device="meta")
+    with pytest.raises(
+        surgery.LoadError, match=r"names transform #999 \(WeightConverter \['a'\] -> \['b'\]\)"
+    ):
+        load_dcp(target, tmp_path / "dcp")
+    assert all(p.is_meta for p in target.parameters())  # nothing allocated, nothing read
+
+
 def test_a_model_never_loaded_saves_its_state_without_a_record(tmp_path):
     model = nn.Linear(3, 2)
     save_dcp(model, tmp_path / "dcp")
