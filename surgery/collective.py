@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, NoReturn
 
 import torch
@@ -115,6 +115,17 @@ class Collective:
         mesh = spread[0]
         return cls(_root_group(mesh, several=len(meshes) > 1), what=what, device_type=mesh.device_type)
 
+    @classmethod
+    def of_mesh(cls, mesh: Any, *, what: str) -> Collective:
+        """The collective over every rank of ``mesh``'s root mesh (one process for a mesh of one).
+
+        Raises:
+            ConfigurationError: the root mesh is n-D and covers only some ranks of the default group.
+        """
+        if mesh.size() <= 1:
+            return cls(None, what=what)
+        return cls(_root_group(mesh, several=False), what=what, device_type=mesh.device_type)
+
     @property
     def group(self) -> Any:
         """The ``torch.distributed`` process group (``None`` for one process)."""
@@ -171,6 +182,23 @@ class Collective:
         if self._group is not None:
             self._exchange(None)
 
+    def compare(self, problems: Mapping[str, str]) -> list[dict[str, str]] | None:
+        """What each rank found wrong (``problems``: what → why), in rank order; ``None`` when no rank found any.
+
+        One flag is exchanged; the problems only when a rank has some. Call it where
+        :meth:`agree` may be called: each rank then decides the same from the same values.
+        """
+        mine = dict(problems)
+        if self._group is None:
+            return [mine] if mine else None
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=self._device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if not int(flag.item()):
+            return None
+        return [dict(p) for p in self.gather(mine)]
+
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (picklable), in rank order, on every rank; ``[value]`` in one process.
 
@@ -193,14 +221,17 @@ class Collective:
             raise shared from exc
         raise AssertionError("an exchange with a failure always raises")  # pragma: no cover
 
+    def _device(self) -> torch.device:
+        """Where this group's collectives take tensors."""
+        if self._device_type == "cpu":
+            return torch.device("cpu")
+        module = torch.get_device_module(self._device_type)
+        return torch.device(self._device_type, module.current_device())
+
     def _exchange(self, failure: _Failure | None) -> None:
         import torch.distributed as dist
 
-        device = torch.device("cpu")
-        if self._device_type != "cpu":
-            module = torch.get_device_module(self._device_type)
-            device = torch.device(self._device_type, module.current_device())
-        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=device)
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=self._device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         if not int(flag.item()):
             return

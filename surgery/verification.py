@@ -478,18 +478,20 @@ def verify(
         collective.agree()
         work = Path(workdir) if workdir is not None else Path(collective.gather(scratch)[0])
         first, second = work / "first", work / "second"
-        with collective.step():  # loading reads this rank's shards: no collective inside
+        with collective.step():
             work.mkdir(parents=True, exist_ok=True)
             loaded = model() if not isinstance(model, nn.Module) and callable(model) else model
-            with step("load"):
-                report = load_checkpoint(
-                    loaded,
-                    checkpoint,
-                    fusion_config=fusion_config,
-                    tp_plan=tp_plan,
-                    device_mesh=device_mesh,
-                    **options,
-                )
+        collective.agree()
+        with step("load"):  # a load agrees across its ranks: a failure on one raises on every rank
+            report = load_checkpoint(
+                loaded,
+                checkpoint,
+                fusion_config=fusion_config,
+                tp_plan=tp_plan,
+                device_mesh=device_mesh,
+                **options,
+            )
+        with collective.step():
             card.load_modes = _load_modes(report)
             card.load_problems = _problems(report)
             del report
@@ -497,9 +499,9 @@ def verify(
         collective.agree()
         with step("save"):
             save_checkpoint(loaded, first, max_shard_size=max_shard_size)  # raises on every rank
+        with step("reload"):  # into the same model: already fused, and parallel on its own mesh
+            report = load_checkpoint(loaded, first, **options)
         with collective.step():
-            with step("reload"):  # into the same model: already fused, and parallel on its own mesh
-                report = load_checkpoint(loaded, first, **options)
             card.load_problems += [f"reload {p}" for p in _problems(report)]
             after = _runtime_hashes(loaded)
             missing = set(report.missing_keys)  # kept from the first load: not from the save

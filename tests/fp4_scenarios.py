@@ -137,6 +137,12 @@ def _scenario(work: Path, rank: int, mesh: Any, name: str) -> dict[str, Any]:
         for p in PROJS
         if p in layout
     )
+    facts["sharded_scales_bytes"] = sum(
+        infos[f"{EXPERTS.format(i)}.{p}_scales"].nbytes
+        for i in range(tiny_config().num_hidden_layers)
+        for p in PROJS
+        if p in layout
+    )
     facts["sharded_bias_bytes"] = sum(
         infos[f"{EXPERTS.format(i)}.{p}"].nbytes
         for i in range(tiny_config().num_hidden_layers)
@@ -199,6 +205,7 @@ def _ct_scenario(work: Path, rank: int, mesh: Any, preset: str, plan_name: str) 
     facts["local_equals_slice_of_full_decode"] = torch.equal(local.view(torch.int32), want.view(torch.int32))
     facts["bytes_read"], facts["single_bytes"] = report.bytes_read, single.bytes_read
     facts["half_packed_bytes"] = state["a.weight_packed"].numel() // 2
+    facts["half_scale_bytes"] = state["a.weight_scale"].nbytes // 2  # its rows, or its whole groups
     out = work / f"saved-ct-{preset}-{plan_name}"
     files = surgery.save_checkpoint(model, out)
     facts["requantized"] = list(files.requantized)

@@ -118,10 +118,12 @@ def _quantized_state(state: dict[str, torch.Tensor], make, quantized) -> dict[st
     return out
 
 
-def gptq_state(state: dict[str, torch.Tensor], group: int, quantized) -> dict[str, torch.Tensor]:
-    """``state`` with each ``quantized(key)`` weight replaced by random GPTQ v1 tensors (act-order)."""
+def gptq_state(
+    state: dict[str, torch.Tensor], group: int, quantized, *, act_order: bool = True
+) -> dict[str, torch.Tensor]:
+    """``state`` with each ``quantized(key)`` weight replaced by random GPTQ v1 tensors."""
     return _quantized_state(
-        state, lambda k, n, i: gptq_tensors(k, n, group, seed=i, act_order=True), quantized
+        state, lambda k, n, i: gptq_tensors(k, n, group, seed=i, act_order=act_order), quantized
     )
 
 

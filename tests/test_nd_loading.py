@@ -6,7 +6,8 @@ the dense and Mixtral-style examples built on meta, ``parallelize_module`` on ``
 ``fully_shard`` per decoder layer and at the root, then ``load_checkpoint`` with no ``tp_plan``.
 Every rank's local tensors equal what torch's own flow holds (the single-process load copied,
 parallelized and sharded by torch), the forward matches the single-process forward, each rank
-reads only its own bytes, and no collective runs during the load. DCP's
+reads only its own bytes, and no data collective runs during the load (only the
+ranks' agreement flags). DCP's
 ``HuggingFaceStorageReader`` reads the same 1:1 keys into the same placements.
 
 The placement arithmetic itself (:func:`surgery.parallel.local_region`) is checked without

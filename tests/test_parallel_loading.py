@@ -190,6 +190,21 @@ def test_an_fp8_checkpoint_decodes_each_ranks_slices_and_saves_back_bit_for_bit(
     assert ranks[0]["fp8"]["saved_identical"]
 
 
+def test_a_nan_scale_only_one_rank_reads_fails_the_load_on_every_rank_with_one_error(ranks):
+    facts = [rank["nan_scale"] for rank in ranks]
+    assert facts[0]["raised"] == "ConversionError" and facts[0]["message"] == facts[1]["message"], facts
+    message = facts[0]["message"]
+    assert "planning failed on rank 1 of 2 only" in message and "model.layers.0.self_attn.q_proj" in message
+    assert "nan" in message.lower(), message
+    assert all(f["unchanged"] for f in facts)  # refused before any parameter was set
+
+
+def test_a_checkpoint_one_rank_cannot_open_fails_the_load_on_every_rank(ranks):
+    facts = [rank["missing_on_one_rank"] for rank in ranks]
+    assert facts[0]["raised"] == "CheckpointError" and facts[0]["message"] == facts[1]["message"], facts
+    assert "failed on rank 1 of 2" in facts[0]["message"] and "nowhere" in facts[0]["message"]
+
+
 @pytest.mark.parametrize("name", ["w4", "w4asym", "w8", "fp8", "moe-w4"])
 def test_a_compressed_tensors_checkpoint_reads_each_ranks_packed_share_and_saves_back_bit_for_bit(
     ranks, name
@@ -200,6 +215,8 @@ def test_a_compressed_tensors_checkpoint_reads_each_ranks_packed_share_and_saves
         assert facts["unequal"] == [] and facts["fallbacks"] == []
         assert facts["max_abs_diff"] < 1e-5  # parameters equal bit for bit; the reductions differ
         assert facts["bytes_read"] < 0.75 * facts["single_bytes"]
+        # its share of the codes, the scale and zero rows or groups covering it, the rest whole
+        assert facts["bytes_read"] == facts["expected_bytes"], facts
     assert ranks[0]["compressed_tensors"][name]["saved_identical"]
 
 
@@ -212,13 +229,15 @@ def test_a_split_of_packed_columns_that_cuts_a_group_is_an_error_naming_key_dim_
         assert not any("down_proj" in e for e in errors)
 
 
-@pytest.mark.parametrize("name", ["gptq", "awq"])
+@pytest.mark.parametrize("name", ["gptq", "gptq-ordered", "awq"])
 def test_a_gptq_or_awq_checkpoint_reads_each_ranks_packed_share_and_saves_back_bit_for_bit(ranks, name):
     for rank in ranks:
         facts = rank["gptq_awq"][name]
         assert facts["ok"], facts["report"]
         assert facts["unequal"] == [] and facts["fallbacks"] == []
         assert facts["bytes_read"] < 0.75 * facts["single_bytes"]
+        # its share of the words, the scale/zero columns or groups covering it (packed_scenarios)
+        assert facts["bytes_read"] == facts["expected_bytes"], facts
     assert ranks[0]["gptq_awq"][name]["saved_identical"]
 
 

@@ -41,10 +41,13 @@ def test_each_rank_decodes_exactly_its_slice_of_the_full_decode(ranks, layout):
 
 
 @pytest.mark.parametrize("layout", ["ep", "tp"])
-def test_each_rank_reads_only_its_share_of_the_sharded_blocks(ranks, layout):
+def test_each_rank_reads_only_its_share_of_the_sharded_blocks_and_their_scales(ranks, layout):
     for rank in ranks:
         facts = rank[layout]
-        saved = facts["sharded_blocks_bytes"] // 2 + facts["sharded_bias_bytes"] // 2
+        # half of each sharded weight's blocks, of the scales covering them, and of its bias
+        saved = (
+            facts["sharded_blocks_bytes"] + facts["sharded_scales_bytes"] + facts["sharded_bias_bytes"]
+        ) // 2
         assert facts["bytes_read"] == facts["single_bytes"] - saved, facts
 
 
@@ -75,7 +78,9 @@ def test_a_compressed_fp4_checkpoint_decodes_each_ranks_slice_reading_only_its_p
         facts = rank[scenario]
         assert facts["ok"], facts["errors"]
         assert facts["local_equals_slice_of_full_decode"]
-        assert facts["bytes_read"] == facts["single_bytes"] - facts["half_packed_bytes"], facts
+        # half of the packed codes and of the group scales covering them; the global scales whole
+        saved = facts["half_packed_bytes"] + facts["half_scale_bytes"]
+        assert facts["bytes_read"] == facts["single_bytes"] - saved, facts
 
 
 @pytest.mark.parametrize("scenario", CT)

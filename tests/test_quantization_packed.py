@@ -363,6 +363,27 @@ def test_a_split_reads_only_its_words_and_decodes_to_the_slice_of_the_full_decod
     assert torch.equal(got, _stored_part(refs["up"], region))
 
 
+def test_a_split_of_the_in_features_reads_the_groups_they_fall_in_unless_act_order_scatters_them(
+    formats, gptq_plain
+):
+    from surgery.parallel.regions import Region
+
+    region = Region.of(1, [(GROUP, 2 * GROUP)])  # the in-features of group 1
+    _, stored, plain, _ = gptq_plain
+    assert plain.companion_region("up.qweight", "up.scales", region, None) == Region.of(0, [(1, 2)])
+    assert plain.companion_region("up.qweight", "up.g_idx", region, None) == region.on(0)
+    _, stored, act_order, _ = formats["gptq"]
+    assert act_order.companion_region("up.qweight", "up.scales", region, None) is None  # every group
+    # a file whose g_idx is not k // group_size while its config says no act-order
+    lying = GPTQQuantizer.from_config({**GPTQ_CONFIG, "desc_act": False})
+    companions = {
+        k: v for k, v in stored.items() if k.startswith("up.") and k not in ("up.qweight", "up.bias")
+    }
+    part = _stored_part(stored["up.qweight"], lying.stored_region("up.qweight", region, None))
+    with pytest.raises(ConversionError, match=rf"up\.g_idx is not k // {GROUP}.*desc_act"):
+        lying.decode("up.qweight", part, companions, region)
+
+
 @pytest.mark.parametrize("fmt,dim", [("gptq", 1), ("awq", 0)])
 def test_a_split_inside_a_packed_word_is_a_configuration_error_naming_key_dim_and_factor(formats, fmt, dim):
     from surgery.parallel.regions import Region

@@ -31,6 +31,7 @@ DENSE = dense.ExampleDenseConfig()
 MOE = moe.ExampleMoEConfig(num_attention_heads=4, num_key_value_heads=2)
 INPUT_IDS = torch.tensor([[1, 5, 9, 3, 7], [2, 4, 6, 8, 10]])
 FP8_BLOCK = (6, 10)  # blocks that straddle every rank boundary, edge blocks in both dims
+NAN_SCALE = "model.layers.0.self_attn.q_proj.weight_scale_inv"
 CT_SCHEMES = ("w4", "w4asym", "w8", "fp8", "g16")
 """The compressed-tensors schemes written by :func:`write_checkpoints` (see :func:`_ct_schemes`)."""
 
@@ -114,6 +115,10 @@ def write_checkpoints(work: Path) -> None:
     write_checkpoint({"unembed.weight": torch.randn(8, 8)}, work / "padded")  # rows 6, 7: padding
     fp8 = quantize_state(dense.original_state_dict(dense.build_dense_model(DENSE, seed=4)), FP8_BLOCK)
     write_checkpoint(fp8, work / "dense-fp8")
+    nan = dict(fp8)  # a NaN in the scale block of rows 12-16 of one q_proj: rows only rank 1 reads
+    nan[NAN_SCALE] = nan[NAN_SCALE].clone()
+    nan[NAN_SCALE][2, 0] = float("nan")
+    write_checkpoint(nan, work / "dense-fp8-nan")
     write_packed_checkpoints(work, dense.original_state_dict(dense.build_dense_model(DENSE, seed=8)))
     from ct_reference import compress_state
 
@@ -283,6 +288,79 @@ def _fp8(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
     return facts
 
 
+def _nan_scale_one_rank_reads(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
+    """A NaN scale only rank 1 reads: the load fails on both ranks with one error."""
+    model = dense_build(device="meta")
+    try:
+        surgery.load_checkpoint(
+            model,
+            work / "dense-fp8-nan",
+            tp_plan="auto",
+            device_mesh=mesh,
+            quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK),
+        )
+    except surgery.SurgeryError as exc:
+        return {
+            "raised": type(exc).__name__,
+            "message": str(exc),
+            "unchanged": all(p.device.type == "meta" for p in model.parameters()),
+        }
+    return {"raised": None}
+
+
+def _missing_on_one_rank(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
+    """Rank 1 is given a checkpoint path that does not exist: both ranks raise its error."""
+    try:
+        surgery.load_checkpoint(
+            dense_build(device="meta"),
+            work / ("nowhere" if rank == 1 else "dense"),
+            tp_plan="auto",
+            device_mesh=mesh,
+        )
+    except surgery.SurgeryError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    return {"raised": None}
+
+
+def _ct_expected_bytes(ckpt: Path, rank: int, world: int) -> int:
+    """The bytes a rank must read of a compressed-tensors dense checkpoint at TP=``world``.
+
+    The dense plan splits q/k/v and gate/up by out-features (rows), o/down by in-features
+    (columns), the embedding and head by vocabulary rows, and replicates the norms. A rank reads
+    its share of every split float and of each packed or FP8 weight; of ``weight_scale`` its rows
+    (an out-feature split) or its groups (an in-feature split; a per-channel ``[N, 1]`` scale
+    whole); of ``weight_zero_point`` (rows packed 8 to an int32 word) the words holding its rows,
+    or its groups; ``weight_shape`` and other per-tensor values whole, once.
+    """
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        for key in sorted(f.keys()):
+            module, _, name = key.rpartition(".")
+            t = f.get_tensor(key)
+            shape, nbytes = tuple(t.shape), t.nbytes
+            out_split = module.rpartition(".")[2] not in ("o_proj", "down_proj")
+            if name == "weight" and "_proj" not in module:
+                split = "embed_tokens" in module or module == "lm_head"
+                total += nbytes // world if split else nbytes
+            elif name in ("weight", "weight_packed"):
+                total += nbytes // world
+            elif len(shape) < 2:  # weight_shape, per-tensor scales
+                total += nbytes
+            elif name == "weight_scale":
+                total += nbytes if not out_split and shape[1] == 1 else nbytes // world
+            elif name == "weight_zero_point" and out_split:
+                per = int(f.get_tensor(f"{module}.weight_shape")[0]) // world
+                words = _covered((rank * per * 4, (rank + 1) * per * 4), 32)
+                total += words * shape[1] * t.element_size()
+            elif name == "weight_zero_point":
+                total += nbytes if shape[1] == 1 else nbytes // world
+            else:
+                raise AssertionError(f"{key}: not in the compressed-tensors layout this counts")
+    return total
+
+
 def _compressed_tensors(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
     """compressed-tensors checkpoints: each rank reads its share of the packed words and decodes it."""
     import torch.distributed as dist
@@ -304,6 +382,7 @@ def _compressed_tensors(work: Path, rank: int, mesh: Any) -> dict[str, Any]:
             "report": str(report),
             "bytes_read": report.bytes_read,
             "single_bytes": single.bytes_read,
+            "expected_bytes": _ct_expected_bytes(ckpt, rank, mesh.size()),
             "fallbacks": [str(f) for f in report.tp_fallbacks],
             **_compare(model, ref),
         }
@@ -484,6 +563,8 @@ def run(rank: int, world: int, workdir: str, torchrun: bool = False) -> None:
             facts["moe"] = _family("moe", moe_build, moe.original_state_dict, work, rank, mesh)
             facts["oracle"] = _oracle(work, mesh)
             facts["fp8"] = _fp8(work, rank, mesh)
+            facts["nan_scale"] = _nan_scale_one_rank_reads(work, rank, mesh)
+            facts["missing_on_one_rank"] = _missing_on_one_rank(work, rank, mesh)
             facts["compressed_tensors"] = _compressed_tensors(work, rank, mesh)
             facts["fallback"] = _fallback(work, mesh)
             facts["padded_head"] = _padded_head(work, rank, mesh)

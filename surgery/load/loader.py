@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from ..checkpoint import CheckpointReader, open_checkpoint
-from ..errors import ConfigurationError, LoadError, SurgeryError
+from ..collective import Collective
+from ..errors import ConfigurationError, ConversionError, LoadError, SurgeryError
 from ..fusion import fusion_config_of
 from ..model_state import meta_clone, model_device
 from ..parallel import from_local, has_dtensors, is_dtensor
@@ -50,7 +51,7 @@ from .plan import LoadPlan, Mode
 from .planner import Prepared, Work, prepare
 from .record import clear_record, record_load
 from .report import ConversionFailure, LoadReport, TPFallback
-from .sharding import Sharding, tensor_parallel
+from .sharding import Sharding, TensorParallel, tensor_parallel
 
 __all__ = ["DEFAULT_WORKERS", "SYNC_ENV", "load_checkpoint", "plan_load"]
 
@@ -366,24 +367,36 @@ def load_checkpoint(
     if tp is not None and tp.mesh is not None and device is None:
         device = tp.mesh.device_type if tp.mesh.device_type == "cpu" else _mesh_device(tp.mesh)
     clear_record(model)  # a failed or interrupted load leaves no record behind
-    with _collector_paused(), _opened(path, allow_pickle) as reader:
+    ranks = _ranks(model, tp, path)
+    with _collector_paused(), contextlib.ExitStack() as opened:
         with _undo_on_error(model):
-            prep = prepare(
-                model,
-                path,
-                device=device,
-                dtype=dtype,
-                fusion_config=fusion_config,
-                reader=reader,
-                tp=tp,
-                mmap=mmap,
-                quantizer=quantizer,
+            with ranks.step():  # opening the checkpoint too: a rank that cannot fails every rank
+                reader = opened.enter_context(_opened(path, allow_pickle))
+                prep = prepare(
+                    model,
+                    path,
+                    device=device,
+                    dtype=dtype,
+                    fusion_config=fusion_config,
+                    reader=reader,
+                    tp=tp,
+                    mmap=mmap,
+                    quantizer=quantizer,
+                )
+            ranks.agree()
+            _same_problems(
+                ranks, prep.failures, "planning", "before setting any parameter (the model is unchanged)"
             )
             if strict:  # what planning already shows fails the load before a parameter is set
                 _refuse_planned_problems(model, path, prep, start)
         sequential = _sync_requested(sync)
-        done = _execute(
-            model, prep, workers=num_workers or DEFAULT_WORKERS, sequential=sequential, progress=progress
+        with ranks.step():
+            done = _execute(
+                model, prep, workers=num_workers or DEFAULT_WORKERS, sequential=sequential, progress=progress
+            )
+        ranks.agree()
+        _same_problems(
+            ranks, done.failures, "reading", "after setting the rest (each rank holds a partial load)"
         )
         report = _report(path, prep, done.loaded, done.mapped, done.failures)
         report.left_on_meta = _left_on_meta(model)
@@ -393,6 +406,46 @@ def load_checkpoint(
     if strict and not report.ok:
         raise LoadError(f"strict load of {path} failed:\n{report}", report)
     return report
+
+
+def _ranks(model: nn.Module, tp: TensorParallel | None, path: str | os.PathLike[str]) -> Collective:
+    """The ranks that load together: the tensor-parallel mesh's, or those of the model's DTensors.
+
+    A failure on one rank (an error raised, or a tensor only it reads that fails to convert) is
+    then raised on every rank, so that none goes on to a collective the others never enter.
+    """
+    what = f"load_checkpoint of '{os.fspath(path)}'"
+    mesh = tp.mesh if tp is not None else None
+    try:
+        if mesh is not None:
+            return Collective.of_mesh(mesh, what=what)
+        return Collective.of_tensors(itertools.chain(model.parameters(), model.buffers()), what=what)
+    except ConfigurationError:  # an n-D mesh over some ranks of the job: no group holds exactly them
+        return Collective(None, what=what)
+
+
+def _same_problems(
+    ranks: Collective, failures: list[tuple[int, ConversionFailure]], phase: str, state: str
+) -> None:
+    """Every rank found the same conversion failures in ``phase``, or every rank raises.
+
+    A failure every rank has is the report's (the load goes on without those keys, as in one
+    process); one that only some ranks found (a NaN scale in a block only one rank reads) would
+    leave the ranks with different models, so the load stops on all of them.
+
+    Raises:
+        ConversionError: naming the ranks that found a problem and the first one, on every rank.
+    """
+    seen = ranks.compare({", ".join(f.target_keys): f.message for _, f in failures})
+    if seen is None or all(s.keys() == seen[0].keys() for s in seen):
+        return
+    differ = [k for k in sorted({k for s in seen for k in s}) if not all(k in s for s in seen)]
+    found = [r for r, s in enumerate(seen) if differ[0] in s]
+    raise ConversionError(
+        f"{ranks.what}: {phase} failed on rank{'s' if len(found) > 1 else ''} {', '.join(map(str, found))} of "
+        f"{len(seen)} only (every rank raises this, {state}): {differ[0]}: {seen[found[0]][differ[0]]}"
+        + (f"; and {len(differ) - 1} more problem(s) not found on every rank" if len(differ) > 1 else "")
+    )
 
 
 def _named_nd_mesh(device_mesh: Any) -> bool:

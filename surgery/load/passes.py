@@ -508,7 +508,7 @@ def check_values(ctx: Planning, c: Candidate) -> None:
     parts = sh is not None and sh.sharded and (sh.fallback is None or sh.operations is not None)
     regions = sh.sources if sh is not None and parts else {}
     problem = check_stored(
-        hooks, ctx.reader, c.entry.source_keys, c.decoded, ctx.checked, regions, ctx.partial
+        hooks, ctx.reader, c.entry.source_keys, c.decoded, ctx.checked, regions, ctx.partial, ctx.values
     )
     if problem:
         fail(ctx, c, f"{hooks.name}.check", problem)

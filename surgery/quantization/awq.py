@@ -94,6 +94,7 @@ class AWQQuantizer(QWeightHooks):
         if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
             raise ConfigurationError(f"group_size={bounded_repr(group_size)}; AWQ groups are a positive int.")
         self.group_size = group_size
+        self.zero_codes_per_word, self.groups_in_order = 8, True
         self._config = dict(
             config
             if config is not None

@@ -237,6 +237,17 @@ class CompressedFp4Quantizer(ConfigGroups):
                 f"{s.format} weight has one scale per {s.group_size} values: [{n}, {k // s.group_size}]."
             )
 
+    def companion_region(self, key: str, companion: str, region: Region, info: StoredTensor) -> Region | None:
+        """The rows (a split of the rows) or groups (of the columns) of ``weight_scale`` covering
+        ``region``; the global scales are one value each, read whole (``None``)."""
+        owned = self._owned(key)
+        if owned is None or companion.rpartition(".")[2] != "weight_scale":
+            return None
+        if region.dim % 2 == 0:
+            return Region.of(0, region.intervals)
+        g = owned[1].group_size
+        return Region.of(1, [(a // g, -(-b // g)) for a, b in region.intervals])
+
     def stored_region(self, key: str, region: Region, info: StoredTensor) -> Region:
         """The part of ``X.weight_packed`` holding ``region`` of the decoded weight.
 

@@ -183,12 +183,16 @@ class QWeightHooks:
     """The hooks GPTQ and AWQ share: ``X.qweight`` stored with its companions (``companion_names``)
     next to it, scales checked for values a file controls, the config written back as read.
 
-    A subclass sets ``companion_names``, ``format_name`` (for messages) and ``_config``.
+    A subclass sets ``companion_names``, ``format_name`` (for messages), ``_config``,
+    ``group_size``, ``zero_codes_per_word`` and ``groups_in_order``.
     """
 
     companion_names: ClassVar[tuple[str, ...]]
     format_name: ClassVar[str]
     _config: dict[str, Any]
+    group_size: int
+    zero_codes_per_word: int  # zero points per qzeros int32 word
+    groups_in_order: bool  # in-feature k is in group k // group_size (no act-order)
 
     def quantization_config(self) -> dict[str, Any]:
         """The ``quantization_config`` as read (or as built): a save writes it back unchanged."""
@@ -227,6 +231,25 @@ class QWeightHooks:
             raise ConversionError(
                 f"{key!r}: the scale at {bad[0]} is {bad[1]}; {what} scales are finite and >= 0."
             )
+
+    def companion_region(self, key: str, companion: str, region: Region, info: StoredTensor) -> Region | None:
+        """The columns of ``scales`` and words of ``qzeros`` covering a split of the out-features;
+        for a split of the in-features, their rows (``g_idx``) and the groups those fall in, or
+        every group where groups are not in order (GPTQ's act-order)."""
+        name = companion.rpartition(".")[2]
+        if region.dim % 2 == 0:  # out-features: every group, some columns
+            if name == "scales":
+                return Region.of(1, region.intervals)
+            if name == "qzeros":
+                f = self.zero_codes_per_word
+                return Region.of(1, [(a // f, -(-b // f)) for a, b in region.intervals])
+            return None
+        if name == "g_idx":
+            return Region.of(0, region.intervals)
+        if name not in ("scales", "qzeros") or not self.groups_in_order or self.group_size <= 0:
+            return None
+        g = self.group_size
+        return Region.of(0, [(a // g, -(-b // g)) for a, b in region.intervals])
 
 
 class GPTQQuantizer(QWeightHooks):
@@ -275,6 +298,7 @@ class GPTQQuantizer(QWeightHooks):
             )
         self.bits, self.group_size = bits, group_size
         self.zero_offset = 1 if checkpoint_format == "gptq" else 0
+        self.zero_codes_per_word = 32 // bits
         self._config = dict(
             config
             if config is not None
@@ -285,6 +309,7 @@ class GPTQQuantizer(QWeightHooks):
                 "checkpoint_format": checkpoint_format,
             }
         )
+        self.groups_in_order = not self._config.get("desc_act", False)  # act-order scatters the groups
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> GPTQQuantizer:
@@ -387,7 +412,13 @@ class GPTQQuantizer(QWeightHooks):
             cols = interval_index(region)
             z, s = z[:, cols], s[:, cols]
         else:  # in-features: some rows, every column
-            g = g[interval_index(region)]
+            rows = interval_index(region)
+            g = g[rows]
+            if self.groups_in_order and self.group_size > 0 and not torch.equal(g, rows // self.group_size):
+                raise ConversionError(
+                    f"{key.removesuffix('qweight')}g_idx is not k // {self.group_size} although the config has no "
+                    "act-order (desc_act): the file is inconsistent; set desc_act: true in its quantization_config."
+                )
         return ((q - z[g]).to(torch.float32) * s[g]).T.contiguous()
 
     def int4_operands(

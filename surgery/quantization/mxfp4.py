@@ -170,6 +170,11 @@ class Mxfp4Quantizer:
                 f"{blocks} need one scale per 32 values: {list(blocks[:-1])}."
             )
 
+    def companion_region(self, key: str, companion: str, region: Region, info: StoredTensor) -> Region | None:
+        """The scales of the blocks holding ``region``: ``X_scales`` ``[E, R, G]`` is ``X_blocks``
+        without its last dim, so the same experts, rows or blocks."""
+        return self._stored(key, region) if companion.endswith(_SCALES) else None
+
     def stored_region(self, key: str, region: Region, info: StoredTensor) -> Region:
         """The part of ``X_blocks`` holding ``region`` of the decoded ``[E, G*32, R]`` weight.
 
@@ -209,7 +214,7 @@ class Mxfp4Quantizer:
         e, r, g, _ = tensor.shape
         if meta.is_meta(tensor):
             return meta.empty((e, g * _BLOCK, r), torch.float32)
-        if region is not None:  # the scales are whole: take the covered ones
+        if region is not None:  # the scales at their full shape, read where they cover: take those
             stored = self._stored(key, region)
             scales = scales.index_select(stored.dim, _index(stored.intervals))
             if tuple(scales.shape) != tuple(tensor.shape[:-1]):

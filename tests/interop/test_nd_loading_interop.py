@@ -43,7 +43,8 @@ def test_fsdp_over_tp_loads_every_local_tensor_exactly_and_the_logits_match(rank
 def test_each_rank_reads_its_shards_and_nothing_is_gathered(ranks, family):
     for f in _facts(ranks, f"dp_shard2_tp2/{family}"):
         assert f["bytes_read"] <= 1.05 * (f["local_bytes"] + f["replicated_bytes"])
-        assert f["collectives"] == {}
+        # only the load's agreement flags (a failure on one rank fails every rank): one int each
+        assert set(f["collectives"]) <= {"all_reduce"} and f["collectives"].get("all_reduce", 0) <= 4
 
 
 def test_dcp_reads_the_same_slices_of_llama(ranks):
