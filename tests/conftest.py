@@ -104,13 +104,17 @@ def fresh_python() -> Iterator[FreshPython]:
 
 
 # The interop modules whose scenarios join the one 4-rank spawn, and the suite each belongs to.
-MESH4_INTEROP = {"test_nd_loading_interop.py": "nd", "test_fsdp_loading_interop.py": "fsdp"}
+MESH4_INTEROP = {
+    "test_nd_loading_interop.py": "nd",
+    "test_fsdp_loading_interop.py": "fsdp",
+    "test_dcp_interop.py": "dcp",
+}
 
 
 @pytest.fixture(scope="session")
 def mesh4_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Every 4-rank n-D scenario (``tests/mesh_scenarios.py``) run in one spawn for the session:
-    each rank's facts by suite (``"nd"``, ``"fsdp"``, and ``"nd-interop"`` / ``"fsdp-interop"``
+    each rank's facts by suite (``"nd"``, ``"fsdp"``, ``"dcp"``, and ``"nd-interop"`` / ``"fsdp-interop"``
     with the ``FAMILIES`` of those interop modules when they are collected and transformers is
     installed)."""
     import importlib.util

@@ -1,11 +1,12 @@
-"""Every 4-rank n-D scenario in one spawn: ``tests/nd_scenarios.py`` and ``tests/fsdp_scenarios.py``,
-the example models and, when asked, the transformers families of both.
+"""Every 4-rank n-D scenario in one spawn: ``tests/nd_scenarios.py``, ``tests/fsdp_scenarios.py``,
+``tests/dcp_scenarios.py`` and ``tests/ep_scenarios.py``, the example models and, when asked, the transformers families of
+the first two.
 
 Starting 4 processes (and importing torch and transformers in each) costs seconds per spawn; the
-four test modules that check these scenarios (``test_nd_loading``, ``test_fsdp_loading`` and their
-``interop`` twins) read one session's facts instead (the ``mesh4_ranks`` fixture in
+test modules that check these scenarios (``test_nd_loading``, ``test_fsdp_loading``, their
+``interop`` twins, ``test_dcp`` and ``test_expert_parallel``) read one session's facts instead (the ``mesh4_ranks`` fixture in
 ``tests/conftest.py``). Each rank's facts come back split by suite: ``"nd"``, ``"fsdp"``,
-``"nd-interop"``, ``"fsdp-interop"``, each the scenario names of its module.
+``"dcp"``, ``"ep"``, ``"nd-interop"``, ``"fsdp-interop"``, each the scenario names of its module.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import dcp_scenarios
 import ep_scenarios
 import fsdp_scenarios
 import nd_scenarios
@@ -28,7 +30,12 @@ from surgery.checkpoint import write_checkpoint
 __all__ = ["SUITES", "WORLD", "run", "spawn"]
 
 WORLD = 4
-SUITES = {"nd": nd_scenarios.scenarios, "fsdp": fsdp_scenarios.scenarios, "ep": ep_scenarios.scenarios}
+SUITES = {
+    "nd": nd_scenarios.scenarios,
+    "fsdp": fsdp_scenarios.scenarios,
+    "dcp": dcp_scenarios.scenarios,
+    "ep": ep_scenarios.scenarios,
+}
 SEPARATOR = "::"
 
 

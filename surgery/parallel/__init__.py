@@ -19,6 +19,9 @@
 * :mod:`~surgery.parallel.mesh_shape`: :class:`~surgery.parallel.mesh_shape.MeshShape`, a named
   n-D mesh as plain numbers, and the placements FSDP2 over TP gives a parameter (dry runs).
 * :mod:`~surgery.parallel.dtensors`: DTensors recognized, gathered and built at run time.
+* :mod:`~surgery.parallel.dcp`: resharding through ``torch.distributed.checkpoint``:
+  :func:`save_dcp` / :func:`load_dcp` (a model's runtime state, any placements, and its load
+  record) and :func:`dcp_state_dict` (each DTensor as :class:`LocalShards`, DCP chunks).
 * :mod:`~surgery.parallel.assemble`: where each rank's shard of a DTensor lies in the whole
   tensor (:func:`~surgery.parallel.assemble.local_indices`, any placements on an n-D mesh), and
   a DTensor assembled whole on one rank (:func:`~surgery.parallel.assemble.assemble_on`).
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .apply import parallelize
+    from .dcp import LocalShards, dcp_state_dict, load_dcp, save_dcp
     from .dtensors import dtensor_type, dtensors_of, from_local, full_tensor, has_dtensors, is_dtensor
     from .fsdp import FSDPOptions, shard_model
     from .plan import (
@@ -55,6 +59,10 @@ _LAZY = {
     "parallelize": ".apply",
     "FSDPOptions": ".fsdp",
     "shard_model": ".fsdp",
+    "LocalShards": ".dcp",
+    "dcp_state_dict": ".dcp",
+    "load_dcp": ".dcp",
+    "save_dcp": ".dcp",
     "dtensor_type": ".dtensors",
     "dtensors_of": ".dtensors",
     "from_local": ".dtensors",
@@ -98,23 +106,27 @@ __all__ = [
     "ExpertParallel",
     "ExpertsParallel",
     "FSDPOptions",
+    "LocalShards",
     "PackedColwiseParallel",
     "PackedLinearParallel",
     "Region",
     "ResolvedStyle",
     "TPSlice",
     "check_mesh",
+    "dcp_state_dict",
     "dtensor_type",
     "dtensors_of",
     "from_local",
     "full_tensor",
     "has_dtensors",
     "is_dtensor",
+    "load_dcp",
     "local_region",
     "local_split_sizes",
     "parallelize",
     "param_placements",
     "resolve_tp_plan",
+    "save_dcp",
     "shard_model",
     "strided_shard",
 ]
