@@ -166,6 +166,37 @@ def _safetensors(work: Path, meshes: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _to_ep(work: Path, meshes: dict[str, Any]) -> dict[str, Any]:
+    """The MoE's DCP checkpoint from (dp_shard=2, tp=2) reloaded with whole experts per rank
+    (``expert_parallel`` on a 1-D ``ep`` mesh of 4) and saved back to the hub layout."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    build = MODELS["moe"]
+    ref = build(device="meta")
+    assert surgery.load_checkpoint(ref, work / "moe").ok
+    model = build(device="meta")
+    parallelize(model, {"model.layers.*.mlp.experts": "expert_parallel"}, meshes["ep4"])
+    load_dcp(model, work / "dcp" / "moe")  # written by the round trip from MESH_A
+    rank, ref_state = dist.get_rank(), ref.state_dict()
+    unequal = [
+        k
+        for k, v in model.state_dict().items()
+        if not torch.equal(
+            v.to_local() if isinstance(v, DTensor) else v,
+            ref_state[k].chunk(4, 0)[rank] if isinstance(v, DTensor) else ref_state[k],
+        )
+    ]
+    surgery.save_checkpoint(model, work / "dcp" / "moe-ep-hub")
+    dist.barrier()
+    return {
+        "unequal_on_ep": unequal,
+        "experts_sharded": sorted(k for k, v in model.state_dict().items() if isinstance(v, DTensor)),
+        "hub": str(work / "moe"),
+        "hub_again": str(work / "dcp" / "moe-ep-hub"),
+    }
+
+
 def _refused(fn: Any) -> dict[str, Any]:
     try:
         fn()
@@ -206,6 +237,7 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...] = ()) -> dict[st
         m: init_device_mesh("cpu", MESHES[m][1], mesh_dim_names=MESHES[m][0])
         for m in (MESH_A, MESH_B, "dp_shard4")
     }
+    meshes["ep4"] = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
     out: dict[str, Any] = {
         f"{MESH_A}->{TARGETS.get(f, MESH_B)}/{f}": functools.partial(_guarded, _round_trip, work, meshes, f)
         for f in families or FAMILIES
@@ -213,5 +245,6 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...] = ()) -> dict[st
     if families:  # interop: the transformers families' round trips only
         return out
     out["safetensors"] = functools.partial(_guarded, _safetensors, work, meshes)
+    out["to_ep"] = functools.partial(_guarded, _to_ep, work, meshes)  # after the MoE's round trip
     out["bad_inputs"] = functools.partial(_guarded, _bad_inputs, work, meshes)
     return out

@@ -236,3 +236,15 @@ def test_a_dcp_checkpoint_of_another_model_is_refused_on_every_rank_naming_the_k
         assert refusals[0]["raised"] in ("LoadError", "CheckpointError", "ConfigurationError")
         assert named in refusals[0]["message"]
         assert all(r == refusals[0] for r in refusals)  # the same error on every rank
+
+
+@pytest.mark.distributed
+def test_the_moe_resharded_from_fsdp_over_tp_to_whole_experts_per_rank_saves_the_hub_file(ranks):
+    """(dp_shard=2, tp=2) -> expert_parallel over ep=4: each rank holds exactly its experts."""
+    facts = _facts(ranks, "to_ep")
+    for f in facts:
+        assert f["unequal_on_ep"] == []
+        assert f["experts_sharded"] == sorted(
+            f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("down_proj", "gate_up_proj")
+        )
+    _same_files(Path(facts[0]["hub"]), Path(facts[0]["hub_again"]))
