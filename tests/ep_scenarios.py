@@ -8,11 +8,11 @@ the facts say what it holds, what it read, what its forward gives and what a sav
 from __future__ import annotations
 
 import functools
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
+from nd_scenarios import _guarded
 from torch import nn
 
 import surgery
@@ -90,13 +90,6 @@ def _refused(work: Path, mesh: Any, config: moe.ExampleMoEConfig, plan: dict[str
     except surgery.SurgeryError as exc:
         return {"raised": type(exc).__name__, "message": str(exc)}
     return {"raised": None}
-
-
-def _guarded(fn: Any, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except Exception:
-        return {"error": traceback.format_exc()}
 
 
 def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, Any]:

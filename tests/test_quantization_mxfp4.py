@@ -306,6 +306,7 @@ def test_experts_kept_packed_run_like_the_decoded_model_and_save_the_same_bytes(
     assert sorted(packed) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
     experts = packed["model.layers.0.mlp.experts"]
     assert experts.num_experts == tiny_model().model.layers[0].mlp.experts.num_experts  # reads through
+    assert all(p.is_meta for p in experts._wrapped[0].parameters() if p.dim() == 3)  # no float copies
     blocks = experts.get_buffer("gate_up_proj_blocks")
     assert blocks.dtype == torch.uint8 and torch.equal(
         blocks, state["model.layers.0.mlp.experts.gate_up_proj_blocks"]
@@ -326,3 +327,14 @@ def test_experts_kept_packed_run_like_the_decoded_model_and_save_the_same_bytes(
     surgery.save_checkpoint(model, tmp_path / "floats", quantization="dequantized")
     surgery.save_checkpoint(decoded, tmp_path / "floats-decoded", quantization="dequantized")
     assert _tensors(tmp_path / "floats") == _tensors(tmp_path / "floats-decoded")
+
+
+def test_experts_kept_packed_take_no_parallel_style_yet(written):
+    from surgery.parallel import resolve_tp_plan
+    from surgery.quantization import KeepPacked
+
+    path, _ = written
+    model = tiny_model()
+    KeepPacked(quantizer_by_name("auto", path), checkpoint=path).prepare(model)
+    with pytest.raises(surgery.ConfigurationError, match=r"mlp\.experts.*keeps its weights packed.*decoded"):
+        resolve_tp_plan(model, {"model.layers.*.mlp.experts": "expert_parallel"}, world_size=2)

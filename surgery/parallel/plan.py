@@ -245,6 +245,11 @@ def _check_module(model: nn.Module, r: ResolvedStyle, world: int) -> None:
 def _check_module_type(model: nn.Module, module: nn.Module, r: ResolvedStyle, where: str) -> None:
     """The style applies to this kind of module (and a packed one to parts of equal size)."""
     packed = callable(getattr(module, "tp_placements", None))  # a PackedLinear: colwise or rowwise
+    if not packed and getattr(module, "packed_names", None) is not None:  # a PackedModule: no style yet
+        raise ConfigurationError(
+            f"{where}: this module keeps its weights packed and takes no parallel style; load it decoded "
+            "(without KeepPacked, or leave it out of KeepPacked's targets) to parallelize it."
+        )
     if r.kind in ("colwise", "rowwise", "colwise_gather") and not (
         isinstance(module, (nn.Linear, nn.Embedding)) or (packed and r.kind != "colwise_gather")
     ):

@@ -321,7 +321,9 @@ class PackedModule(nn.Module):
     The wrapped module is held, not registered as a child: this module's state is the stored
     tensors under their checkpoint names (``gate_up_proj_blocks``, ``gate_up_proj_scales``) and
     the wrapped module's other parameters and buffers (biases), the same objects, so a load fills
-    them 1:1 and a save writes them back unchanged. Attributes the wrapped module has
+    them 1:1 and a save writes them back unchanged. The wrapped module's float copies of the kept
+    parameters are dropped (``meta`` placeholders): they are never allocated. It takes no parallel
+    style yet (a plan entry on it is refused). Attributes the wrapped module has
     (``num_experts``) read through.
 
     Args:
@@ -347,6 +349,11 @@ class PackedModule(nn.Module):
                 self.register_buffer(name, torch.empty(tuple(info.shape), dtype=info.dtype, device=device))
                 names.append(name)
         self.packed_names = tuple(names)
+        for pname in kept:  # the floats are not kept: a placeholder of their shape and dtype
+            w = module.get_parameter(pname)
+            module._parameters[pname] = nn.Parameter(
+                torch.empty(tuple(w.shape), dtype=w.dtype, device="meta"), requires_grad=False
+            )
         for n, p in module._parameters.items():
             if n not in kept:
                 self.register_parameter(n, p)
