@@ -66,7 +66,7 @@ HF_STYLES: Mapping[str, str] = {
 
 REFUSED: Mapping[str, str] = {
     "grouped_gemm": "it shards an expert parameter on the expert dim only under an 'ep_dispatch_experts' module; "
-    "give the experts module 'ep_dispatch_experts' (or this package's 'expert_parallel')",
+    "use 'ep_dispatch_experts' on the experts module (this package's 'expert_parallel')",
     "colwise_rep": "its replicated-output layout has no equal style here; use 'colwise_gather'",
     "rowwise_rep": "its replicated-input layout has no equal style here; use 'rowwise'",
     "rowwise_split_input": "it splits a whole input inside the module; use 'rowwise' after a colwise module",

@@ -50,6 +50,11 @@ def test_moe_tp_experts_folds_its_parameter_entries_into_the_experts_style():
         translate_hf_plan({**plan, "e.down_proj": "colwise"})
 
 
+def test_an_ep_plan_folds_its_grouped_gemm_entries_into_expert_parallel():
+    plan = {"e.gate_up_proj": "grouped_gemm", "e.down_proj": "grouped_gemm", "e": "ep_dispatch_experts"}
+    assert translate_hf_plan(plan) == {"e": "expert_parallel"}
+
+
 TP2 = ("hfplan", ())  # every family, in the session's one 2-rank spawn (tests/tp2_scenarios.py)
 
 
