@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from fp8_reference import quantize_state
 from nd_scenarios import _guarded
 from torch import nn
 
@@ -23,6 +24,7 @@ __all__ = ["EP_MOE", "EP_PLAN", "scenarios", "write_inputs"]
 
 EP_MOE = moe.ExampleMoEConfig(num_local_experts=16, num_attention_heads=4, num_key_value_heads=2)
 EP_PLAN = {"model.layers.*.mlp.experts": "expert_parallel"}
+FP8_BLOCK = (12, 8)  # blocks that straddle the halves of gate_up and the tp cut of every expert
 INPUT_IDS = torch.tensor([[1, 5, 9, 3, 7, 11, 2, 40], [2, 4, 6, 8, 10, 12, 14, 16]])
 
 
@@ -31,31 +33,107 @@ def _build(config: moe.ExampleMoEConfig = EP_MOE, **kwargs: Any) -> nn.Module:
 
 
 def write_inputs(work: Path) -> None:
-    """The per-expert checkpoint (the original layout) and a fused one (the runtime layout)."""
+    """The per-expert checkpoint (the original layout), a fused one (the runtime layout), the
+    per-expert one in block FP8 (DeepSeek-V3's layout) and one that lacks an expert."""
     model = moe.build_moe_model(EP_MOE, seed=5)
-    write_checkpoint(moe.original_state_dict(model), work / "ep-per-expert")
+    original = moe.original_state_dict(model)
+    write_checkpoint(original, work / "ep-per-expert")
     write_checkpoint({k: v.contiguous() for k, v in model.state_dict().items()}, work / "ep-fused")
+    write_checkpoint(quantize_state(original, FP8_BLOCK), work / "ep-per-expert-fp8")
+    lacking = {k: v for k, v in original.items() if ".layers.1.block_sparse_moe.experts.5." not in k}
+    write_checkpoint(lacking, work / "ep-missing-expert")
 
 
 def _files(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
 
 
-def _load(work: Path, mesh: Any, rank: int, checkpoint: str) -> dict[str, Any]:
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+def _expert_index(key: str) -> int | None:
+    """The expert a per-expert checkpoint key belongs to (``None``: a dense key)."""
+    parts = key.split(".")
+    return int(parts[parts.index("experts") + 1]) if "experts" in parts and parts[-2].startswith("w") else None
 
+
+def _owned_stored_bytes(path: Path, owned: range) -> int:
+    """Bytes of a per-expert checkpoint a rank owning ``owned`` must read: its experts' tensors
+    (with their scales) and every dense tensor, from the header alone."""
+    from surgery.checkpoint import open_checkpoint
+
+    with open_checkpoint(path) as reader:
+        return sum(
+            reader.info(k).nbytes
+            for k in reader.keys()
+            if _expert_index(k) is None or _expert_index(k) in owned
+        )
+
+
+def _split(full: torch.Tensor, like: Any) -> torch.Tensor:
+    """``like``'s local shard of ``full``, as torch's own ``distribute_tensor`` cuts it."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def _ep_tp(model: nn.Module, mesh: Any) -> None:
+    """(ep=2, tp=2): attention heads over ``tp``, each layer's experts over both (expert-TP)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from surgery.examples.layers import ATTENTION_TP_PLAN
+    from surgery.parallel import ExpertParallel, parallelize
+
+    parallelize(model, ATTENTION_TP_PLAN, mesh["tp"])
+    for layer in model.model.layers:
+        parallelize_module(layer.mlp.experts, mesh, ExpertParallel())
+
+
+def _dp_ep(model: nn.Module, mesh: Any) -> None:
+    """(dp_shard=2, ep=2): experts over ``ep``, then FSDP2 per layer and at the root over ``dp_shard``."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from surgery.parallel import ExpertParallel
+
+    for layer in model.model.layers:
+        parallelize_module(layer.mlp.experts, mesh["ep"], ExpertParallel())
+        fully_shard(layer, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+
+
+def _load(
+    work: Path,
+    mesh: Any,
+    checkpoint: str,
+    *,
+    plan: Any = None,
+    parallelize: Any = None,
+    quantizer: Any = None,
+    owned: range | None = None,
+) -> dict[str, Any]:
+    """Load ``checkpoint`` into the MoE parallelized by ``plan`` (on ``mesh``) or by ``parallelize``
+    (torchtitan's way; then a plain load), and compare with a single-process load."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    options = {"quantizer": quantizer} if quantizer is not None else {}
     ref = _build(device="meta")
-    single = surgery.load_checkpoint(ref, work / checkpoint)
+    single = surgery.load_checkpoint(ref, work / checkpoint, **options)
     model = _build(device="meta")
-    report = surgery.load_checkpoint(model, work / checkpoint, tp_plan=EP_PLAN, device_mesh=mesh)
+    if parallelize is not None:
+        parallelize(model, mesh)
+        report = surgery.load_checkpoint(model, work / checkpoint, **options)
+    else:
+        report = surgery.load_checkpoint(model, work / checkpoint, tp_plan=plan, device_mesh=mesh, **options)
     ref_state = ref.state_dict()
-    unequal, experts_bytes, other_bytes, sharded = [], 0, 0, []
+    unequal, sharded_bytes, other_bytes, placements = [], 0, 0, {}
     for key, value in model.state_dict().items():
         if isinstance(value, DTensor):
-            sharded.append(key)
-            local, want = value.to_local(), ref_state[key].chunk(mesh.size(), 0)[rank]
-            experts_bytes += local.nbytes
+            local, want = value.to_local(), _split(ref_state[key], value)
+            if ".experts." in key:
+                placements[key] = [repr(p) for p in value.placements]
+            if all(isinstance(p, Replicate) for p in value.placements):
+                other_bytes += local.nbytes
+            else:
+                sharded_bytes += local.nbytes
         else:
             local, want = value, ref_state[key]
             other_bytes += local.nbytes
@@ -63,23 +141,37 @@ def _load(work: Path, mesh: Any, rank: int, checkpoint: str) -> dict[str, Any]:
             unequal.append(key)
     with torch.no_grad():
         diff = float((model(INPUT_IDS) - ref(INPUT_IDS)).abs().max())
-    out = work / f"{checkpoint}-saved-ep"
+    out = work / f"{checkpoint}-saved-{'-'.join(mesh.mesh_dim_names or ('ep',))}"
     files = surgery.save_checkpoint(model, out)
     dist.barrier()
+    original = work / ("ep-per-expert-fp8" if quantizer is not None else "ep-per-expert")
     return {
         "ok": report.ok and single.ok,
         "report": str(report),
         "unequal": unequal,
-        "sharded": sorted(sharded),
+        "sharded": sorted(placements),
+        "placements": placements,
         "forward_max_diff": diff,
         "bytes_read": report.bytes_read,
         "single_bytes": single.bytes_read,
-        "experts_bytes": experts_bytes,
+        "experts_bytes": sharded_bytes,
         "other_bytes": other_bytes,
+        "owned_stored_bytes": _owned_stored_bytes(work / checkpoint, owned) if owned is not None else None,
         "wrote": sorted(Path(p).name for p in files),
         # the original (per-expert) layout, whichever layout was loaded
-        "saved_identical": _files(out) == _files(work / "ep-per-expert") if rank == 0 else None,
+        "saved_identical": _files(out) == _files(original) if dist.get_rank() == 0 else None,
     }
+
+
+def _missing_expert(work: Path, mesh: Any) -> dict[str, Any]:
+    """Expert 5 of layer 1 (rank 1's) is absent: every rank's load fails, naming it."""
+    try:
+        report = surgery.load_checkpoint(
+            _build(device="meta"), work / "ep-missing-expert", tp_plan=EP_PLAN, device_mesh=mesh
+        )
+    except surgery.SurgeryError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    return {"raised": None, "ok": report.ok, "report": str(report)}
 
 
 def _refused(work: Path, mesh: Any, config: moe.ExampleMoEConfig, plan: dict[str, str]) -> dict[str, Any]:
@@ -96,14 +188,33 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, An
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from surgery.quantization import FP8BlockQuantizer
+
     if families:
         return {}
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("ep",))
-    rank = dist.get_rank()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    ep_tp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ep", "tp"))
+    dp_ep = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_shard", "ep"))
+    per = EP_MOE.num_local_experts // world
+    owned = range(rank * per, (rank + 1) * per)
     six = moe.ExampleMoEConfig(num_local_experts=6, num_attention_heads=4, num_key_value_heads=2)
+    load = functools.partial(_guarded, _load, work)
     return {
-        "per_expert": functools.partial(_guarded, _load, work, mesh, rank, "ep-per-expert"),
-        "fused": functools.partial(_guarded, _load, work, mesh, rank, "ep-fused"),
+        "per_expert": functools.partial(load, mesh, "ep-per-expert", plan=EP_PLAN, owned=owned),
+        "fused": functools.partial(load, mesh, "ep-fused", plan=EP_PLAN),
+        "auto": functools.partial(load, mesh, "ep-per-expert", plan="auto", owned=owned),
+        "fp8": functools.partial(
+            load,
+            mesh,
+            "ep-per-expert-fp8",
+            plan=EP_PLAN,
+            quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK),
+            owned=owned,
+        ),
+        "ep_tp": functools.partial(load, ep_tp, "ep-per-expert", parallelize=_ep_tp),
+        "dp_ep": functools.partial(load, dp_ep, "ep-per-expert", parallelize=_dp_ep),
+        "missing_expert": functools.partial(_guarded, _missing_expert, work, mesh),
         "six_experts": functools.partial(_guarded, _refused, work, mesh, six, EP_PLAN),
         "not_experts": functools.partial(
             _guarded, _refused, work, mesh, EP_MOE, {"model.layers.*.mlp.gate": "expert_parallel"}

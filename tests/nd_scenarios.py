@@ -474,10 +474,10 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, An
     return out
 
 
-def _guarded(fn: Any, *args: Any) -> Any:
+def _guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
     import traceback
 
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except Exception:
         return {"error": traceback.format_exc()}

@@ -1,8 +1,10 @@
 """Expert parallelism (``expert_parallel``): whole experts per rank, read, run and saved.
 
 The scenarios run in the session's one 4-rank spawn (``tests/ep_scenarios.py``, suite ``ep``):
-the example MoE with 16 experts over ``ep=4``, from a per-expert and from a fused checkpoint.
-Specification: each rank holds exactly its experts (``Shard(0)``), equal bit for bit to the
+the example MoE with 16 experts over ``ep=4`` from a per-expert, a fused and a block-FP8
+per-expert checkpoint (and through ``tp_plan="auto"`` on a mesh named ``ep``); over
+``(ep=2, tp=2)`` with each expert split over ``tp`` (expert-TP); and over ``(dp_shard=2, ep=2)``
+with FSDP2 on top. Specification: each rank holds exactly its experts, equal bit for bit to the
 same slice of a single-process load, reads only their bytes plus the replicated ones, runs the
 single-process forward, and a save from the 4 ranks writes the single-process file.
 """
@@ -13,7 +15,10 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = ["per_expert", "fused"]
+LAYOUTS = ["per_expert", "fused", "auto", "fp8"]
+MESHES = ["ep_tp", "dp_ep"]
+EVERY = LAYOUTS + MESHES
+EXPERT_KEYS = sorted(f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("down_proj", "gate_up_proj"))
 
 
 @pytest.fixture(scope="module")
@@ -28,35 +33,65 @@ def _facts(ranks: list[dict], name: str) -> list[dict]:
     return facts
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_each_rank_holds_exactly_its_experts_equal_to_the_single_process_load(ranks, layout):
-    for f in _facts(ranks, layout):
+@pytest.mark.parametrize("scenario", EVERY)
+def test_each_rank_holds_exactly_its_experts_equal_to_the_single_process_load(ranks, scenario):
+    for f in _facts(ranks, scenario):
         assert f["ok"], f["report"]
-        assert f["unequal"] == []
-        assert f["sharded"] == sorted(
-            f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("down_proj", "gate_up_proj")
-        )
+        assert f["unequal"] == []  # every local tensor is torch's own slice of the single-process load
+        assert f["sharded"] == EXPERT_KEYS
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_each_rank_reads_only_its_experts_and_the_replicated_tensors(ranks, layout):
-    for f in _facts(ranks, layout):
+@pytest.mark.parametrize(
+    ("scenario", "gate_up", "down"),
+    [
+        ("per_expert", ["Shard(dim=0)"], ["Shard(dim=0)"]),
+        ("ep_tp", ["Shard(dim=0)", "_StridedShard(dim=1, sf=2)"], ["Shard(dim=0)", "Shard(dim=2)"]),
+        ("dp_ep", ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]),
+    ],
+)
+def test_the_experts_placements_on_each_mesh(ranks, scenario, gate_up, down):
+    for f in _facts(ranks, scenario):
+        for layer in range(2):
+            assert f["placements"][f"model.layers.{layer}.mlp.experts.gate_up_proj"] == gate_up
+            assert f["placements"][f"model.layers.{layer}.mlp.experts.down_proj"] == down
+
+
+@pytest.mark.parametrize("scenario", ["per_expert", "fused", "auto", *MESHES])
+def test_each_rank_reads_only_its_experts_and_the_replicated_tensors(ranks, scenario):
+    for f in _facts(ranks, scenario):
         assert f["bytes_read"] <= 1.05 * (f["experts_bytes"] + f["other_bytes"]), f
         assert f["bytes_read"] >= f["experts_bytes"] + f["other_bytes"]
-        assert f["bytes_read"] < 0.5 * f["single_bytes"]  # 4 of 16 experts: the experts dominate
+        assert f["bytes_read"] < 0.5 * f["single_bytes"]  # a quarter of the experts: the experts dominate
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_forward_equals_the_single_process_forward(ranks, layout):
-    for f in _facts(ranks, layout):
+@pytest.mark.parametrize("scenario", ["per_expert", "auto", "fp8"])
+def test_a_per_expert_checkpoint_is_read_exactly_for_the_owned_experts(ranks, scenario):
+    """Counted from the header: the owned experts' tensors (FP8: with their scales) and the dense ones."""
+    for f in _facts(ranks, scenario):
+        assert f["bytes_read"] == f["owned_stored_bytes"], f
+
+
+@pytest.mark.parametrize("scenario", EVERY)
+def test_the_forward_equals_the_single_process_forward(ranks, scenario):
+    for f in _facts(ranks, scenario):
         assert f["forward_max_diff"] < 1e-5, f["forward_max_diff"]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_save_from_the_expert_parallel_model_writes_the_single_process_file(ranks, layout):
-    facts = _facts(ranks, layout)
+@pytest.mark.parametrize("scenario", EVERY)
+def test_a_save_from_the_expert_parallel_model_writes_the_single_process_file(ranks, scenario):
+    """In the original per-expert layout (FP8: re-encoded with the scales of every expert, each
+    written by the rank that writes its file)."""
+    facts = _facts(ranks, scenario)
     assert facts[0]["saved_identical"]
     assert sum(len(f["wrote"]) for f in facts) >= 1
+
+
+def test_a_missing_expert_fails_its_layer_on_every_rank_naming_the_index(ranks):
+    """Expert 5 of layer 1 belongs to rank 1; every rank sees the gap from the headers."""
+    for f in _facts(ranks, "missing_expert"):
+        assert f["raised"] is None and not f["ok"]
+        assert "index 5 of" in f["report"] and "model.layers.1.mlp.experts.gate_up_proj" in f["report"]
+        assert "model.layers.1.mlp.experts.down_proj" in f["report"]
 
 
 def test_an_expert_count_the_ranks_do_not_divide_is_refused_on_every_rank(ranks):

@@ -120,11 +120,13 @@ class ExampleMoEForCausalLM(nn.Module):
 
     ``tp_plan`` is the tensor-parallel plan ``load_checkpoint(..., tp_plan="auto")`` applies:
     attention heads split across ranks (q/k/v colwise, o rowwise), experts sharded on their
-    intermediate dim, the embedding by vocabulary rows and whole logits from the head.
+    intermediate dim, the embedding by vocabulary rows and whole logits from the head. ``ep_plan``
+    is what ``tp_plan="auto"`` applies on a mesh named ``"ep"``: whole experts per rank.
     """
 
     base_model_prefix = "model"
     tp_plan = {**ATTENTION_TP_PLAN, "model.layers.*.mlp.experts": "experts"}
+    ep_plan = {"model.layers.*.mlp.experts": "expert_parallel"}
 
     def __init__(self, cfg: ExampleMoEConfig) -> None:
         super().__init__()

@@ -61,6 +61,13 @@ def record_load(
     infos = [reader.info(k) for k in in_order]
     file_index = {f: i for i, f in enumerate(reader.files)}
     loaded = {k for w in done for k in (*w.dest_keys, *w.entry.quantized)}
+    unread = {  # sources another rank reads (its experts): their companions, for a save that writes them
+        k: names
+        for w in done
+        if w.quantizing is not None
+        for k, names in w.quantizing.companions.items()
+        if names and k not in prep.companion_values
+    }
     update_record(
         model,
         load=LoadRecord(
@@ -76,7 +83,8 @@ def record_load(
                 else v
                 for k, v in prep.companion_values.items()
                 if k in sources
-            },
+            }
+            | {k: CompanionsRead.unread(names, str(reader.path)) for k, names in unread.items()},
             quantizer=None if prep.quantizer is None else prep.quantizer.quantizer,
             residues={k: v for k, v in prep.residues.items() if k in loaded},
         ),

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from .plan import ResolvedStyle, check_mesh, resolve_tp_plan, tied_names
+from .plan import ResolvedStyle, check_mesh, is_expert_mesh, resolve_tp_plan, tied_names
 
 __all__ = ["parallelize"]
 
@@ -22,7 +22,8 @@ def parallelize(model: nn.Module, tp_plan: Mapping[str, Any] | str, device_mesh:
 
     Calls ``parallelize_module(..., src_data_rank=None)`` per module of the plan: works on a
     model built on ``meta`` (nothing to move) or on any device. Tied parameters stay tied.
-    Returns the resolved plan.
+    ``tp_plan="auto"`` is the model's ``tp_plan``, or its ``ep_plan`` on a 1-D mesh named
+    ``"ep"`` (``init_device_mesh("cuda", (n,), mesh_dim_names=("ep",))``). Returns the resolved plan.
 
     Raises:
         ConfigurationError: the plan does not fit the model (before anything changes).
@@ -32,7 +33,7 @@ def parallelize(model: nn.Module, tp_plan: Mapping[str, Any] | str, device_mesh:
     from .styles import style_for
 
     mesh = check_mesh(device_mesh)
-    resolved = resolve_tp_plan(model, tp_plan, world_size=mesh.size())
+    resolved = resolve_tp_plan(model, tp_plan, world_size=mesh.size(), expert=is_expert_mesh(mesh))
     tied = tied_names(model)
     plan = {
         r.path: (style_for(r.kind, model.get_submodule(r.path)) if isinstance(r.style, str) else r.style)

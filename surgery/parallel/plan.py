@@ -4,16 +4,19 @@ A *tensor-parallel plan* maps module paths to styles. Paths are dotted from the 
 matches exactly one path component (the rule :func:`torch.distributed.tensor.parallel.parallelize_module`
 uses, so one plan works in both). A style is a name or a torch ``ParallelStyle`` instance:
 
-=================  ==================================================================================
-``colwise``        ``ColwiseParallel``: Linear weight and bias ``Shard(0)``; Embedding ``Shard(1)``
-``rowwise``        ``RowwiseParallel``: Linear weight ``Shard(1)``, bias replicated; Embedding ``Shard(0)``
-``colwise_gather`` ``ColwiseParallel(output_layouts=Replicate())``: an ``lm_head`` with whole logits
-``replicate``      parameters stay plain tensors; every rank reads them whole
-``packed_colwise`` a fused ``gate_up_proj`` (or ``qkv`` of equal parts): ``_StridedShard(0, 2)``, so
-                   rank r holds ``[G_r | U_r]`` (:class:`~surgery.parallel.styles.PackedColwiseParallel`)
-``experts``        3-D expert tensors: ``gate_up_proj (E, 2I, H)`` ``_StridedShard(1, 2)``,
-                   ``down_proj (E, H, I)`` ``Shard(2)`` (:class:`~surgery.parallel.styles.ExpertsParallel`)
-=================  ==================================================================================
+===================  ==================================================================================
+``colwise``          ``ColwiseParallel``: Linear weight and bias ``Shard(0)``; Embedding ``Shard(1)``
+``rowwise``          ``RowwiseParallel``: Linear weight ``Shard(1)``, bias replicated; Embedding ``Shard(0)``
+``colwise_gather``   ``ColwiseParallel(output_layouts=Replicate())``: an ``lm_head`` with whole logits
+``replicate``        parameters stay plain tensors; every rank reads them whole
+``packed_colwise``   a fused ``gate_up_proj`` (or ``qkv`` of equal parts): ``_StridedShard(0, 2)``, so
+                     rank r holds ``[G_r | U_r]`` (:class:`~surgery.parallel.styles.PackedColwiseParallel`)
+``experts``          3-D expert tensors: ``gate_up_proj (E, 2I, H)`` ``_StridedShard(1, 2)``,
+                     ``down_proj (E, H, I)`` ``Shard(2)`` (:class:`~surgery.parallel.styles.ExpertsParallel`)
+``expert_parallel``  whole experts per rank: every expert tensor ``Shard(0)``
+                     (:class:`~surgery.parallel.styles.ExpertParallel`); ``tp_plan="auto"`` on a mesh
+                     named ``"ep"`` applies the model's ``ep_plan``
+===================  ==================================================================================
 
 :func:`resolve_tp_plan` validates a plan against a model before anything is read: unknown styles,
 patterns that match nothing, unsupported module types, dims the world size does not divide,
@@ -50,6 +53,7 @@ __all__ = [
     "STYLE_NAMES",
     "ResolvedStyle",
     "check_mesh",
+    "is_expert_mesh",
     "local_region",
     "local_split_sizes",
     "param_placements",
@@ -126,19 +130,22 @@ def _kind_of(style: Any, key: str) -> tuple[str, int]:
     )
 
 
-def _plan_of(model: nn.Module, tp_plan: Mapping[str, Any] | str) -> Mapping[str, Any]:
-    """The plan as a non-empty mapping (``"auto"``: the model's ``tp_plan`` attribute, with
-    transformers' style names translated by :func:`~surgery.parallel.hf_plan.translate_hf_plan`)."""
+def _plan_of(model: nn.Module, tp_plan: Mapping[str, Any] | str, *, expert: bool = False) -> Mapping[str, Any]:
+    """The plan as a non-empty mapping (``"auto"``: the model's ``tp_plan`` attribute, or its
+    ``ep_plan`` when ``expert``, with transformers' style names translated by
+    :func:`~surgery.parallel.hf_plan.translate_hf_plan`)."""
     if isinstance(tp_plan, str):
         if tp_plan != "auto":
             raise ConfigurationError(
                 f"tp_plan={tp_plan!r}: pass a dict of module patterns to styles, or 'auto'."
             )
-        declared = getattr(model, "tp_plan", None)
+        attribute = "ep_plan" if expert else "tp_plan"
+        declared = getattr(model, attribute, None)
         if not isinstance(declared, Mapping) or not declared:
+            where = " (the mesh's dim is named 'ep', so 'auto' takes the expert-parallel plan)" if expert else ""
             raise ConfigurationError(
-                f"tp_plan='auto': {type(model).__name__} declares no tp_plan attribute; pass the plan as a "
-                "dict of module patterns to styles."
+                f"tp_plan='auto': {type(model).__name__} declares no {attribute} attribute{where}; pass the plan "
+                "as a dict of module patterns to styles."
             )
         tp_plan = translate_hf_plan(declared)
     if not isinstance(tp_plan, Mapping):
@@ -155,12 +162,15 @@ def resolve_tp_plan(
     tp_plan: Mapping[str, Any] | str,
     *,
     world_size: int,
+    expert: bool = False,
 ) -> list[ResolvedStyle]:
     """Validate ``tp_plan`` against ``model`` for ``world_size`` ranks; nothing is changed or read.
 
-    ``tp_plan="auto"`` takes the model's ``tp_plan`` attribute (transformers' style names
-    translated, see :mod:`surgery.parallel.hf_plan`); its patterns that match no module are
-    skipped, as a model's own plan covers layer layouts the model may not have.
+    ``tp_plan="auto"`` takes the model's ``tp_plan`` attribute, or with ``expert`` its
+    ``ep_plan`` (transformers' ``base_model_ep_plan``; :func:`~surgery.parallel.parallelize` asks
+    for it on a mesh whose one dim is named ``"ep"``), transformers' style names translated (see
+    :mod:`surgery.parallel.hf_plan`); its patterns that match no module are skipped, as a model's
+    own plan covers layer layouts the model may not have.
 
     Example:
         >>> from surgery.examples import build_dense_model
@@ -173,7 +183,7 @@ def resolve_tp_plan(
             parameter or dim and what to change.
     """
     declared = isinstance(tp_plan, str)  # the model's own plan: generic over layer layouts
-    tp_plan = _plan_of(model, tp_plan)
+    tp_plan = _plan_of(model, tp_plan, expert=expert)
     if type(world_size) is not int or world_size < 1:
         raise ConfigurationError(f"world_size={world_size!r} must be a positive int.")
     resolved: dict[str, ResolvedStyle] = {}
@@ -407,6 +417,11 @@ def _check_tied(model: nn.Module, resolved: list[ResolvedStyle]) -> None:
                 "tensor. Give both modules styles with the same placement (e.g. embedding rowwise with "
                 "lm_head colwise, both Shard(0)), or untie them."
             )
+
+
+def is_expert_mesh(device_mesh: Any) -> bool:
+    """Whether ``device_mesh`` is a 1-D mesh named ``"ep"`` (``tp_plan="auto"`` then means ``ep_plan``)."""
+    return tuple(getattr(device_mesh, "mesh_dim_names", None) or ()) == ("ep",)
 
 
 def check_mesh(device_mesh: Any) -> Any:

@@ -135,7 +135,7 @@ class ExpertsParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         distribute_module(module, device_mesh, self._partition)
-        _LocalExperts(module, device_mesh.get_group()).attach()
+        _LocalExperts(module, (device_mesh.get_group(),)).attach()
         return module
 
     def __repr__(self) -> str:
@@ -143,16 +143,23 @@ class ExpertsParallel(ParallelStyle):
 
 
 class ExpertParallel(ParallelStyle):
-    """Expert parallelism: each rank holds whole experts, ``Shard(0)`` of every 3-D expert tensor.
+    """Expert parallelism: each rank holds whole experts, ``Shard(0)`` of every 3-D expert tensor;
+    on a 2-D ``(ep, tp)`` mesh each expert is also split over ``tp`` (expert-TP).
 
-    The experts' parameters (``gate_up_proj (E, 2I, H)``, ``down_proj (E, H, I)``, and 2-D expert
-    biases ``(E, ...)``) are split on the expert dim over the mesh: rank ``r`` of ``n`` owns
-    experts ``r*E/n .. (r+1)*E/n - 1``. Tokens are not moved: every rank computes, for all tokens,
-    the contribution of its own experts (tokens routed elsewhere get the module's "no expert" id,
-    its local expert count, which its loop skips), and the outputs are summed over the ranks.
-    That costs one all-reduce of the hidden states per layer, as tensor parallelism does, instead
-    of two all-to-alls of the routed tokens; at the sizes a CPU gloo test runs it is the simpler
-    and the exact one (docs/parallel.md). Gradients flow as with :class:`ExpertsParallel`.
+    On a 1-D mesh the experts' parameters (``gate_up_proj (E, 2I, H)``, ``down_proj (E, H, I)``,
+    and 2-D expert biases ``(E, ...)``) are split on the expert dim: rank ``r`` of ``n`` owns
+    experts ``r*E/n .. (r+1)*E/n - 1``. On a 2-D mesh (apply it with
+    ``parallelize_module(experts, mesh["ep", "tp"], ExpertParallel())``) the first dim splits
+    the experts the same way and the second splits each expert as the ``experts`` style does
+    (``gate_up_proj`` ``_StridedShard(1, 2)``, ``down_proj`` ``Shard(2)``).
+
+    Tokens are not moved: every rank computes, for all tokens, the contribution of its own
+    experts (of its share of their intermediate dim under expert-TP; tokens routed elsewhere get
+    the module's "no expert" id, its local expert count, which its loop skips), and the outputs
+    are summed over the mesh. That costs one all-reduce of the hidden states per layer, as tensor
+    parallelism does, instead of two all-to-alls of the routed tokens; the ranks of one expert
+    group therefore see the same tokens, as tensor-parallel ranks do (docs/parallel.md measures
+    it against an all-to-all dispatch). Gradients flow as with :class:`ExpertsParallel`.
 
     The module's forward takes ``(hidden_states, top_k_index, top_k_weights)`` (the examples' and
     transformers' Mixtral, Qwen2-MoE and Qwen3-MoE experts) and reads ``self.num_experts``.
@@ -162,17 +169,25 @@ class ExpertParallel(ParallelStyle):
         from torch.distributed.tensor import Shard
 
         for pname, param in list(module.named_parameters(recurse=False)):
+            placements = [Shard(0)]
+            if device_mesh.ndim == 2:
+                placements += expert_placements(pname, 2)
             module.register_parameter(
                 pname,
                 nn.Parameter(
-                    distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                    distribute_tensor(param, device_mesh, placements, src_data_rank=self.src_data_rank),
                     requires_grad=param.requires_grad,
                 ),
             )
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        if device_mesh.ndim not in (1, 2):
+            raise ConfigurationError(
+                f"expert_parallel takes a 1-D (ep) or 2-D (ep, tp) mesh, not {device_mesh.ndim}-D "
+                f"{device_mesh.mesh_dim_names or ''}; pass mesh['ep'] or mesh['ep', 'tp']."
+            )
         total = int(module.num_experts)  # type: ignore[arg-type]
-        size = device_mesh.size()
+        size = device_mesh.size(0)
         if total % size:
             raise ConfigurationError(
                 f"expert_parallel: {total} experts do not split evenly over {size} ranks; use an expert-parallel "
@@ -180,9 +195,8 @@ class ExpertParallel(ParallelStyle):
             )
         distribute_module(module, device_mesh, self._partition)
         per = total // size
-        _OwnedExperts(
-            module, device_mesh.get_group(), first=device_mesh.get_local_rank() * per, count=per
-        ).attach()
+        groups = tuple(device_mesh.get_group(d) for d in range(device_mesh.ndim))
+        _OwnedExperts(module, groups, first=device_mesh.get_local_rank(0) * per, count=per).attach()
         return module
 
     def __repr__(self) -> str:
@@ -195,9 +209,9 @@ class _LocalExperts:
     The DTensors a forward swaps out are kept here, by the hooks' owner, not on the module.
     """
 
-    def __init__(self, module: nn.Module, group: Any) -> None:
+    def __init__(self, module: nn.Module, groups: tuple[Any, ...]) -> None:
         self.module = module
-        self.group = group
+        self.groups = groups
         self.names = [n for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
         self.stash: dict[str, Any] = {}
 
@@ -210,7 +224,7 @@ class _LocalExperts:
         for n, p in self.stash.items():
             mod._parameters[n] = p.to_local()  # type: ignore[assignment, union-attr]
         return tuple(
-            _GradientSum.apply(a, self.group) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            _GradientSum.apply(a, self.groups) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
             for a in args
         )
 
@@ -219,7 +233,7 @@ class _LocalExperts:
         for n, p in stash.items():
             mod._parameters[n] = p
         if isinstance(output, torch.Tensor):
-            return _OutputSum.apply(output, self.group)
+            return _OutputSum.apply(output, self.groups)
         return output
 
 
@@ -227,8 +241,8 @@ class _OwnedExperts(_LocalExperts):
     """The hooks of :class:`ExpertParallel`: its experts' ids made local (the others "no expert"),
     ``num_experts`` the local count while the forward runs, the output summed over the ranks."""
 
-    def __init__(self, module: nn.Module, group: Any, *, first: int, count: int) -> None:
-        super().__init__(module, group)
+    def __init__(self, module: nn.Module, groups: tuple[Any, ...], *, first: int, count: int) -> None:
+        super().__init__(module, groups)
         self.first, self.count, self.total = first, count, int(module.num_experts)  # type: ignore[arg-type]
 
     def swap_in(self, mod: nn.Module, args: Any) -> tuple[Any, ...]:
@@ -248,29 +262,33 @@ class _OwnedExperts(_LocalExperts):
         return super().swap_out(mod, args, output)
 
 
+def _summed(x: torch.Tensor, groups: Any) -> torch.Tensor:
+    """A copy of ``x`` summed over every group of ``groups`` (one group, or one per mesh dim)."""
+    out = x.contiguous().clone()
+    for group in groups if isinstance(groups, tuple) else (groups,):
+        dist.all_reduce(out, group=group)
+    return out
+
+
 class _GradientSum(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over the group (an input every rank shares)."""
+    """Identity forward; the backward sums the gradient over the groups (an input every rank shares)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor, groups: Any) -> torch.Tensor:
+        ctx.groups = groups
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _summed(grad, ctx.groups), None
 
 
 class _OutputSum(torch.autograd.Function):
-    """The partial outputs summed over the group; the gradient passes through (every rank has all of it)."""
+    """The partial outputs summed over the groups; the gradient passes through (every rank has all of it)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
+    def forward(ctx: Any, x: torch.Tensor, groups: Any) -> torch.Tensor:
+        return _summed(x, groups)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
