@@ -108,6 +108,7 @@ MESH4_INTEROP = {
     "test_nd_loading_interop.py": "nd",
     "test_fsdp_loading_interop.py": "fsdp",
     "test_dcp_interop.py": "dcp",
+    "test_expert_parallel_interop.py": "ep",
 }
 
 

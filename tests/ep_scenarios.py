@@ -1,8 +1,12 @@
 """Expert parallelism on 4 ranks: the ``ep`` suite of the one 4-rank spawn (``tests/mesh_scenarios.py``).
 
-The example MoE with 16 experts, ``expert_parallel`` on its experts over a 1-D mesh of 4: each
-rank loads its 4 experts from the per-expert checkpoint and from a fused ``[E, ...]`` one, and
-the facts say what it holds, what it read, what its forward gives and what a save writes.
+The example MoE with 16 experts: ``expert_parallel`` over a 1-D mesh of 4 (from a per-expert, a
+fused ``[E, ...]`` and a block-FP8 per-expert checkpoint, and through ``tp_plan="auto"``), over
+``(ep=2, tp=2)`` (expert-TP) and over ``(dp_shard=2, ep=2)`` (FSDP2 on top); the facts say what
+each rank holds, what it read, what its forward gives and what a save writes. With families
+(the ``ep-interop`` suite), transformers' Mixtral, Qwen2-MoE and Qwen3-MoE with 16 experts, each
+from its own ``save_pretrained`` files, through their ``base_model_ep_plan`` (``tp_plan="auto"``
+on a mesh named ``ep``).
 """
 
 from __future__ import annotations
@@ -28,13 +32,54 @@ FP8_BLOCK = (12, 8)  # blocks that straddle the halves of gate_up and the tp cut
 INPUT_IDS = torch.tensor([[1, 5, 9, 3, 7, 11, 2, 40], [2, 4, 6, 8, 10, 12, 14, 16]])
 
 
+FAMILY_SIZES = {  # interop: (class, config class, sizes) of a transformers MoE with 16 experts
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", {"num_local_experts": 16, "intermediate_size": 32}),
+    "qwen2_moe": (
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        {"num_experts": 16, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32},
+    ),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", {"num_experts": 16, "moe_intermediate_size": 16}),
+}
+
+
 def _build(config: moe.ExampleMoEConfig = EP_MOE, **kwargs: Any) -> nn.Module:
     return moe.build_moe_model(config, seed=None, **kwargs)
 
 
-def write_inputs(work: Path) -> None:
+def _transformers_build(family: str, *, device: str = "cpu", seed: int = 0) -> nn.Module:
+    import transformers
+
+    cls_name, config_name, sizes = FAMILY_SIZES[family]
+    config = getattr(transformers, config_name)(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        num_experts_per_tok=2,
+        attn_implementation="sdpa",
+        **sizes,
+    )
+    cls = getattr(transformers, cls_name)
+    if device == "meta":
+        with surgery.init_empty():
+            return cls(config).eval()
+    torch.manual_seed(seed)
+    return cls(config).eval()
+
+
+def _logits(model: nn.Module) -> torch.Tensor:
+    out = model(INPUT_IDS)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def write_inputs(work: Path, families: tuple[str, ...] = ()) -> None:
     """The per-expert checkpoint (the original layout), a fused one (the runtime layout), the
-    per-expert one in block FP8 (DeepSeek-V3's layout) and one that lacks an expert."""
+    per-expert one in block FP8 (DeepSeek-V3's layout) and one that lacks an expert; each
+    family's ``save_pretrained`` files."""
+    for family in families:
+        _transformers_build(family, seed=3).save_pretrained(work / f"ep-{family}")
     model = moe.build_moe_model(EP_MOE, seed=5)
     original = moe.original_state_dict(model)
     write_checkpoint(original, work / "ep-per-expert")
@@ -44,14 +89,12 @@ def write_inputs(work: Path) -> None:
     write_checkpoint(lacking, work / "ep-missing-expert")
 
 
-def _files(path: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
-
-
 def _expert_index(key: str) -> int | None:
     """The expert a per-expert checkpoint key belongs to (``None``: a dense key)."""
     parts = key.split(".")
-    return int(parts[parts.index("experts") + 1]) if "experts" in parts and parts[-2].startswith("w") else None
+    return (
+        int(parts[parts.index("experts") + 1]) if "experts" in parts and parts[-2].startswith("w") else None
+    )
 
 
 def _owned_stored_bytes(path: Path, owned: range) -> int:
@@ -62,7 +105,7 @@ def _owned_stored_bytes(path: Path, owned: range) -> int:
     with open_checkpoint(path) as reader:
         return sum(
             reader.info(k).nbytes
-            for k in reader.keys()
+            for k in reader
             if _expert_index(k) is None or _expert_index(k) in owned
         )
 
@@ -108,6 +151,8 @@ def _load(
     parallelize: Any = None,
     quantizer: Any = None,
     owned: range | None = None,
+    build: Any = _build,
+    original: str = "ep-per-expert",
 ) -> dict[str, Any]:
     """Load ``checkpoint`` into the MoE parallelized by ``plan`` (on ``mesh``) or by ``parallelize``
     (torchtitan's way; then a plain load), and compare with a single-process load."""
@@ -115,9 +160,9 @@ def _load(
     from torch.distributed.tensor import DTensor, Replicate
 
     options = {"quantizer": quantizer} if quantizer is not None else {}
-    ref = _build(device="meta")
+    ref = build(device="meta")
     single = surgery.load_checkpoint(ref, work / checkpoint, **options)
-    model = _build(device="meta")
+    model = build(device="meta")
     if parallelize is not None:
         parallelize(model, mesh)
         report = surgery.load_checkpoint(model, work / checkpoint, **options)
@@ -140,11 +185,11 @@ def _load(
         if not torch.equal(local, want):
             unequal.append(key)
     with torch.no_grad():
-        diff = float((model(INPUT_IDS) - ref(INPUT_IDS)).abs().max())
+        diff = float((_logits(model) - _logits(ref)).abs().max())
     out = work / f"{checkpoint}-saved-{'-'.join(mesh.mesh_dim_names or ('ep',))}"
     files = surgery.save_checkpoint(model, out)
     dist.barrier()
-    original = work / ("ep-per-expert-fp8" if quantizer is not None else "ep-per-expert")
+    weights = "model.safetensors"
     return {
         "ok": report.ok and single.ok,
         "report": str(report),
@@ -159,7 +204,9 @@ def _load(
         "owned_stored_bytes": _owned_stored_bytes(work / checkpoint, owned) if owned is not None else None,
         "wrote": sorted(Path(p).name for p in files),
         # the original (per-expert) layout, whichever layout was loaded
-        "saved_identical": _files(out) == _files(original) if dist.get_rank() == 0 else None,
+        "saved_identical": (out / weights).read_bytes() == (work / original / weights).read_bytes()
+        if dist.get_rank() == 0
+        else None,
     }
 
 
@@ -190,10 +237,22 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, An
 
     from surgery.quantization import FP8BlockQuantizer
 
-    if families:
-        return {}
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    if families:
+        return {
+            f: functools.partial(
+                _guarded,
+                _load,
+                work,
+                mesh,
+                f"ep-{f}",
+                plan="auto",
+                build=functools.partial(_transformers_build, f),
+                original=f"ep-{f}",
+            )
+            for f in families
+        }
     ep_tp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ep", "tp"))
     dp_ep = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_shard", "ep"))
     per = EP_MOE.num_local_experts // world
@@ -211,6 +270,7 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, An
             plan=EP_PLAN,
             quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK),
             owned=owned,
+            original="ep-per-expert-fp8",
         ),
         "ep_tp": functools.partial(load, ep_tp, "ep-per-expert", parallelize=_ep_tp),
         "dp_ep": functools.partial(load, dp_ep, "ep-per-expert", parallelize=_dp_ep),

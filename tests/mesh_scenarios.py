@@ -6,7 +6,7 @@ Starting 4 processes (and importing torch and transformers in each) costs second
 test modules that check these scenarios (``test_nd_loading``, ``test_fsdp_loading``, their
 ``interop`` twins, ``test_dcp`` and ``test_expert_parallel``) read one session's facts instead (the ``mesh4_ranks`` fixture in
 ``tests/conftest.py``). Each rank's facts come back split by suite: ``"nd"``, ``"fsdp"``,
-``"dcp"``, ``"ep"``, ``"nd-interop"``, ``"fsdp-interop"``, each the scenario names of its module.
+``"dcp"``, ``"ep"``, and their ``-interop`` twins, each the scenario names of its module.
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ def spawn(
     import torch.multiprocessing as mp
 
     families = dict(families or {})
-    nd_scenarios.write_inputs(work, tuple(sorted({f for fs in families.values() for f in fs})))
+    nd_scenarios.write_inputs(work, tuple(sorted({f for s, fs in families.items() if s != "ep" for f in fs})))
     write_checkpoint({f"layers.{i}.weight": torch.ones(8, 4) for i in range(2)}, work / "blocks")
-    ep_scenarios.write_inputs(work)
+    ep_scenarios.write_inputs(work, families.get("ep", ()))
     context = mp.spawn(run, args=(WORLD, str(work), families), nprocs=WORLD, join=False)
     deadline = time.monotonic() + deadline_s
     while not context.join(timeout=max(deadline - time.monotonic(), 0)):

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.distributed
 LAYOUTS = ["per_expert", "fused", "auto", "fp8"]
 MESHES = ["ep_tp", "dp_ep"]
 EVERY = LAYOUTS + MESHES
-EXPERT_KEYS = sorted(f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("down_proj", "gate_up_proj"))
+EXPERT_KEYS = sorted(
+    f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("down_proj", "gate_up_proj")
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,11 @@ def test_each_rank_holds_exactly_its_experts_equal_to_the_single_process_load(ra
     [
         ("per_expert", ["Shard(dim=0)"], ["Shard(dim=0)"]),
         ("ep_tp", ["Shard(dim=0)", "_StridedShard(dim=1, sf=2)"], ["Shard(dim=0)", "Shard(dim=2)"]),
-        ("dp_ep", ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]),
+        (
+            "dp_ep",
+            ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"],
+            ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"],
+        ),
     ],
 )
 def test_the_experts_placements_on_each_mesh(ranks, scenario, gate_up, down):

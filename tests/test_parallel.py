@@ -127,14 +127,16 @@ def test_a_pattern_that_matches_nothing_is_an_error_not_a_warning(dense_ckpt):
 
 def test_auto_on_an_expert_mesh_applies_the_models_expert_parallel_plan():
     """``tp_plan="auto"`` on a mesh named ``ep`` (``parallelize`` passes ``expert=True``): ``ep_plan``."""
-    model = moe.build_moe_model(moe.ExampleMoEConfig(num_local_experts=8), device="meta")
+    model = moe.build_moe_model(
+        moe.ExampleMoEConfig(num_local_experts=8, num_key_value_heads=2), device="meta"
+    )
     resolved = resolve_tp_plan(model, "auto", world_size=4, expert=True)
     assert [(r.path, r.kind) for r in resolved] == [
         ("model.layers.0.mlp.experts", "expert_parallel"),
         ("model.layers.1.mlp.experts", "expert_parallel"),
     ]
     assert {r.kind for r in resolve_tp_plan(model, "auto", world_size=2)} >= {"experts", "colwise"}
-    with pytest.raises(ConfigurationError, match="declares no ep_plan attribute.*named 'ep'"):
+    with pytest.raises(ConfigurationError, match=r"declares no ep_plan attribute.*named 'ep'"):
         resolve_tp_plan(dense.build_dense_model(device="meta"), "auto", world_size=2, expert=True)
 
 

@@ -13,7 +13,6 @@ scales are unusable fails before any tensor is set.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 

@@ -9,7 +9,9 @@ key read, the companion tensors a quantizer decoded with) and stores it in the m
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from ..record import Fired, LoadRecord, Origin, update_record
@@ -68,6 +70,14 @@ def record_load(
         for k, names in w.quantizing.companions.items()
         if names and k not in prep.companion_values
     }
+    companions: dict[str, Mapping[str, torch.Tensor]] = {
+        k: CompanionsRead(v, prep.partial_companions, str(reader.path))
+        if prep.partial_companions & set(v)
+        else v
+        for k, v in prep.companion_values.items()
+        if k in sources
+    }
+    companions.update((k, CompanionsRead.unread(names, str(reader.path))) for k, names in unread.items())
     update_record(
         model,
         load=LoadRecord(
@@ -77,14 +87,7 @@ def record_load(
             source_shards={k: file_index.get(i.file, 0) for k, i in zip(in_order, infos)},
             loaded_keys=loaded,
             checkpoint=str(path),
-            companions={
-                k: CompanionsRead(v, prep.partial_companions, str(reader.path))
-                if prep.partial_companions & set(v)
-                else v
-                for k, v in prep.companion_values.items()
-                if k in sources
-            }
-            | {k: CompanionsRead.unread(names, str(reader.path)) for k, names in unread.items()},
+            companions=companions,
             quantizer=None if prep.quantizer is None else prep.quantizer.quantizer,
             residues={k: v for k, v in prep.residues.items() if k in loaded},
         ),

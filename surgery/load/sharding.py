@@ -201,14 +201,21 @@ def _parallel_model(model: nn.Module, device_mesh: Any) -> TensorParallel:
             )
         if mesh.ndim == 1:
             return TensorParallel(mesh.size(), mesh.get_local_rank(), mesh, None)
-    roots = {id(m._get_root_mesh()): m._get_root_mesh() for m in meshes.values()}
+    # roots by value: torch may hand out a mesh equal to the one a style was given whose root is
+    # another root over the same ranks (its caches compare meshes by value); the arithmetic here
+    # needs only the ranks, in order
+    roots = {_ranks_of(m._get_root_mesh()): m._get_root_mesh() for m in meshes.values()}
     if len(roots) != 1:
+        seen = sorted(
+            {f"{m.mesh_dim_names} of root {m._get_root_mesh().mesh_dim_names}" for m in meshes.values()}
+        )
         raise ConfigurationError(
-            f"the model's DTensors live on {len(meshes)} device meshes that are not sub-meshes of one root mesh; "
-            "build every mesh by slicing one init_device_mesh(...) (mesh['tp'], mesh['dp_shard'], ...)."
+            f"the model's DTensors live on {len(meshes)} device meshes that are not sub-meshes of one root mesh "
+            f"({'; '.join(seen)}); build every mesh by slicing one init_device_mesh(...) (mesh['tp'], "
+            "mesh['dp_shard'], ...)."
         )
     root = next(iter(roots.values()))
-    if device_mesh is not None and device_mesh._get_root_mesh() is not root:
+    if device_mesh is not None and _ranks_of(device_mesh._get_root_mesh()) != _ranks_of(root):
         raise ConfigurationError("device_mesh= is not the mesh the model's DTensors live on; leave it out.")
     for m in meshes.values():
         if m.get_coordinate() is None:
@@ -218,6 +225,11 @@ def _parallel_model(model: nn.Module, device_mesh: Any) -> TensorParallel:
             )
     rank = int((root.mesh.flatten() == torch.distributed.get_rank()).nonzero()[0])
     return TensorParallel(root.size(), rank, root, None)
+
+
+def _ranks_of(mesh: Any) -> tuple[Any, ...]:
+    """A mesh by value: its device type and its ranks in row-major order."""
+    return (mesh.device_type, *mesh.mesh.flatten().tolist())
 
 
 _ALREADY = (

@@ -130,7 +130,9 @@ def _kind_of(style: Any, key: str) -> tuple[str, int]:
     )
 
 
-def _plan_of(model: nn.Module, tp_plan: Mapping[str, Any] | str, *, expert: bool = False) -> Mapping[str, Any]:
+def _plan_of(
+    model: nn.Module, tp_plan: Mapping[str, Any] | str, *, expert: bool = False
+) -> Mapping[str, Any]:
     """The plan as a non-empty mapping (``"auto"``: the model's ``tp_plan`` attribute, or its
     ``ep_plan`` when ``expert``, with transformers' style names translated by
     :func:`~surgery.parallel.hf_plan.translate_hf_plan`)."""
@@ -142,7 +144,9 @@ def _plan_of(model: nn.Module, tp_plan: Mapping[str, Any] | str, *, expert: bool
         attribute = "ep_plan" if expert else "tp_plan"
         declared = getattr(model, attribute, None)
         if not isinstance(declared, Mapping) or not declared:
-            where = " (the mesh's dim is named 'ep', so 'auto' takes the expert-parallel plan)" if expert else ""
+            where = (
+                " (the mesh's dim is named 'ep', so 'auto' takes the expert-parallel plan)" if expert else ""
+            )
             raise ConfigurationError(
                 f"tp_plan='auto': {type(model).__name__} declares no {attribute} attribute{where}; pass the plan "
                 "as a dict of module patterns to styles."

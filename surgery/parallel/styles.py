@@ -238,27 +238,45 @@ class _LocalExperts:
 
 
 class _OwnedExperts(_LocalExperts):
-    """The hooks of :class:`ExpertParallel`: its experts' ids made local (the others "no expert"),
-    ``num_experts`` the local count while the forward runs, the output summed over the ranks."""
+    """The hooks of :class:`ExpertParallel`: its experts' ids made local (the others the "no
+    expert" id, the local count), their routing weights zeroed, ``num_experts`` the local count
+    while the forward runs, the output summed over the ranks.
+
+    transformers' experts implementations (``grouped_mm``, ``batched_mm``) skip an id at or past
+    ``num_experts`` only when the module's ``_is_expert_parallel`` is set, and rely on its weight
+    being zero: both are arranged for the forward and restored after it.
+    """
 
     def __init__(self, module: nn.Module, groups: tuple[Any, ...], *, first: int, count: int) -> None:
         super().__init__(module, groups)
         self.first, self.count, self.total = first, count, int(module.num_experts)  # type: ignore[arg-type]
+        self.flagged = hasattr(module, "_is_expert_parallel")
+        self.flag = False
 
     def swap_in(self, mod: nn.Module, args: Any) -> tuple[Any, ...]:
+        ids = next((a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point()), None)
+        owned = None if ids is None else (ids >= self.first) & (ids < self.first + self.count)
         args = tuple(
-            self._local_ids(a) if isinstance(a, torch.Tensor) and not a.is_floating_point() else a
+            self._localized(a, owned) if isinstance(a, torch.Tensor) and owned is not None else a
             for a in args
         )
         setattr(mod, "num_experts", self.count)  # noqa: B010 (a module attribute, not a submodule)
+        if self.flagged:
+            self.flag = bool(getattr(mod, "_is_expert_parallel"))  # noqa: B009
+            setattr(mod, "_is_expert_parallel", True)  # noqa: B010
         return super().swap_in(mod, args)
 
-    def _local_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        owned = (ids >= self.first) & (ids < self.first + self.count)
-        return torch.where(owned, ids - self.first, torch.full_like(ids, self.count))
+    def _localized(self, t: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():  # the ids: local, or the "no expert" id
+            return torch.where(owned, t - self.first, torch.full_like(t, self.count))
+        if t.shape == owned.shape:  # the routing weights: zero for experts another rank owns
+            return torch.where(owned, t, torch.zeros_like(t))
+        return t
 
     def swap_out(self, mod: nn.Module, args: Any, output: Any) -> Any:
         setattr(mod, "num_experts", self.total)  # noqa: B010
+        if self.flagged:
+            setattr(mod, "_is_expert_parallel", self.flag)  # noqa: B010
         return super().swap_out(mod, args, output)
 
 
