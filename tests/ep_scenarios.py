@@ -104,9 +104,7 @@ def _owned_stored_bytes(path: Path, owned: range) -> int:
 
     with open_checkpoint(path) as reader:
         return sum(
-            reader.info(k).nbytes
-            for k in reader
-            if _expert_index(k) is None or _expert_index(k) in owned
+            reader.info(k).nbytes for k in reader if _expert_index(k) is None or _expert_index(k) in owned
         )
 
 
