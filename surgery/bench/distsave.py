@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .checkpoints import config_for_size, prepare
-from .harness import peak_rss, reset_peak_rss, warm
+from .harness import end_rank, peak_rss, reset_peak_rss, warm
 
 __all__ = ["bench"]
 
@@ -99,6 +99,7 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+    end_rank()
 
 
 def _launch(spec: dict[str, Any]) -> list[dict[str, Any]]:

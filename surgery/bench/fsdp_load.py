@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .checkpoints import config_for_size, prepare
-from .harness import peak_rss, reset_peak_rss, warm
+from .harness import end_rank, peak_rss, reset_peak_rss, warm
 
 __all__ = ["bench"]
 
@@ -85,6 +85,7 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+        end_rank()
 
 
 def _transformers_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
@@ -113,6 +114,7 @@ def _transformers_rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     Path(spec["out"], f"rank{rank}-{world}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+    end_rank()
 
 
 def _has_transformers_tp() -> bool:

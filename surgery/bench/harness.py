@@ -39,6 +39,7 @@ __all__ = [
     "Servers",
     "best_time",
     "drop_page_cache",
+    "end_rank",
     "fsynced_save_file",
     "interleaved",
     "madvise",
@@ -92,6 +93,18 @@ def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(
         prog=f"surgery bench {name}", description=re.sub(r"``([^`]*)``", r"\1", first)
     )
+
+
+def end_rank() -> None:
+    """Leave a spawned rank's process now that its results are on disk and its group destroyed.
+
+    A gloo group that DTensor's caches keep alive is freed while the interpreter tears down, and
+    that can abort the process by thread timing ("terminate called without an active exception",
+    SIGABRT; pytorch#65231), which ``torch.multiprocessing.spawn`` reports as a failed rank.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --------------------------------------------------------------------------- memory

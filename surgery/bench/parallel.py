@@ -33,7 +33,7 @@ import torch
 
 from ..examples.moe import ExampleMoEConfig
 from .checkpoints import config_for_size, prepare
-from .harness import peak_rss, reset_peak_rss, warm
+from .harness import end_rank, peak_rss, reset_peak_rss, warm
 
 __all__ = ["bench", "ep_config", "run_tp_benchmark"]
 
@@ -74,6 +74,7 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> None:
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+        end_rank()
 
 
 def _launch(world: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
