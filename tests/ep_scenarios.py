@@ -151,6 +151,7 @@ def _load(
     owned: range | None = None,
     build: Any = _build,
     original: str = "ep-per-expert",
+    runtime: bool = False,
 ) -> dict[str, Any]:
     """Load ``checkpoint`` into the MoE parallelized by ``plan`` (on ``mesh``) or by ``parallelize``
     (torchtitan's way; then a plain load), and compare with a single-process load."""
@@ -188,6 +189,16 @@ def _load(
     files = surgery.save_checkpoint(model, out)
     dist.barrier()
     weights = "model.safetensors"
+    runtime_identical = None
+    if runtime:  # the fused (runtime) layout too: against a single-process save of the same weights
+        surgery.save_checkpoint(model, out.with_name(out.name + "-runtime"), original_format=False)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            single_out = out.with_name(out.name + "-runtime-single")
+            surgery.save_checkpoint(ref, single_out, original_format=False)
+            runtime_identical = (single_out / weights).read_bytes() == (
+                out.with_name(out.name + "-runtime") / weights
+            ).read_bytes()
     return {
         "ok": report.ok and single.ok,
         "report": str(report),
@@ -205,6 +216,7 @@ def _load(
         "saved_identical": (out / weights).read_bytes() == (work / original / weights).read_bytes()
         if dist.get_rank() == 0
         else None,
+        "runtime_identical": runtime_identical,
     }
 
 
@@ -237,29 +249,25 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, An
 
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    if families:
-        return {
-            f: functools.partial(
-                _guarded,
-                _load,
-                work,
-                mesh,
-                f"ep-{f}",
-                plan="auto",
-                build=functools.partial(_transformers_build, f),
-                original=f"ep-{f}",
-            )
-            for f in families
-        }
     ep_tp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ep", "tp"))
     dp_ep = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_shard", "ep"))
+    if families:
+        out: dict[str, Any] = {}
+        for f in families:
+            load = functools.partial(
+                _guarded, _load, build=functools.partial(_transformers_build, f), original=f"ep-{f}"
+            )
+            out[f] = functools.partial(load, work, mesh, f"ep-{f}", plan="auto")
+            out[f"{f}/ep_tp"] = functools.partial(load, work, ep_tp, f"ep-{f}", parallelize=_ep_tp)
+            out[f"{f}/dp_ep"] = functools.partial(load, work, dp_ep, f"ep-{f}", parallelize=_dp_ep)
+        return out
     per = EP_MOE.num_local_experts // world
     owned = range(rank * per, (rank + 1) * per)
     six = moe.ExampleMoEConfig(num_local_experts=6, num_attention_heads=4, num_key_value_heads=2)
     load = functools.partial(_guarded, _load, work)
     return {
-        "per_expert": functools.partial(load, mesh, "ep-per-expert", plan=EP_PLAN, owned=owned),
-        "fused": functools.partial(load, mesh, "ep-fused", plan=EP_PLAN),
+        "per_expert": functools.partial(load, mesh, "ep-per-expert", plan=EP_PLAN, owned=owned, runtime=True),
+        "fused": functools.partial(load, mesh, "ep-fused", plan=EP_PLAN, runtime=True),
         "auto": functools.partial(load, mesh, "ep-per-expert", plan="auto", owned=owned),
         "fp8": functools.partial(
             load,
@@ -270,8 +278,8 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, An
             owned=owned,
             original="ep-per-expert-fp8",
         ),
-        "ep_tp": functools.partial(load, ep_tp, "ep-per-expert", parallelize=_ep_tp),
-        "dp_ep": functools.partial(load, dp_ep, "ep-per-expert", parallelize=_dp_ep),
+        "ep_tp": functools.partial(load, ep_tp, "ep-per-expert", parallelize=_ep_tp, runtime=True),
+        "dp_ep": functools.partial(load, dp_ep, "ep-per-expert", parallelize=_dp_ep, runtime=True),
         "missing_expert": functools.partial(_guarded, _missing_expert, work, mesh),
         "six_experts": functools.partial(_guarded, _refused, work, mesh, six, EP_PLAN),
         "not_experts": functools.partial(

@@ -92,6 +92,11 @@ def test_a_save_from_the_expert_parallel_model_writes_the_single_process_file(ra
     assert sum(len(f["wrote"]) for f in facts) >= 1
 
 
+@pytest.mark.parametrize("scenario", ["per_expert", "fused", *MESHES])
+def test_a_save_in_the_fused_runtime_layout_writes_the_single_process_file(ranks, scenario):
+    assert _facts(ranks, scenario)[0]["runtime_identical"]
+
+
 def test_a_missing_expert_fails_its_layer_on_every_rank_naming_the_index(ranks):
     """Expert 5 of layer 1 belongs to rank 1; every rank sees the gap from the headers."""
     for f in _facts(ranks, "missing_expert"):

@@ -59,10 +59,11 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> None:
         dist.barrier()
     model = build_moe_model(cfg, seed=None, device="meta", dtype=torch.bfloat16)
     base = reset_peak_rss()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     report = surgery.load_checkpoint(model, spec["path"], progress=False, **kwargs)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     result = {
+        "cpu": cpu,
         "rank": rank,
         "ok": report.ok,
         "seconds": seconds,
@@ -121,7 +122,10 @@ def run_tp_benchmark(
             r["threads"] = threads
             r["delta"] = max(run[r["rank"]]["delta"] for run in runs)
         results[name] = best
-    head = f"  {'variant':<36} {'rank':>4} {'load s':>7} {'read MiB':>9} {'read/file':>9} {'+RSS MiB':>9} {'+/model':>7}"
+    head = (
+        f"  {'variant':<36} {'rank':>4} {'load s':>7} {'CPU s':>6} {'read MiB':>9} {'read/file':>9} "
+        f"{'+RSS MiB':>9} {'+/model':>7}"
+    )
     lines = [head, "  " + "-" * len(head)]
     labels = {
         "single": "single process (meta model)",
@@ -131,7 +135,7 @@ def run_tp_benchmark(
     for name, ranks in results.items():
         for r in ranks:
             lines.append(
-                f"  {labels[name]:<36} {r['rank']:>4} {r['seconds']:>7.3f} {r['bytes_read'] / _MB:>9.0f} "
+                f"  {labels[name]:<36} {r['rank']:>4} {r['seconds']:>7.3f} {r['cpu']:>6.2f} {r['bytes_read'] / _MB:>9.0f} "
                 f"{r['bytes_read'] / file_bytes:>9.2f} {r['delta'] / _MB:>9.0f} {r['delta'] / model_bytes:>7.2f}"
             )
     single, tp = results["single"][0], results[name_p]
