@@ -167,6 +167,17 @@ def _load(
         report = surgery.load_checkpoint(model, work / checkpoint, **options)
     else:
         report = surgery.load_checkpoint(model, work / checkpoint, tp_plan=plan, device_mesh=mesh, **options)
+    planned = None
+    if parallelize is None and plan != "auto":  # the dry run of this rank, without a process group
+        dry = surgery.plan_load(
+            build(device="meta"),
+            work / checkpoint,
+            tp_plan=plan,
+            tp_size=mesh.size(),
+            tp_rank=mesh.get_local_rank(),
+            **options,
+        )
+        planned = dry.total_bytes
     ref_state = ref.state_dict()
     unequal, sharded_bytes, other_bytes, placements = [], 0, 0, {}
     for key, value in model.state_dict().items():
@@ -207,6 +218,7 @@ def _load(
         "placements": placements,
         "forward_max_diff": diff,
         "bytes_read": report.bytes_read,
+        "planned_bytes": planned,
         "single_bytes": single.bytes_read,
         "experts_bytes": sharded_bytes,
         "other_bytes": other_bytes,

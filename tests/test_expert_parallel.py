@@ -77,6 +77,13 @@ def test_a_per_expert_checkpoint_is_read_exactly_for_the_owned_experts(ranks, sc
         assert f["bytes_read"] == f["owned_stored_bytes"], f
 
 
+@pytest.mark.parametrize("scenario", ["per_expert", "fused", "fp8"])
+def test_the_dry_run_of_a_rank_plans_the_bytes_it_reads(ranks, scenario):
+    """``plan_load(..., tp_size=4, tp_rank=r)`` counts what rank ``r``'s load reads (FP8: with its scales)."""
+    for f in _facts(ranks, scenario):
+        assert f["planned_bytes"] == f["bytes_read"], f
+
+
 @pytest.mark.parametrize("scenario", EVERY)
 def test_the_forward_equals_the_single_process_forward(ranks, scenario):
     for f in _facts(ranks, scenario):

@@ -38,7 +38,7 @@ from ..converter import WeightConverter
 from ..errors import ConfigurationError, ConversionError, SurgeryError
 from ..model_state import dtype_name, lossy_cast
 from ..ops import OpContext
-from ..parallel.regions import Box, Region, local_shape
+from ..parallel.regions import NOT_NEEDED, Box, Region, local_shape
 from ..placement import all_contiguous, placement_views, source_slot_shapes
 from ..quantization import QuantizerHooks
 from ..record import Origin
@@ -47,6 +47,7 @@ from ..transforms import WeightTransform
 from .plan import LoadPlan, Mode, PlanEntry, Status
 from .quantized import (
     check_stored,
+    companion_bytes,
     decoded_info,
     plan_quantize,
     prequantized_sources,
@@ -449,14 +450,20 @@ def shard(ctx: Planning, c: Candidate) -> None:
     c.sharding = sh
     entry.nbytes = nbytes
     entry.tp = sh.slices
-    if not sh.sharded:
-        return
-    if ctx.hooks is not None and ctx.hooks.reshapes and c.decoded:
+    if ctx.hooks is not None and c.decoded:  # the companions this rank reads with its sources
         try:
-            entry.nbytes = _stored_bytes(ctx, sh.sources, nbytes, c.decoded)
+            if sh.sharded and ctx.hooks.reshapes:
+                entry.nbytes = _stored_bytes(ctx, sh.sources, nbytes, c.decoded)
+            entry.nbytes += sum(
+                companion_bytes(ctx.hooks, ctx.reader, k, names, sh.sources.get(k))
+                for k, names in c.decoded.items()
+                if sh.sources.get(k) is not NOT_NEEDED
+            )
         except ConfigurationError as exc:
             fail(ctx, c, f"{ctx.hooks.name}.stored_region", str(exc))
             return
+    if not sh.sharded:
+        return
     in_place = c.device.type == "cpu" and not (c.cast or c.decoded or c.produced)
     if chain is None:
         region = sh.regions[0]

@@ -30,6 +30,8 @@ __all__ = [
     "broken_units",
     "check_stored",
     "claim_companions",
+    "companion_bytes",
+    "companion_part",
     "decoded_info",
     "plan_quantize",
     "prequantized_sources",
@@ -163,18 +165,44 @@ def read_companion(
     which rows or blocks it does use); a record of the load reads the rest when a save needs it
     (:class:`CompanionsRead`).
     """
+    part = companion_part(hooks, reader, key, companion, region)
+    if part is None:
+        return reader.get_tensor(companion), None
+    whole = reader.info(companion)
+    out = torch.ones(whole.shape, dtype=whole.dtype)
+    for a, e in part.intervals:
+        out.narrow(part.dim, a, e - a).copy_(reader.read_region(companion, part.dim, [(a, e)]))
+    return out, part
+
+
+def companion_part(
+    hooks: QuantizerHooks, reader: CheckpointReader, key: str, companion: str, region: Any
+) -> Region | None:
+    """The part of ``companion`` a rank reads for ``region`` of ``key`` (``None``: all of it)."""
     info = reader.info(key)
     part = hooks.companion_region(key, companion, region, info) if isinstance(region, Region) else None
     whole = reader.info(companion)
     if part is None or len(whole.shape) == 0:
-        return reader.get_tensor(companion), None
+        return None
     dim = part.dim % len(whole.shape)
     if sum(e - a for a, e in part.intervals) >= whole.shape[dim]:
-        return reader.get_tensor(companion), None
-    out = torch.ones(whole.shape, dtype=whole.dtype)
-    for a, e in part.intervals:
-        out.narrow(dim, a, e - a).copy_(reader.read_region(companion, dim, [(a, e)]))
-    return out, Region.of(dim, part.intervals)
+        return None
+    return Region.of(dim, part.intervals)
+
+
+def companion_bytes(
+    hooks: QuantizerHooks, reader: CheckpointReader, key: str, companions: tuple[str, ...], region: Any
+) -> int:
+    """The bytes of ``key``'s companions a rank reads for ``region`` of it (what :func:`read_companion` reads)."""
+    total = 0
+    for c in companions:
+        whole = reader.info(c)
+        part = companion_part(hooks, reader, key, c, region)
+        if part is None:
+            total += whole.nbytes
+        else:
+            total += whole.nbytes // whole.shape[part.dim] * sum(e - a for a, e in part.intervals)
+    return total
 
 
 class CompanionsRead(Mapping[str, torch.Tensor]):
