@@ -34,9 +34,9 @@ def test_one_expert_parallel_rank_plans_reads_of_its_experts_only(tmp_path):
     rank = surgery.plan_load(model, tmp_path, quantizer=quantizer, tp_plan=_EP_PLAN, tp_size=4, tp_rank=1)
     assert not whole.problems and not rank.problems
     experts = {e.target_keys[0]: e.nbytes for e in rank.entries if ".experts." in e.target_keys[0]}
-    # 2 of the 8 experts, 16 bytes of FP8 per weight (gate_up: w1 and w3)
+    # 2 of the 8 experts: 16 bytes of FP8 per weight and its 4-byte scale (gate_up: w1 and w3)
     assert len(experts) == 4 and all(
-        n == 2 * 16 * (2 if k.endswith("gate_up_proj") else 1) for k, n in experts.items()
+        n == 2 * (16 + 4) * (2 if k.endswith("gate_up_proj") else 1) for k, n in experts.items()
     )
     facts = _measure(tmp_path, model, quantizer, 4, 1)
     assert facts["keys"] == keys

@@ -8,7 +8,8 @@ Run them as ``surgery bench NAME [options]``. The parts:
   and :func:`best_time` times a call the same way everywhere.
 * ``surgery bench load`` (:mod:`~surgery.bench.load`) runs seven cases, one module each:
   :mod:`~surgery.bench.load_throughput` (A), :mod:`~surgery.bench.load_per_key` (B),
-  :mod:`~surgery.bench.save_time` (C), :mod:`~surgery.bench.parallel` (D),
+  :mod:`~surgery.bench.save_time` (C), :mod:`~surgery.bench.parallel` (D: TP=2, and EP=4 on
+  64 experts),
   :mod:`~surgery.bench.save_many_keys` (E), :mod:`~surgery.bench.distsave` (F) and
   :mod:`~surgery.bench.fsdp_load` (G), over the checkpoints of
   :mod:`~surgery.bench.checkpoints`, each load timed in a forked process by
@@ -16,6 +17,10 @@ Run them as ``surgery bench NAME [options]``. The parts:
 * ``route``, ``fusion``, ``graph``, ``io``, ``quantization``, ``verify`` (and ``generation``, part
   of ``fusion``): one module each; ``quantization`` runs the case of
   :mod:`~surgery.bench.quantization_formats` (GPTQ/AWQ against bf16) as its last part.
+* ``planning`` (:mod:`~surgery.bench.planning`): header, routing and planning of a 500k-key
+  per-expert FP8 index against case B, for one process and one expert-parallel rank.
+* ``moe_dispatch`` (:mod:`~surgery.bench.moe_dispatch`): one expert-parallel MoE layer by
+  ``expert_parallel``'s all-reduce and by an all-to-all token dispatch, on gloo ranks.
 """
 
 from .harness import best_time, parser, positive_int
