@@ -207,16 +207,17 @@ def _mesh_arg(text: str) -> dict[str, int]:
 
 
 def _mesh_plans(args: argparse.Namespace, quantizer: Any) -> int:
-    """``inspect --mesh``: every rank's plan of an n-D mesh (tp_plan on ``tp``, FSDP2 on the dp dims)."""
+    """``inspect --mesh``: every rank's plan of an n-D mesh (tp_plan on ``tp`` or ``ep``, FSDP2 on the dp dims)."""
     from .load.loader import plan_load
 
     if args.tp is not None or args.tp_rank is not None:
         raise SurgeryError("--mesh plans every rank of its mesh; leave out --tp and --tp-rank.")
     dims = _mesh_arg(args.mesh)
-    tp_plan = _tp_plan(args.tp_plan) if "tp" in dims else None
-    if args.tp_plan is not None and "tp" not in dims:
+    parallel = "tp" in dims or "ep" in dims
+    tp_plan = _tp_plan(args.tp_plan) if parallel else None
+    if args.tp_plan is not None and not parallel:
         raise SurgeryError(
-            f"--tp-plan shards the 'tp' dim, which --mesh {args.mesh} lacks; add tp=N to --mesh."
+            f"--tp-plan shards the 'tp' (or 'ep') dim, which --mesh {args.mesh} lacks; add tp=N (or ep=N) to --mesh."
         )
     plans = [
         plan_load(
@@ -542,8 +543,8 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument(
         "--mesh",
         default=None,
-        help="plan every rank of an n-D mesh, e.g. dp_shard=2,tp=2 (dims dp_replicate, dp_shard, tp: "
-        "tp_plan on tp, FSDP2 on the dp dims)",
+        help="plan every rank of an n-D mesh, e.g. dp_shard=2,tp=2 or ep=8 (dims dp_replicate, dp_shard, ep or tp: "
+        "tp_plan on tp, the model's ep_plan on ep, FSDP2 on the dp dims)",
     )
     i.set_defaults(func=_cmd_inspect)
 

@@ -152,6 +152,8 @@ def _load(
     build: Any = _build,
     original: str = "ep-per-expert",
     runtime: bool = False,
+    dry: dict[str, int] | None = None,
+    fsdp: bool = False,
 ) -> dict[str, Any]:
     """Load ``checkpoint`` into the MoE parallelized by ``plan`` (on ``mesh``) or by ``parallelize``
     (torchtitan's way; then a plain load), and compare with a single-process load."""
@@ -166,18 +168,30 @@ def _load(
         parallelize(model, mesh)
         report = surgery.load_checkpoint(model, work / checkpoint, **options)
     else:
+        if fsdp:
+            options["fsdp"] = True
         report = surgery.load_checkpoint(model, work / checkpoint, tp_plan=plan, device_mesh=mesh, **options)
+        options.pop("fsdp", None)
     planned = None
-    if parallelize is None and plan != "auto":  # the dry run of this rank, without a process group
-        dry = surgery.plan_load(
+    if dry is not None:  # the dry run of this rank on the mesh given by its dim sizes, no process group
+        rank = dist.get_rank()
+        planned = surgery.plan_load(
+            build(device="meta"),
+            work / checkpoint,
+            tp_plan=plan or EP_PLAN,
+            device_mesh=dry,
+            rank=rank,
+            **options,
+        ).total_bytes
+    elif parallelize is None and plan != "auto":  # the same through tp_size / tp_rank
+        planned = surgery.plan_load(
             build(device="meta"),
             work / checkpoint,
             tp_plan=plan,
             tp_size=mesh.size(),
             tp_rank=mesh.get_local_rank(),
             **options,
-        )
-        planned = dry.total_bytes
+        ).total_bytes
     ref_state = ref.state_dict()
     unequal, sharded_bytes, other_bytes, placements = [], 0, 0, {}
     for key, value in model.state_dict().items():
@@ -269,7 +283,7 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, An
             load = functools.partial(
                 _guarded, _load, build=functools.partial(_transformers_build, f), original=f"ep-{f}"
             )
-            out[f] = functools.partial(load, work, mesh, f"ep-{f}", plan="auto")
+            out[f] = functools.partial(load, work, mesh, f"ep-{f}", plan="auto", dry={"ep": world})
             out[f"{f}/ep_tp"] = functools.partial(load, work, ep_tp, f"ep-{f}", parallelize=_ep_tp)
             out[f"{f}/dp_ep"] = functools.partial(load, work, dp_ep, f"ep-{f}", parallelize=_dp_ep)
         return out
@@ -280,7 +294,7 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, An
     return {
         "per_expert": functools.partial(load, mesh, "ep-per-expert", plan=EP_PLAN, owned=owned, runtime=True),
         "fused": functools.partial(load, mesh, "ep-fused", plan=EP_PLAN, runtime=True),
-        "auto": functools.partial(load, mesh, "ep-per-expert", plan="auto", owned=owned),
+        "auto": functools.partial(load, mesh, "ep-per-expert", plan="auto", owned=owned, dry={"ep": world}),
         "fp8": functools.partial(
             load,
             mesh,
@@ -291,7 +305,17 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, An
             original="ep-per-expert-fp8",
         ),
         "ep_tp": functools.partial(load, ep_tp, "ep-per-expert", parallelize=_ep_tp, runtime=True),
-        "dp_ep": functools.partial(load, dp_ep, "ep-per-expert", parallelize=_dp_ep, runtime=True),
+        "dp_ep": functools.partial(
+            load,
+            dp_ep,
+            "ep-per-expert",
+            parallelize=_dp_ep,
+            runtime=True,
+            dry={"dp_shard": 2, "ep": world // 2},
+        ),
+        "dp_ep_fsdp": functools.partial(  # the convenient path: the ep_plan and FSDP2 in one call
+            load, dp_ep, "ep-per-expert", plan="auto", fsdp=True, dry={"dp_shard": 2, "ep": world // 2}
+        ),
         "missing_expert": functools.partial(_guarded, _missing_expert, work, mesh),
         "six_experts": functools.partial(_guarded, _refused, work, mesh, six, EP_PLAN),
         "not_experts": functools.partial(

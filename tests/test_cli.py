@@ -515,10 +515,21 @@ def test_inspect_mesh_prints_every_ranks_part_of_an_n_d_mesh(moe_checkpoint: Pat
     assert plans[0].split("\n", 1)[1] == plans[2].split("\n", 1)[1]  # replicas read alike
 
 
+def test_inspect_mesh_with_an_ep_dim_plans_whole_experts_per_rank(moe_checkpoint: Path, capsys) -> None:
+    """``--mesh ep=2``: the model's ``ep_plan`` (``expert_parallel``), each rank its half of the experts."""
+    assert main(["inspect", str(moe_checkpoint), "--model", "example-moe", "--mesh", "ep=2"]) == 0
+    plans = capsys.readouterr().out.split("\n\n")
+    experts = [next(line for line in p.splitlines() if "experts.gate_up_proj" in line) for p in plans]
+    assert "Shard(0) 0:2" in experts[0] and "Shard(0) 2:4" in experts[1]
+    attention = [next(line for line in p.splitlines() if "q_proj" in line) for p in plans]
+    assert "Shard" not in attention[0]  # the ep_plan leaves attention whole on every rank
+
+
 @pytest.mark.parametrize(
     ("mesh", "says"),
     [
-        ("tp=2,dp_shard=2", "put them in the order dp_replicate, dp_shard, tp"),
+        ("tp=2,dp_shard=2", "put them in the order dp_replicate, dp_shard, ep, tp"),
+        ("ep=2,tp=2", "one tp_plan shards on one model-parallel dim"),
         ("pp=2", "are not ones a dry run plans"),
         ("dp_shard", "give each dim once as name=size"),
         ("dp_shard=0", "give each dim once as name=size"),

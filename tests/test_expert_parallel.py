@@ -16,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 LAYOUTS = ["per_expert", "fused", "auto", "fp8"]
-MESHES = ["ep_tp", "dp_ep"]
+MESHES = ["ep_tp", "dp_ep", "dp_ep_fsdp"]
 EVERY = LAYOUTS + MESHES
 EXPERT_KEYS = sorted(
     f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("down_proj", "gate_up_proj")
@@ -77,9 +77,10 @@ def test_a_per_expert_checkpoint_is_read_exactly_for_the_owned_experts(ranks, sc
         assert f["bytes_read"] == f["owned_stored_bytes"], f
 
 
-@pytest.mark.parametrize("scenario", ["per_expert", "fused", "fp8"])
+@pytest.mark.parametrize("scenario", ["per_expert", "fused", "fp8", "auto", "dp_ep", "dp_ep_fsdp"])
 def test_the_dry_run_of_a_rank_plans_the_bytes_it_reads(ranks, scenario):
-    """``plan_load(..., tp_size=4, tp_rank=r)`` counts what rank ``r``'s load reads (FP8: with its scales)."""
+    """``plan_load(..., tp_size=4, tp_rank=r)``, or ``device_mesh={"ep": 4}`` / ``{"dp_shard": 2, "ep": 2}``
+    with ``rank=r``, counts what rank ``r``'s load reads (FP8: with its scales)."""
     for f in _facts(ranks, scenario):
         assert f["planned_bytes"] == f["bytes_read"], f
 
@@ -99,7 +100,7 @@ def test_a_save_from_the_expert_parallel_model_writes_the_single_process_file(ra
     assert sum(len(f["wrote"]) for f in facts) >= 1
 
 
-@pytest.mark.parametrize("scenario", ["per_expert", "fused", *MESHES])
+@pytest.mark.parametrize("scenario", ["per_expert", "fused", "ep_tp", "dp_ep"])
 def test_a_save_in_the_fused_runtime_layout_writes_the_single_process_file(ranks, scenario):
     assert _facts(ranks, scenario)[0]["runtime_identical"]
 

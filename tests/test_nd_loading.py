@@ -315,8 +315,16 @@ def dense_ckpt(tmp_path_factory) -> Path:
     [
         ({"device_mesh": {"dp_shard": 2, "tp": 3}, "tp_plan": "auto"}, "which world size 3 does not divide"),
         ({"device_mesh": {"dp_shard": 2, "cp": 2}}, "are not ones a dry run plans"),
-        ({"device_mesh": {"dp_shard": 2, "tp": 2}}, "a 'tp' dim and a tp_plan go together"),
-        ({"device_mesh": {"dp_shard": 2}, "tp_plan": "auto"}, "a 'tp' dim and a tp_plan go together"),
+        ({"device_mesh": {"dp_shard": 2, "tp": 2}}, "a 'tp' (or 'ep') dim and a tp_plan go together"),
+        (
+            {"device_mesh": {"dp_shard": 2}, "tp_plan": "auto"},
+            "a 'tp' (or 'ep') dim and a tp_plan go together",
+        ),
+        (
+            {"device_mesh": {"ep": 2, "tp": 2}, "tp_plan": "auto"},
+            "one tp_plan shards on one model-parallel dim",
+        ),
+        ({"device_mesh": {"ep": 2}, "tp_plan": "auto"}, "declares no ep_plan attribute"),
         ({"device_mesh": {"dp_shard": 2, "tp": 2}, "tp_plan": "auto", "rank": 4}, "are 0..3"),
         ({"rank": 1}, "pass device_mesh={'dp_shard': 2, 'tp': 2} too"),
     ],

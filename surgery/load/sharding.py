@@ -101,8 +101,11 @@ class TensorParallel:
 
     @property
     def tp_size(self) -> int:
-        """The size of the tensor-parallel dim (the whole 1-D mesh, or an n-D plan's ``tp`` dim)."""
-        return self.world_size if self.planned is None else self.planned.dim_size("tp")
+        """The size of the model-parallel dim (the whole 1-D mesh, or an n-D plan's ``tp`` or ``ep`` dim)."""
+        if self.planned is None:
+            return self.world_size
+        dim = self.planned.parallel_dim
+        return 1 if dim is None else self.planned.dim_size(dim)
 
     def layout(self, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The mesh shape and this rank's coordinate for the target ``key``."""
@@ -170,7 +173,7 @@ def tensor_parallel(
 def _planned_mesh(
     tp_plan: Any, device_mesh: Any, tp_size: Any, tp_rank: Any, rank: Any, parallel_model: bool
 ) -> TensorParallel:
-    """A dry run on a named n-D mesh: ``tp_plan`` on ``tp``, FSDP2's placements on the dp dims."""
+    """A dry run on a named n-D mesh: ``tp_plan`` on ``tp`` (or ``ep``), FSDP2's placements on the dp dims."""
     if not isinstance(device_mesh, Mapping):
         raise ConfigurationError(
             "rank= plans one rank of a mesh given by dim sizes: pass device_mesh={'dp_shard': 2, 'tp': 2} too."
@@ -180,10 +183,10 @@ def _planned_mesh(
     if parallel_model:
         raise ConfigurationError(_ALREADY)
     mesh = MeshShape.of(device_mesh)
-    if ("tp" in mesh.names) != (tp_plan is not None):
+    if (mesh.parallel_dim is not None) != (tp_plan is not None):
         raise ConfigurationError(
-            f"device_mesh {dict(device_mesh)} with tp_plan={'None' if tp_plan is None else '...'}: a 'tp' dim and a "
-            "tp_plan go together (the plan says what the 'tp' dim shards); give both or neither."
+            f"device_mesh {dict(device_mesh)} with tp_plan={'None' if tp_plan is None else '...'}: a 'tp' (or 'ep') "
+            "dim and a tp_plan go together (the plan says what that dim shards); give both or neither."
         )
     rank = 0 if rank is None else rank
     mesh.coordinate(rank)  # validates rank
@@ -245,7 +248,8 @@ def apply_tp_plan(model: nn.Module, tp: TensorParallel) -> None:
     if tp.mesh is not None:
         tp.resolved = parallelize(model, tp.spec, tp.mesh)
     else:
-        tp.resolved = resolve_tp_plan(model, tp.spec, world_size=tp.tp_size)
+        expert = tp.planned is not None and tp.planned.parallel_dim == "ep"
+        tp.resolved = resolve_tp_plan(model, tp.spec, world_size=tp.tp_size, expert=expert)
         custom = [r.path for r in tp.resolved if r.kind == "custom"]
         if custom:
             raise ConfigurationError(

@@ -1,7 +1,8 @@
 """FSDP2 over tensor parallelism on a named mesh, applied the torchtitan way, validated first.
 
 :func:`shard_model` is what ``load_checkpoint(model, ckpt, device_mesh=mesh, tp_plan="auto",
-fsdp=True)`` runs before reading: ``tp_plan`` on ``mesh["tp"]`` (:func:`~surgery.parallel.parallelize`),
+fsdp=True)`` runs before reading: ``tp_plan`` on ``mesh["tp"]`` (:func:`~surgery.parallel.parallelize`;
+on ``mesh["ep"]`` for a mesh with an ``ep`` dim, where ``"auto"`` is the model's ``ep_plan``),
 then torch's ``fully_shard`` on each decoder layer and at the root over the data-parallel dims
 (``mesh["dp_shard"]``, or ``mesh["dp_replicate", "dp_shard"]`` for HSDP). The mesh dims are named
 as torchtitan names them (:data:`~surgery.parallel.mesh_shape.MESH_DIM_NAMES`).
@@ -13,7 +14,7 @@ a training run does (``reshard_after_forward``, ``mp_policy``), under torch's ow
 outermost ``ModuleList`` of repeated blocks.
 
 Everything that can be checked is checked before the model changes: dim names, a plan without a
-``tp`` dim, layers that cannot be wrapped (not found, or a parameter shared between a layer and
+``tp`` (or ``ep``) dim, layers that cannot be wrapped (not found, or a parameter shared between a layer and
 anything else), and every parameter's dim 0 dividing evenly over ``dp_shard`` after TP (the error
 names the parameter, its size, the mesh dim and its size).
 
@@ -31,7 +32,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigurationError
-from .mesh_shape import MESH_DIM_NAMES
+from .mesh_shape import MESH_DIM_NAMES, PARALLEL_DIMS, parallel_dim
 
 __all__ = ["FSDPOptions", "decoder_layers", "fsdp_options", "shard_model"]
 
@@ -106,7 +107,8 @@ def decoder_layers(model: nn.Module, layers: str | None = None) -> tuple[str, nn
 def shard_model(
     model: nn.Module, device_mesh: Any, *, tp_plan: Mapping[str, Any] | str | None, fsdp: Any
 ) -> None:
-    """TP on ``device_mesh["tp"]``, then ``fully_shard`` per decoder layer and at the root.
+    """TP on ``device_mesh["tp"]`` (or the plan on ``device_mesh["ep"]``), then ``fully_shard`` per
+    decoder layer and at the root.
 
     Parameters become DTensors with their placements; no data moves (a model on ``meta`` stays
     there). Every check runs before ``fully_shard``; a failure after TP leaves TP applied, which
@@ -121,13 +123,14 @@ def shard_model(
     layers = decoder_layers(model, options.layers)[1] if options is not None else None
     if layers is not None:
         _check_wrappable(model, layers)
-    if tp_plan is not None:
+    dim = parallel_dim(names)
+    if tp_plan is not None and dim is not None:
         from .apply import parallelize
 
-        parallelize(model, tp_plan, device_mesh["tp"])
+        parallelize(model, tp_plan, device_mesh[dim])
     if options is None or layers is None:
         return
-    dp = tuple(n for n in names if n != "tp")
+    dp = tuple(n for n in names if n not in PARALLEL_DIMS)
     dp_mesh = device_mesh[dp] if len(dp) > 1 else device_mesh[dp[0]]
     _check_divides(model, device_mesh.size(names.index("dp_shard")))
     from torch.distributed.fsdp import fully_shard
@@ -153,7 +156,8 @@ def _mesh_names(device_mesh: Any) -> tuple[str, ...]:
 
 def _check_dims(names: tuple[str, ...], tp_plan: Any, options: FSDPOptions | None) -> None:
     if options is None:
-        tp = 'mesh["tp"]' if "tp" in names else "the 1-D mesh of its dim"
+        dim = next((n for n in PARALLEL_DIMS if n in names), None)
+        tp = f'mesh["{dim}"]' if dim else "the 1-D mesh of its dim"
         raise ConfigurationError(
             f"device_mesh has {len(names)} dims {list(names)}: for tensor parallelism alone pass {tp}; for FSDP2 "
             f"over TP name the dims from {', '.join(MESH_DIM_NAMES)} and pass fsdp=True."
@@ -164,16 +168,17 @@ def _check_dims(names: tuple[str, ...], tp_plan: Any, options: FSDPOptions | Non
             f"device mesh dims {list(names)}: name them from {', '.join(MESH_DIM_NAMES)}, in that order "
             f"(torchtitan's names){f'; {unknown} are unknown' if unknown else ''}."
         )
-    if tp_plan is not None and "tp" not in names:
+    dim = parallel_dim(names)
+    if tp_plan is not None and dim is None:
         raise ConfigurationError(
-            f"tp_plan= shards on the mesh dim 'tp', which the mesh {list(names)} lacks: add a 'tp' dim or leave "
+            f"tp_plan= shards on the mesh dim 'tp' (or 'ep'), which the mesh {list(names)} lacks: add one or leave "
             "tp_plan out."
         )
-    if tp_plan is None and "tp" in names:
+    if tp_plan is None and dim is not None:
         raise ConfigurationError(
-            f"the mesh {list(names)} has a 'tp' dim but no tp_plan= says what to shard on it."
+            f"the mesh {list(names)} has a {dim!r} dim but no tp_plan= says what to shard on it."
         )
-    if not any(n != "tp" for n in names):
+    if not any(n not in PARALLEL_DIMS for n in names):
         raise ConfigurationError(
             f"fsdp= shards over 'dp_shard', which the mesh {list(names)} lacks: add the dim or leave fsdp out."
         )
