@@ -305,6 +305,27 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, An
             original="ep-per-expert-fp8",
         ),
         "ep_tp": functools.partial(load, ep_tp, "ep-per-expert", parallelize=_ep_tp, runtime=True),
+        "ep_tp_fused": functools.partial(load, ep_tp, "ep-fused", parallelize=_ep_tp),
+        "ep_tp_fp8": functools.partial(
+            load,
+            ep_tp,
+            "ep-per-expert-fp8",
+            parallelize=_ep_tp,
+            quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK),
+            original="ep-per-expert-fp8",
+        ),
+        "dp_ep_fused": functools.partial(
+            load, dp_ep, "ep-fused", parallelize=_dp_ep, dry={"dp_shard": 2, "ep": world // 2}
+        ),
+        "dp_ep_fp8": functools.partial(
+            load,
+            dp_ep,
+            "ep-per-expert-fp8",
+            parallelize=_dp_ep,
+            dry={"dp_shard": 2, "ep": world // 2},
+            quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK),
+            original="ep-per-expert-fp8",
+        ),
         "dp_ep": functools.partial(
             load,
             dp_ep,

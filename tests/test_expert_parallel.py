@@ -17,7 +17,13 @@ pytestmark = pytest.mark.distributed
 
 LAYOUTS = ["per_expert", "fused", "auto", "fp8"]
 MESHES = ["ep_tp", "dp_ep", "dp_ep_fsdp"]
-EVERY = LAYOUTS + MESHES
+OTHER_LAYOUTS = [
+    "ep_tp_fused",
+    "ep_tp_fp8",
+    "dp_ep_fused",
+    "dp_ep_fp8",
+]  # on (ep=2, tp=2) and (dp_shard=2, ep=2)
+EVERY = LAYOUTS + MESHES + OTHER_LAYOUTS
 EXPERT_KEYS = sorted(
     f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("down_proj", "gate_up_proj")
 )
@@ -62,7 +68,7 @@ def test_the_experts_placements_on_each_mesh(ranks, scenario, gate_up, down):
             assert f["placements"][f"model.layers.{layer}.mlp.experts.down_proj"] == down
 
 
-@pytest.mark.parametrize("scenario", ["per_expert", "fused", "auto", *MESHES])
+@pytest.mark.parametrize("scenario", ["per_expert", "fused", "auto", *MESHES, "ep_tp_fused", "dp_ep_fused"])
 def test_each_rank_reads_only_its_experts_and_the_replicated_tensors(ranks, scenario):
     for f in _facts(ranks, scenario):
         assert f["bytes_read"] <= 1.05 * (f["experts_bytes"] + f["other_bytes"]), f
@@ -77,7 +83,17 @@ def test_a_per_expert_checkpoint_is_read_exactly_for_the_owned_experts(ranks, sc
         assert f["bytes_read"] == f["owned_stored_bytes"], f
 
 
-@pytest.mark.parametrize("scenario", ["per_expert", "fused", "fp8", "auto", "dp_ep", "dp_ep_fsdp"])
+def test_expert_tp_on_fp8_experts_reads_half_of_each_expert_with_its_scales(ranks):
+    """(ep=2, tp=2) holds as many expert bytes per rank as ep=4 (half of 8 experts against 4 whole
+    ones) and splits attention too: every rank reads less than an ep=4 rank of the same FP8 file."""
+    ep4 = min(f["bytes_read"] for f in _facts(ranks, "fp8"))
+    for f in _facts(ranks, "ep_tp_fp8"):
+        assert f["bytes_read"] < ep4, (f["bytes_read"], ep4)
+
+
+@pytest.mark.parametrize(
+    "scenario", ["per_expert", "fused", "fp8", "auto", "dp_ep", "dp_ep_fsdp", "dp_ep_fused", "dp_ep_fp8"]
+)
 def test_the_dry_run_of_a_rank_plans_the_bytes_it_reads(ranks, scenario):
     """``plan_load(..., tp_size=4, tp_rank=r)``, or ``device_mesh={"ep": 4}`` / ``{"dp_shard": 2, "ep": 2}``
     with ``rank=r``, counts what rank ``r``'s load reads (FP8: with its scales)."""

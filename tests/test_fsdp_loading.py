@@ -83,7 +83,7 @@ def test_the_convenient_load_holds_torchs_own_shards_and_forwards_as_one_process
 
 
 BAD = {
-    "unknown_dim": ["'dp'", "dp_replicate, dp_shard, tp"],
+    "unknown_dim": ["'dp'", "dp_replicate, dp_shard, ep, tp"],
     "plan_without_tp_dim": ["'tp'", "lacks"],
     "mesh_dp_without_fsdp": ["fsdp=True"],
     "does_not_divide": ["'layers.0.weight'", "size 5", "'dp_shard' of size 2"],
