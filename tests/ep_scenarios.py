@@ -291,51 +291,25 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, An
     owned = range(rank * per, (rank + 1) * per)
     six = moe.ExampleMoEConfig(num_local_experts=6, num_attention_heads=4, num_key_value_heads=2)
     load = functools.partial(_guarded, _load, work)
+    fp8 = {"quantizer": FP8BlockQuantizer(block_size=FP8_BLOCK), "original": "ep-per-expert-fp8"}
+    dp_ep_dims = {"dp_shard": 2, "ep": world // 2}
     return {
         "per_expert": functools.partial(load, mesh, "ep-per-expert", plan=EP_PLAN, owned=owned, runtime=True),
         "fused": functools.partial(load, mesh, "ep-fused", plan=EP_PLAN, runtime=True),
         "auto": functools.partial(load, mesh, "ep-per-expert", plan="auto", owned=owned, dry={"ep": world}),
-        "fp8": functools.partial(
-            load,
-            mesh,
-            "ep-per-expert-fp8",
-            plan=EP_PLAN,
-            quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK),
-            owned=owned,
-            original="ep-per-expert-fp8",
-        ),
+        "fp8": functools.partial(load, mesh, "ep-per-expert-fp8", plan=EP_PLAN, owned=owned, **fp8),
         "ep_tp": functools.partial(load, ep_tp, "ep-per-expert", parallelize=_ep_tp, runtime=True),
         "ep_tp_fused": functools.partial(load, ep_tp, "ep-fused", parallelize=_ep_tp),
-        "ep_tp_fp8": functools.partial(
-            load,
-            ep_tp,
-            "ep-per-expert-fp8",
-            parallelize=_ep_tp,
-            quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK),
-            original="ep-per-expert-fp8",
-        ),
-        "dp_ep_fused": functools.partial(
-            load, dp_ep, "ep-fused", parallelize=_dp_ep, dry={"dp_shard": 2, "ep": world // 2}
-        ),
+        "ep_tp_fp8": functools.partial(load, ep_tp, "ep-per-expert-fp8", parallelize=_ep_tp, **fp8),
+        "dp_ep_fused": functools.partial(load, dp_ep, "ep-fused", parallelize=_dp_ep, dry=dp_ep_dims),
         "dp_ep_fp8": functools.partial(
-            load,
-            dp_ep,
-            "ep-per-expert-fp8",
-            parallelize=_dp_ep,
-            dry={"dp_shard": 2, "ep": world // 2},
-            quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK),
-            original="ep-per-expert-fp8",
+            load, dp_ep, "ep-per-expert-fp8", parallelize=_dp_ep, dry=dp_ep_dims, **fp8
         ),
         "dp_ep": functools.partial(
-            load,
-            dp_ep,
-            "ep-per-expert",
-            parallelize=_dp_ep,
-            runtime=True,
-            dry={"dp_shard": 2, "ep": world // 2},
+            load, dp_ep, "ep-per-expert", parallelize=_dp_ep, runtime=True, dry=dp_ep_dims
         ),
         "dp_ep_fsdp": functools.partial(  # the convenient path: the ep_plan and FSDP2 in one call
-            load, dp_ep, "ep-per-expert", plan="auto", fsdp=True, dry={"dp_shard": 2, "ep": world // 2}
+            load, dp_ep, "ep-per-expert", plan="auto", fsdp=True, dry=dp_ep_dims
         ),
         "missing_expert": functools.partial(_guarded, _missing_expert, work, mesh),
         "six_experts": functools.partial(_guarded, _refused, work, mesh, six, EP_PLAN),

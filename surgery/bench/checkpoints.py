@@ -42,12 +42,15 @@ def config_for_size(size_gb: float) -> ExampleMoEConfig:
     return replace(one, num_hidden_layers=max(1, round((size_gb * 2**30 - fixed) / per_layer)))
 
 
-def per_key_config(layers: int = 32, experts: int = 1024) -> ExampleMoEConfig:
-    """A tiny-tensor configuration: ``layers * experts * 3`` expert keys of 512 bytes each."""
+def per_key_config(
+    layers: int = 32, experts: int = 1024, *, width: int = 16, vocab: int = 64
+) -> ExampleMoEConfig:
+    """A tiny-tensor configuration: ``layers * experts * 3`` expert keys of ``width x width``
+    (512 bytes each in bf16 at the default width)."""
     return ExampleMoEConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=16,
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=width,
         num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,

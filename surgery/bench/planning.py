@@ -41,18 +41,9 @@ _BLOCK = (4, 4)
 
 
 def _tiny_config(layers: int, experts: int) -> Any:
-    from ..examples.moe import ExampleMoEConfig
+    from .checkpoints import per_key_config
 
-    return ExampleMoEConfig(
-        vocab_size=8,
-        hidden_size=4,
-        intermediate_size=4,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_local_experts=experts,
-        num_experts_per_tok=2,
-    )
+    return per_key_config(layers, experts, width=4, vocab=8)
 
 
 def write_fp8_index(directory: Path, layers: int, experts: int) -> int:
