@@ -246,6 +246,48 @@ def _load(
     }
 
 
+def _gradients(
+    work: Path, mesh: Any, parallelize: Any, build: Any = _build, checkpoint: str = "ep-per-expert"
+) -> dict[str, Any]:
+    """One backward through the expert-parallel model: every rank's gradient of each parameter is
+    its slice of the single-process gradient (the experts' own, and the router's and attention's
+    that every rank holds whole or in part)."""
+    from torch.distributed.tensor import DTensor
+
+    ref = build(device="meta")
+    surgery.load_checkpoint(ref, work / checkpoint)
+    model = build(device="meta")
+    parallelize(model, mesh)
+    surgery.load_checkpoint(model, work / checkpoint)
+    for m in (ref, model):
+        _logits(m).pow(2).mean().backward()
+    want = {k: p.grad for k, p in ref.named_parameters()}
+    missing, diffs = [], {}
+    for key, p in model.named_parameters():
+        if p.grad is None:
+            missing.append(key)
+            continue
+        grad = p.grad
+        if isinstance(grad, DTensor):  # its local part as the parameter is split (a grad may be Partial)
+            grad = grad.redistribute(p.device_mesh, p.placements).to_local()
+        expected = _split(want[key], p) if isinstance(p, DTensor) else want[key]
+        diffs[key] = float((grad - expected).abs().max())
+    worst = max(diffs, key=lambda k: diffs[k]) if diffs else None
+    return {"max_grad_diff": diffs.get(worst, 0.0), "worst": worst, "no_grad": missing}
+
+
+def _ep(model: nn.Module, mesh: Any) -> None:
+    from surgery.parallel import parallelize
+
+    parallelize(model, EP_PLAN, mesh)
+
+
+def _ep_auto(model: nn.Module, mesh: Any) -> None:
+    from surgery.parallel import parallelize
+
+    parallelize(model, "auto", mesh)  # a mesh named "ep": the model's ep_plan
+
+
 def _missing_expert(work: Path, mesh: Any) -> dict[str, Any]:
     """Expert 5 of layer 1 (rank 1's) is absent: every rank's load fails, naming it."""
     try:
@@ -286,6 +328,15 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, An
             out[f] = functools.partial(load, work, mesh, f"ep-{f}", plan="auto", dry={"ep": world})
             out[f"{f}/ep_tp"] = functools.partial(load, work, ep_tp, f"ep-{f}", parallelize=_ep_tp)
             out[f"{f}/dp_ep"] = functools.partial(load, work, dp_ep, f"ep-{f}", parallelize=_dp_ep)
+            out[f"{f}/gradients"] = functools.partial(
+                _guarded,
+                _gradients,
+                work,
+                mesh,
+                _ep_auto,
+                functools.partial(_transformers_build, f),
+                f"ep-{f}",
+            )
         return out
     per = EP_MOE.num_local_experts // world
     owned = range(rank * per, (rank + 1) * per)
@@ -311,6 +362,8 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, An
         "dp_ep_fsdp": functools.partial(  # the convenient path: the ep_plan and FSDP2 in one call
             load, dp_ep, "ep-per-expert", plan="auto", fsdp=True, dry=dp_ep_dims
         ),
+        "gradients": functools.partial(_guarded, _gradients, work, mesh, _ep),
+        "gradients_ep_tp": functools.partial(_guarded, _gradients, work, ep_tp, _ep_tp),
         "missing_expert": functools.partial(_guarded, _missing_expert, work, mesh),
         "six_experts": functools.partial(_guarded, _refused, work, mesh, six, EP_PLAN),
         "not_experts": functools.partial(

@@ -121,6 +121,16 @@ def test_a_save_in_the_fused_runtime_layout_writes_the_single_process_file(ranks
     assert _facts(ranks, scenario)[0]["runtime_identical"]
 
 
+@pytest.mark.parametrize("scenario", ["gradients", "gradients_ep_tp"])
+def test_a_backward_gives_each_rank_its_slice_of_the_single_process_gradients(ranks, scenario):
+    """Training through ``expert_parallel`` (on ep=4, and expert-TP on (ep=2, tp=2)): the experts'
+    gradients and those of the modules around them (router, attention, norms) are exact up to
+    float32 rounding on every rank."""
+    for f in _facts(ranks, scenario):
+        assert f["no_grad"] == []
+        assert f["max_grad_diff"] < 1e-6, f["max_grad_diff"]
+
+
 def test_a_missing_expert_fails_its_layer_on_every_rank_naming_the_index(ranks):
     """Expert 5 of layer 1 belongs to rank 1; every rank sees the gap from the headers."""
     for f in _facts(ranks, "missing_expert"):

@@ -254,6 +254,9 @@ class _OwnedExperts(_LocalExperts):
         self.flag = False
 
     def swap_in(self, mod: nn.Module, args: Any) -> tuple[Any, ...]:
+        # the gradient sums wrap the inputs first, so the masks below act on this rank's part of
+        # the gradient (masking after the sum would drop the other ranks' routing-weight gradients)
+        args = super().swap_in(mod, args)
         ids = next((a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point()), None)
         owned = None if ids is None else (ids >= self.first) & (ids < self.first + self.count)
         args = tuple(
@@ -264,7 +267,7 @@ class _OwnedExperts(_LocalExperts):
         if self.flagged:
             self.flag = bool(getattr(mod, "_is_expert_parallel"))  # noqa: B009
             setattr(mod, "_is_expert_parallel", True)  # noqa: B010
-        return super().swap_in(mod, args)
+        return args
 
     def _localized(self, t: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point():  # the ids: local, or the "no expert" id

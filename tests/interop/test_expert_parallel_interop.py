@@ -44,3 +44,14 @@ def test_a_transformers_moe_loads_its_experts_per_rank(ranks, family, mesh):
             assert f["planned_bytes"] == f["bytes_read"]
         assert f["forward_max_diff"] < 1e-5
     assert facts[0]["saved_identical"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_backward_through_a_transformers_moe_gives_each_rank_its_slice_of_the_gradients(ranks, family):
+    """transformers' experts implementation (``grouped_mm`` on CPU) with the expert-parallel
+    sentinel: each rank's gradients are its slices of the single-process ones."""
+    for r in ranks:
+        f = r[f"{family}/gradients"]
+        assert "error" not in f, f["error"]
+        assert f["no_grad"] == []
+        assert f["max_grad_diff"] < 1e-5, f
