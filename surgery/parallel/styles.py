@@ -254,8 +254,9 @@ class _OwnedExperts(_LocalExperts):
         self.flag = False
 
     def swap_in(self, mod: nn.Module, args: Any) -> tuple[Any, ...]:
-        # the gradient sums wrap the inputs first, so the masks below act on this rank's part of
-        # the gradient (masking after the sum would drop the other ranks' routing-weight gradients)
+        # the gradient sums wrap the inputs first and the masks go inside them: the backward masks
+        # this rank's gradient, then sums. The other way round it would sum, then mask away the
+        # other ranks' routing-weight gradients.
         args = super().swap_in(mod, args)
         ids = next((a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point()), None)
         owned = None if ids is None else (ids >= self.first) & (ids < self.first + self.count)
