@@ -402,3 +402,21 @@ def test_the_quantization_config_a_save_writes_reads_back_to_the_same_quantizer(
     assert q.quantization_config()["quant_method"] == "fp8"
     # transformers' fp8 method decodes e4m3 only: an e5m2 save makes it refuse the checkpoint.
     assert q.loads_in_transformers is (weight_format == "e4m3")
+
+
+def test_companions_a_rank_did_not_read_come_from_one_pass_over_the_checkpoint(tmp_path):
+    """A save asks for the scales a rank read in part or not at all; the first one asked for reads
+    every such scale of the load in one opening of the checkpoint, each equal to the stored one."""
+    from surgery.load.quantized import CompanionsOnDisk, CompanionsRead
+
+    scales = {f"e{i}.weight_scale_inv": torch.rand(2, 3) + 0.5 for i in range(3)}
+    write_checkpoint(scales, tmp_path)
+    on_disk = CompanionsOnDisk(str(tmp_path))
+    part = torch.ones(2, 3)
+    partly = CompanionsRead({"e0.weight_scale_inv": part}, {"e0.weight_scale_inv"}, on_disk)
+    unread = [CompanionsRead.unread((f"e{i}.weight_scale_inv",), on_disk) for i in (1, 2)]
+    assert on_disk.values == {}
+    assert torch.equal(unread[1]["e2.weight_scale_inv"], scales["e2.weight_scale_inv"])
+    assert set(on_disk.values) == set(scales)  # all three, in the one pass
+    assert torch.equal(partly["e0.weight_scale_inv"], scales["e0.weight_scale_inv"])
+    assert list(unread[0]) == ["e1.weight_scale_inv"] and len(unread[0]) == 1

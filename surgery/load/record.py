@@ -18,7 +18,7 @@ from ..record import Fired, LoadRecord, Origin, update_record
 from ..routing import BasePrefix
 from ..transforms import PrefixChange
 from .planner import Prepared, Work
-from .quantized import CompanionsRead
+from .quantized import CompanionsOnDisk, CompanionsRead
 
 __all__ = ["clear_record", "record_load"]
 
@@ -70,14 +70,13 @@ def record_load(
         for k, names in w.quantizing.companions.items()
         if names and k not in prep.companion_values
     }
+    on_disk = CompanionsOnDisk(str(reader.path))
     companions: dict[str, Mapping[str, torch.Tensor]] = {
-        k: CompanionsRead(v, prep.partial_companions, str(reader.path))
-        if prep.partial_companions & set(v)
-        else v
+        k: CompanionsRead(v, prep.partial_companions, on_disk) if prep.partial_companions & set(v) else v
         for k, v in prep.companion_values.items()
         if k in sources
     }
-    companions.update((k, CompanionsRead.unread(names, str(reader.path))) for k, names in unread.items())
+    companions.update((k, CompanionsRead.unread(names, on_disk)) for k, names in unread.items())
     update_record(
         model,
         load=LoadRecord(
