@@ -140,6 +140,23 @@ def test_auto_on_an_expert_mesh_applies_the_models_expert_parallel_plan():
         resolve_tp_plan(dense.build_dense_model(device="meta"), "auto", world_size=2, expert=True)
 
 
+def test_expert_parallel_takes_only_a_module_of_3d_experts_whatever_applies_it():
+    """The check ``resolve_tp_plan`` and ``ExpertParallel._apply`` (``parallelize_module``) share."""
+    from surgery.parallel.plan import check_experts_module
+    from surgery.parallel.styles import ExpertParallel
+
+    experts = (
+        moe.build_moe_model(moe.ExampleMoEConfig(num_local_experts=8), device="meta")
+        .model.layers[0]
+        .mlp.experts
+    )
+    check_experts_module(experts, "experts")  # E = 8 rows in every parameter
+    with pytest.raises(
+        ConfigurationError, match=r"ExpertParallel on Linear: .* num_experts=None .*'weight': \(4, 2\)"
+    ):
+        ExpertParallel()._apply(nn.Linear(2, 4), None)  # refused before the mesh is looked at
+
+
 def test_star_matches_exactly_one_component():
     model = dense.build_dense_model(device="meta")
     resolved = resolve_tp_plan(model, {"model.layers.*.mlp.down_proj": "rowwise"}, world_size=2)

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module, dist
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from ..errors import ConfigurationError
+from .plan import check_experts_module
 
 __all__ = [
     "ExpertParallel",
@@ -181,6 +182,7 @@ class ExpertParallel(ParallelStyle):
             )
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        check_experts_module(module, f"ExpertParallel on {type(module).__name__}")
         if device_mesh.ndim not in (1, 2):
             raise ConfigurationError(
                 f"expert_parallel takes a 1-D (ep) or 2-D (ep, tp) mesh, not {device_mesh.ndim}-D "
