@@ -451,16 +451,18 @@ def shard(ctx: Planning, c: Candidate) -> None:
     entry.nbytes = nbytes
     entry.tp = sh.slices
     if ctx.hooks is not None and c.decoded:  # the companions this rank reads with its sources
+        hook = "stored_region"
         try:
             if sh.sharded and ctx.hooks.reshapes:
                 entry.nbytes = _stored_bytes(ctx, sh.sources, nbytes, c.decoded)
+            hook = "companion_region"
             entry.nbytes += sum(
                 companion_bytes(ctx.hooks, ctx.reader, k, names, sh.sources.get(k))
                 for k, names in c.decoded.items()
                 if sh.sources.get(k) is not NOT_NEEDED
             )
         except ConfigurationError as exc:
-            fail(ctx, c, f"{ctx.hooks.name}.stored_region", str(exc))
+            fail(ctx, c, f"{ctx.hooks.name}.{hook}", str(exc))
             return
     if not sh.sharded:
         return
