@@ -142,7 +142,7 @@ def test_auto_on_an_expert_mesh_applies_the_models_expert_parallel_plan():
 
 def test_expert_parallel_takes_only_a_module_of_3d_experts_whatever_applies_it():
     """The check ``resolve_tp_plan`` and ``ExpertParallel._apply`` (``parallelize_module``) share."""
-    from surgery.parallel.plan import check_experts_module
+    from surgery.parallel.experts import check_experts_module
     from surgery.parallel.styles import ExpertParallel
 
     experts = (

@@ -9,6 +9,8 @@
 * :mod:`~surgery.parallel.styles`: :class:`PackedColwiseParallel`, :class:`ExpertsParallel`, :class:`ExpertParallel` and
   :class:`PackedLinearParallel`,
   ``ParallelStyle`` subclasses (importing it imports ``torch.distributed.tensor``).
+* :mod:`~surgery.parallel.experts`: :func:`~surgery.parallel.experts.check_experts_module`, what
+  a module must hold for ``expert_parallel`` (a leaf module).
 * :mod:`~surgery.parallel.apply`: :func:`parallelize`, a plan applied to a model.
 * :mod:`~surgery.parallel.fsdp`: :func:`shard_model` (TP on ``mesh["tp"]``, then FSDP2 per
   decoder layer and at the root, validated first: what ``load_checkpoint(..., fsdp=True)``

@@ -46,13 +46,13 @@ from torch import nn
 from ..errors import ConfigurationError
 from ..graph import match_modules
 from .dtensors import dtensor_type
+from .experts import check_experts_module
 from .hf_plan import HF_STYLES, translate_hf_plan
 from .regions import Box, Region, intersect
 
 __all__ = [
     "STYLE_NAMES",
     "ResolvedStyle",
-    "check_experts_module",
     "check_mesh",
     "is_expert_mesh",
     "local_region",
@@ -411,27 +411,6 @@ def _check_tied(model: nn.Module, resolved: list[ResolvedStyle]) -> None:
                 "tensor. Give both modules styles with the same placement (e.g. embedding rowwise with "
                 "lm_head colwise, both Shard(0)), or untie them."
             )
-
-
-def check_experts_module(module: nn.Module, where: str) -> None:
-    """Refuse ``expert_parallel`` on a module that does not hold its experts as ``(E, ...)`` parameters
-    with ``num_experts = E`` (``where`` names the module in the message).
-
-    Raises:
-        ConfigurationError: naming the module's ``num_experts`` and parameter shapes.
-    """
-    params = dict(module.named_parameters(recurse=False))
-    experts = getattr(module, "num_experts", None)
-    if (
-        not isinstance(experts, int)
-        or not params
-        or any(p.dim() < 2 or p.shape[0] != experts for p in params.values())
-    ):
-        raise ConfigurationError(
-            f"{where}: expert_parallel shards experts stored as 3-D parameters (E, ...) with num_experts = E "
-            f"on the module; this one has num_experts={experts!r} and parameters "
-            f"{ {n: tuple(p.shape) for n, p in params.items()} }. Apply it to the experts module (mlp.experts)."
-        )
 
 
 def is_expert_mesh(device_mesh: Any) -> bool:

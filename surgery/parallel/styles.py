@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module, dist
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from ..errors import ConfigurationError
-from .plan import check_experts_module
+from .experts import check_experts_module
 
 __all__ = [
     "ExpertParallel",
