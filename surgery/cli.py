@@ -209,11 +209,12 @@ def _mesh_arg(text: str) -> dict[str, int]:
 def _mesh_plans(args: argparse.Namespace, quantizer: Any) -> int:
     """``inspect --mesh``: every rank's plan of an n-D mesh (tp_plan on ``tp`` or ``ep``, FSDP2 on the dp dims)."""
     from .load.loader import plan_load
+    from .parallel.mesh_shape import parallel_dim
 
     if args.tp is not None or args.tp_rank is not None:
         raise SurgeryError("--mesh plans every rank of its mesh; leave out --tp and --tp-rank.")
     dims = _mesh_arg(args.mesh)
-    parallel = "tp" in dims or "ep" in dims
+    parallel = parallel_dim(tuple(dims)) is not None
     tp_plan = _tp_plan(args.tp_plan) if parallel else None
     if args.tp_plan is not None and not parallel:
         raise SurgeryError(

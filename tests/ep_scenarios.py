@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from fp8_reference import quantize_state
-from nd_scenarios import _guarded
+from nd_scenarios import _guarded, _torch_split
 from torch import nn
 
 import surgery
@@ -108,13 +108,6 @@ def _owned_stored_bytes(path: Path, owned: range) -> int:
         )
 
 
-def _split(full: torch.Tensor, like: Any) -> torch.Tensor:
-    """``like``'s local shard of ``full``, as torch's own ``distribute_tensor`` cuts it."""
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
-
-
 def _ep_tp(model: nn.Module, mesh: Any) -> None:
     """(ep=2, tp=2): attention heads over ``tp``, each layer's experts over both (expert-TP)."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -196,7 +189,7 @@ def _load(
     unequal, sharded_bytes, other_bytes, placements = [], 0, 0, {}
     for key, value in model.state_dict().items():
         if isinstance(value, DTensor):
-            local, want = value.to_local(), _split(ref_state[key], value)
+            local, want = value.to_local(), _torch_split(ref_state[key], value)
             if ".experts." in key:
                 placements[key] = [repr(p) for p in value.placements]
             if all(isinstance(p, Replicate) for p in value.placements):
@@ -270,7 +263,7 @@ def _gradients(
         grad = p.grad
         if isinstance(grad, DTensor):  # its local part as the parameter is split (a grad may be Partial)
             grad = grad.redistribute(p.device_mesh, p.placements).to_local()
-        expected = _split(want[key], p) if isinstance(p, DTensor) else want[key]
+        expected = _torch_split(want[key], p) if isinstance(p, DTensor) else want[key]
         diffs[key] = float((grad - expected).abs().max())
     worst = max(diffs, key=lambda k: diffs[k]) if diffs else None
     return {"max_grad_diff": diffs.get(worst, 0.0), "worst": worst, "no_grad": missing}

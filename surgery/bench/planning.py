@@ -121,8 +121,7 @@ def _measure(path: Path, model: torch.nn.Module, quantizer: Any, world: int, rep
     runtime = model.state_dict().keys()
 
     def header() -> None:
-        with open_checkpoint(path):
-            pass
+        open_checkpoint(path).close()
 
     def routing() -> None:
         r = route_keys(routed, transforms, runtime_keys=runtime, base_model_prefix="model")

@@ -156,7 +156,7 @@ def _mesh_names(device_mesh: Any) -> tuple[str, ...]:
 
 def _check_dims(names: tuple[str, ...], tp_plan: Any, options: FSDPOptions | None) -> None:
     if options is None:
-        dim = next((n for n in PARALLEL_DIMS if n in names), None)
+        dim = parallel_dim(names)
         tp = f'mesh["{dim}"]' if dim else "the 1-D mesh of its dim"
         raise ConfigurationError(
             f"device_mesh has {len(names)} dims {list(names)}: for tensor parallelism alone pass {tp}; for FSDP2 "
