@@ -34,6 +34,7 @@ DENSE = dense.ExampleDenseConfig(num_attention_heads=4, num_key_value_heads=4)
 MOE = moe.ExampleMoEConfig(num_attention_heads=4, num_key_value_heads=4)
 WORLD = 4
 FP8_BLOCK = (6, 10)  # blocks that straddle every rank boundary, on both dims of a box
+STAGING = 4 * 4096  # the smallest staging ring: most tensors cross it in pieces
 INPUT_IDS = torch.tensor([[1, 5, 9, 3, 7], [2, 4, 6, 8, 10]])
 MESHES = {
     "dp_shard2_tp2": (("dp_shard", "tp"), (2, 2)),
@@ -212,7 +213,7 @@ def _torch_flow(ref: nn.Module, family: str, mesh: Any) -> nn.Module:
     return model
 
 
-def _load_scenario(work: Path, mesh: Any, family: str) -> dict[str, Any]:
+def _load_scenario(work: Path, mesh: Any, family: str, *, staging_bytes: int | None = None) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     build = MODELS[family]
@@ -222,7 +223,7 @@ def _load_scenario(work: Path, mesh: Any, family: str) -> dict[str, Any]:
     torchtitan_parallelize(model, mesh, family)
     planned = _plans_agree(model, work / family, mesh, family)
     with counting_collectives() as counts:
-        report = surgery.load_checkpoint(model, work / family)
+        report = surgery.load_checkpoint(model, work / family, staging_bytes=staging_bytes)
     ref_state, flow_state = ref.state_dict(), _torch_flow(ref, family, mesh).state_dict()
     flow_full_tensor_wrong = [  # torch's own flow, gathered by its declared placements
         k
@@ -248,6 +249,7 @@ def _load_scenario(work: Path, mesh: Any, family: str) -> dict[str, Any]:
         "unlike_placements": unlike_placements,
         "placements": placements,
         "bytes_read": report.bytes_read,
+        "staged_bytes": report.staged_bytes,
         "local_bytes": local_bytes,
         "replicated_bytes": replicated,
         "collectives": counts,
@@ -367,7 +369,7 @@ def _box_without_rule(work: Path, mesh: Any) -> dict[str, Any]:
     }
 
 
-def _fp8(work: Path, mesh: Any) -> dict[str, Any]:
+def _fp8(work: Path, mesh: Any, *, staging_bytes: int | None = None) -> dict[str, Any]:
     """A block-FP8 checkpoint into FSDP2 x TP: each part decoded with the scales it needs, exact."""
     from torch.distributed.tensor import DTensor
 
@@ -380,7 +382,10 @@ def _fp8(work: Path, mesh: Any) -> dict[str, Any]:
     model = MODELS["dense"](device="meta")
     torchtitan_parallelize(model, mesh, "dense")
     report = surgery.load_checkpoint(
-        model, work / "dense-fp8", quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK)
+        model,
+        work / "dense-fp8",
+        quantizer=FP8BlockQuantizer(block_size=FP8_BLOCK),
+        staging_bytes=staging_bytes,
     )
     flow = _torch_flow(ref, "dense", mesh).state_dict()
     unequal = [
@@ -390,7 +395,12 @@ def _fp8(work: Path, mesh: Any) -> dict[str, Any]:
     ]
     with torch.no_grad():
         diff = float((_logits(model) - _logits(ref)).abs().max())
-    return {"ok": report.ok, "unequal": unequal, "forward_max_diff": diff}
+    return {
+        "ok": report.ok,
+        "unequal": unequal,
+        "forward_max_diff": diff,
+        "staged_bytes": report.staged_bytes,
+    }
 
 
 class ColumnsOnlyDoubled(ops.ConversionOp):
@@ -471,6 +481,11 @@ def scenarios(work: Path, _mesh: Any, families: tuple[str, ...]) -> dict[str, An
             out["box_without_rule"] = functools.partial(_guarded, _box_without_rule, work, mesh)
             out["box_with_a_cover"] = functools.partial(_guarded, _box_with_a_cover, work, mesh)
             out["fp8"] = functools.partial(_guarded, _fp8, work, mesh)
+            for family in ("dense", "moe"):  # each rank's boxes through a ring of 4 x 4 KiB
+                out[f"staged/{family}"] = functools.partial(
+                    _guarded, _load_scenario, work, mesh, family, staging_bytes=STAGING
+                )
+            out["staged/fp8"] = functools.partial(_guarded, _fp8, work, mesh, staging_bytes=STAGING)
     return out
 
 

@@ -183,6 +183,23 @@ def test_no_data_collective_runs_during_the_load(ranks, case):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_a_load_through_the_staging_ring_reads_each_ranks_boxes_in_pieces(ranks, family):
+    for f, base in zip(_facts(ranks, f"staged/{family}"), _facts(ranks, f"dp_shard2_tp2/{family}")):
+        assert f["ok"] and f["unequal"] == [] and f["unlike_placements"] == base["unlike_placements"]
+        assert f["forward_max_diff"] <= 1e-5
+        assert f["bytes_read"] == base["bytes_read"] == f["staged_bytes"]
+        assert not DATA_COLLECTIVES & set(f["collectives"])
+
+
+@pytest.mark.distributed
+def test_a_staged_block_fp8_load_decodes_each_ranks_box_after_the_copy(ranks):
+    for f in _facts(ranks, "staged/fp8"):
+        assert f["ok"] and f["unequal"] == [] and f["staged_bytes"] > 0
+        assert f["forward_max_diff"] <= 1e-5
+
+
+@pytest.mark.distributed
 def test_fsdp_over_tp_nests_shards_on_one_dim_and_cuts_rowwise_weights_on_two(ranks):
     placements = _facts(ranks, "dp_shard2_tp2/dense")[0]["placements"]
     assert placements["model.layers.0.self_attn.q_proj.weight"] == [

@@ -8,6 +8,7 @@
   (a tensor-parallel rank's part) and :mod:`~surgery.load.quantized` (a quantizer's steps);
   sources are read into destination views (:mod:`surgery.placement`, shared with saving).
 * :mod:`~surgery.load.execute`: one entry of the work list, read and converted.
+* :mod:`~surgery.load.staging`: the ring of host buffers a load to a device reads through.
 * :mod:`~surgery.load.loader`: :func:`plan_load` and :func:`load_checkpoint` (phase 2).
 * :mod:`~surgery.load.record`: what a load leaves in the model's record (:mod:`surgery.record`) for the save.
 * :mod:`~surgery.load.report`: :class:`LoadReport`, everything a load did not do as asked.

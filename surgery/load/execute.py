@@ -28,6 +28,7 @@ from .planner import Prepared, Work
 from .quantized import read_companion
 from .shapes import op_context
 from .sharding import Sharding, local_context
+from .staging import StagedReader
 
 __all__ = ["execute"]
 
@@ -60,13 +61,13 @@ def _place(param: torch.Tensor, t: torch.Tensor, device: torch.device) -> tuple[
 
 def execute(prep: Prepared, w: Work) -> list[tuple[str, torch.Tensor, bool]]:
     """Run one plan entry; return (runtime key, tensor, fresh) to set in the main thread."""
-    reader = prep.reader
+    reader = _reader(prep, w)
     entry = w.entry
     if w.sharding is not None and w.sharding.sharded:
         return _execute_shard(prep, w, w.sharding)
     if entry.mode == Mode.MMAP:
         (src,) = entry.source_keys
-        return [(w.dest_keys[0], reader.get_tensor(src, copy=False), True)]
+        return [(w.dest_keys[0], prep.reader.get_tensor(src, copy=False), True)]  # a CPU target
     chain = w.chain
     if chain is None:
         (src,) = entry.source_keys
@@ -130,14 +131,15 @@ def _source(prep: Prepared, w: Work, key: str, region: Any = None) -> torch.Tens
     """
     q = w.quantizing
     names = None if q is None else q.companions.get(key)
+    reader = _reader(prep, w)
     if q is None or not names:
-        return _read(prep.reader, key, region)
+        return _read(reader, key, region)
     if isinstance(region, Box):  # scales are cut by one dim: decode whole, keep the box
         return region.take(_source(prep, w, key)).contiguous()
     stored = region
     if isinstance(region, Region) and q.hooks.reshapes:
         stored = q.hooks.stored_region(key, region, prep.reader.info(key))
-    t = _read(prep.reader, key, stored)
+    t = _read(reader, key, stored)
     companions: dict[str, torch.Tensor] = {}
     for c in names:
         if c in prep.checked and (c not in prep.partial_companions or isinstance(region, Region)):
@@ -146,7 +148,9 @@ def _source(prep: Prepared, w: Work, key: str, region: Any = None) -> torch.Tens
         companions[c], part = read_companion(q.hooks, prep.reader, key, c, region)
         if part is not None:
             prep.partial_companions.add(c)
-    prep.companion_values[key] = companions
+    prep.companion_values[key] = companions  # as read (host): what a save re-encodes with
+    if t.device.type != "cpu":  # staged to a device: decode there, with the (small) companions moved along
+        companions = {c: v.to(t.device) for c, v in companions.items()}
     return q.hooks.decode(key, t, companions, region if isinstance(region, Region) else None)
 
 
@@ -166,7 +170,16 @@ def _targets(prep: Prepared, w: Work, key: str, t: torch.Tensor) -> list[tuple[s
     return [(k, *_place(prep.runtime[k], out[k].to(prep.target_dtype[k]), w.device)) for k in produced]
 
 
-def _read(reader: CheckpointReader, key: str, region: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+def _reader(prep: Prepared, w: Work) -> CheckpointReader | StagedReader:
+    """Where ``w`` reads from: the checkpoint, or the staging ring that brings it to ``w``'s device."""
+    if prep.staging is None:
+        return prep.reader
+    return StagedReader(prep.reader, prep.staging, w.device)
+
+
+def _read(
+    reader: CheckpointReader | StagedReader, key: str, region: Any, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``key``'s region (all of it for ``None``), into ``out`` when given."""
     if isinstance(region, Region):
         return reader.read_region(key, region.dim, region.intervals, out=out)
@@ -179,7 +192,7 @@ def _read(reader: CheckpointReader, key: str, region: Any, out: torch.Tensor | N
 
 def _execute_shard(prep: Prepared, w: Work, sh: Sharding) -> list[tuple[str, torch.Tensor, bool]]:
     """Run one entry of a tensor-parallel load: read this rank's regions, build the local tensors."""
-    reader, entry = prep.reader, w.entry
+    reader, entry = _reader(prep, w), w.entry
     local_shapes = [local_shape(tuple(prep.runtime[k].shape), r) for k, r in zip(w.dest_keys, sh.regions)]
     chain = w.chain
     if chain is None:
@@ -256,7 +269,9 @@ def _ordered_sources(conv: WeightConverter, w: Work) -> list[str]:
     ]
 
 
-def _read_placed(reader: CheckpointReader, pairs: list[tuple[str, torch.Tensor]], dest: torch.Tensor) -> None:
+def _read_placed(
+    reader: CheckpointReader | StagedReader, pairs: list[tuple[str, torch.Tensor]], dest: torch.Tensor
+) -> None:
     """``reader.read_into(src, view)`` for every pair of views cut from ``dest``, minus the overhead.
 
     The placement already made every view a contiguous slice of ``dest``; what is left to check
@@ -265,7 +280,12 @@ def _read_placed(reader: CheckpointReader, pairs: list[tuple[str, torch.Tensor]]
     back to back in the file and in ``dest``). Anything unusual goes through ``read_into``, and
     a batch that fails is read again key by key, so errors name the tensor as they always did.
     """
-    if not hasattr(os, "preadv") or dest.device.type != "cpu" or dest.layout != torch.strided:
+    if (
+        not isinstance(reader, CheckpointReader)
+        or not hasattr(os, "preadv")
+        or dest.device.type != "cpu"
+        or dest.layout != torch.strided
+    ):
         for src, view in pairs:
             reader.read_into(src, view)
         return

@@ -52,6 +52,7 @@ from .planner import Prepared, Work, prepare
 from .record import clear_record, record_load
 from .report import ConversionFailure, LoadReport, TPFallback
 from .sharding import Sharding, TensorParallel, tensor_parallel
+from .staging import Staging, staging_budget
 
 __all__ = ["DEFAULT_WORKERS", "SYNC_ENV", "load_checkpoint", "plan_load"]
 
@@ -87,6 +88,71 @@ def _refuse_meta_device(device: torch.device | str | None, call: str) -> None:
             "without device=; to load, pass a real device ('cpu', 'cuda:0'), or leave device=None: a model "
             "built on meta is then materialized on CPU."
         )
+
+
+def _refuse_absent_device(device: torch.device | str | None) -> None:
+    """A device this process cannot reach (no CUDA, an index past the last GPU) fails before the model changes."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        return  # not a device at all: planning reports it with the valid forms
+    if dev.type in ("cpu", "meta"):
+        return
+    backend = getattr(torch, dev.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        raise ConfigurationError(
+            f"load_checkpoint(..., device={device!r}): this process has no {dev.type} device (torch "
+            f"{torch.__version__} {'was built without it' if available is None else 'finds none available'}). "
+            "Load to 'cpu', or run where the device is visible (check CUDA_VISIBLE_DEVICES); "
+            "surgery.plan_load(model, path, device=...) plans such a load without one."
+        )
+    count = getattr(backend, "device_count", lambda: 1)()
+    if dev.index is not None and dev.index >= count:
+        raise ConfigurationError(
+            f"load_checkpoint(..., device={device!r}): {dev.type} index {dev.index} does not exist, this process "
+            f"sees {count} {dev.type} device(s) ({dev.type}:0 to {dev.type}:{count - 1})."
+        )
+
+
+def _usable_target(device: torch.device | str | None, staging_bytes: int | str | None, mmap: bool) -> bool:
+    """Check the device and the ring size before the model changes; whether ``mmap`` stays allowed
+    (not through a ring: every read goes through it)."""
+    _refuse_absent_device(device)
+    if staging_bytes is None:
+        return mmap
+    staging_budget(staging_bytes, [])
+    return False
+
+
+@contextlib.contextmanager
+def _staging(prep: Prepared, staging_bytes: int | str | None) -> Iterator[None]:
+    """``prep.staging``, the ring reads go through (to a device other than the CPU, or when asked
+    for), while the block runs; then every copy in flight is waited for."""
+    budget = staging_budget(staging_bytes, [w.device for w in prep.work])
+    if budget is None:
+        yield
+        return
+    pinned = any(w.device.type == "cuda" for w in prep.work) and torch.cuda.is_available()
+    prep.staging = Staging(budget, pinned=pinned)
+    try:
+        yield
+    finally:
+        prep.staging.close()
+
+
+def _note_staging(report: LoadReport, prep: Prepared) -> None:
+    """What went through the staging ring, in the report."""
+    ring = prep.staging
+    if ring is None:
+        return
+    report.staged_bytes = ring.staged_bytes
+    devices = ", ".join(sorted({str(w.device) for w in prep.work}))
+    report.notes.append(
+        f"read through {ring!r}: {ring.staged_bytes} bytes in {ring.pieces} piece(s) to {devices}"
+    )
 
 
 def _sync_requested(sync: bool | None) -> bool:
@@ -288,6 +354,7 @@ def load_checkpoint(
     num_workers: int | None = None,
     sync: bool | None = None,
     progress: bool | None = None,
+    staging_bytes: int | str | None = None,
 ) -> LoadReport:
     """Load a checkpoint into ``model`` through its conversion mapping (and fusions).
 
@@ -335,6 +402,11 @@ def load_checkpoint(
         num_workers: reader threads (default 4).
         sync: load sequentially (also ``SURGERY_SYNC_LOAD=1``).
         progress: show a progress bar on stderr (default: when stderr is a terminal).
+        staging_bytes: the host memory a load to an accelerator reads through: a ring of
+            buffers (pinned for CUDA) whose copies to the device overlap the next reads, so the
+            host never holds more of the model than that (:mod:`surgery.load.staging`; default
+            256 MiB, e.g. ``"1GiB"``). Given for a CPU load, the same ring runs there too (reads
+            are otherwise straight into their destinations, and ``mmap`` is not used).
 
     Returns:
         A :class:`~surgery.LoadReport`; its ``plan`` is the plan that was executed (the one
@@ -355,6 +427,7 @@ def load_checkpoint(
     """
     start = time.perf_counter()
     _refuse_meta_device(device, "load_checkpoint")
+    mmap = _usable_target(device, staging_bytes, mmap)
     if fsdp not in (None, False) or _named_nd_mesh(device_mesh):
         _shard_first(model, device_mesh, tp_plan=tp_plan, fsdp=fsdp, fusion_config=fusion_config)
         tp_plan = device_mesh = None
@@ -390,9 +463,13 @@ def load_checkpoint(
             if strict:  # what planning already shows fails the load before a parameter is set
                 _refuse_planned_problems(model, path, prep, start)
         sequential = _sync_requested(sync)
-        with ranks.step():
+        with ranks.step(), _staging(prep, staging_bytes):
             done = _execute(
-                model, prep, workers=num_workers or DEFAULT_WORKERS, sequential=sequential, progress=progress
+                model,
+                prep,
+                workers=num_workers or DEFAULT_WORKERS,
+                sequential=sequential,
+                progress=progress,
             )
         ranks.agree()
         _same_problems(
@@ -401,6 +478,7 @@ def load_checkpoint(
         report = _report(path, prep, done.loaded, done.mapped, done.failures)
         report.left_on_meta = _left_on_meta(model)
         report.bytes_read = reader.bytes_read
+        _note_staging(report, prep)
         report.transforms_used = record_load(model, prep, [done.work[i] for i in sorted(done.work)], path)
         report.seconds = time.perf_counter() - start
     if strict and not report.ok:

@@ -52,6 +52,7 @@ from .plan import LoadPlan, Mode, PlanEntry, Status
 from .quantized import broken_units, claim_companions
 from .report import ConversionFailure, Mismatch
 from .sharding import Sharding, TensorParallel, apply_tp_plan, target_placements
+from .staging import Staging
 
 __all__ = [
     "Prepared",
@@ -197,6 +198,7 @@ class Prepared:
     companion_values: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
     residues: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     origins: list[Origin] = dataclasses.field(default_factory=list)  # aligned with transforms
+    staging: Staging | None = None  # the ring reads go through to reach their devices, if any
 
 
 def _normalize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:

@@ -110,6 +110,8 @@ class LoadReport:
             (with their scales), for the targets that were loaded, in checkpoint order.
         fusions: the fusion config applied before loading, if any.
         bytes_read: bytes of tensor data read (or mapped) from the checkpoint by this process.
+        staged_bytes: of those, the bytes that went through the staging ring to their device
+            (``load_checkpoint(..., staging_bytes=)``; 0 when reads went straight to their destinations).
         tp_world_size / tp_rank: the tensor-parallel mesh size and this rank (``None`` if not parallel).
         tp_fallbacks: targets read whole because an op had no slice rule (:class:`TPFallback`).
         notes: what the load decided not to do, and why (e.g. a persisted fusion config it did
@@ -133,6 +135,7 @@ class LoadReport:
     decoded_keys: list[str] = field(default_factory=list)
     fusions: dict[str, Any] | None = None
     bytes_read: int = 0
+    staged_bytes: int = 0
     tp_world_size: int | None = None
     tp_rank: int | None = None
     tp_fallbacks: list[TPFallback] = field(default_factory=list)
