@@ -45,6 +45,7 @@ from ..parallel.fsdp import FSDPOptions, shard_model
 from ..parallel.regions import local_shape
 from ..persist import persisted_fusion_config
 from ..quantization import QUANTIZATION_METADATA_KEY
+from ..quantization.kernels import kernel_summary
 from ..record import record_of, update_record
 from .execute import execute
 from .plan import LoadPlan, Mode
@@ -143,8 +144,13 @@ def _staging(prep: Prepared, staging_bytes: int | str | None) -> Iterator[None]:
         prep.staging.close()
 
 
-def _note_staging(report: LoadReport, prep: Prepared) -> None:
-    """What went through the staging ring, in the report."""
+def _note_devices(report: LoadReport, prep: Prepared, model: nn.Module) -> None:
+    """What went through the staging ring, and which kernel each quantized module runs, in the report."""
+    report.kernels = kernel_summary(model)
+    if report.kernels:
+        report.notes.append(
+            "quantized forwards: " + "; ".join(f"{n} x {k}" for k, n in report.kernels.items())
+        )
     ring = prep.staging
     if ring is None:
         return
@@ -478,7 +484,7 @@ def load_checkpoint(
         report = _report(path, prep, done.loaded, done.mapped, done.failures)
         report.left_on_meta = _left_on_meta(model)
         report.bytes_read = reader.bytes_read
-        _note_staging(report, prep)
+        _note_devices(report, prep, model)
         report.transforms_used = record_load(model, prep, [done.work[i] for i in sorted(done.work)], path)
         report.seconds = time.perf_counter() - start
     if strict and not report.ok:

@@ -112,6 +112,9 @@ class LoadReport:
         bytes_read: bytes of tensor data read (or mapped) from the checkpoint by this process.
         staged_bytes: of those, the bytes that went through the staging ring to their device
             (``load_checkpoint(..., staging_bytes=)``; 0 when reads went straight to their destinations).
+        kernels: per ``"<module class> on <device>: <forward>"``, how many quantized modules run
+            it (an FP8 block-scaled matmul, an int8 or int4 kernel, or decode + ``F.linear``:
+            :func:`~surgery.quantization.kernels.kernel_summary`).
         tp_world_size / tp_rank: the tensor-parallel mesh size and this rank (``None`` if not parallel).
         tp_fallbacks: targets read whole because an op had no slice rule (:class:`TPFallback`).
         notes: what the load decided not to do, and why (e.g. a persisted fusion config it did
@@ -136,6 +139,7 @@ class LoadReport:
     fusions: dict[str, Any] | None = None
     bytes_read: int = 0
     staged_bytes: int = 0
+    kernels: dict[str, int] = field(default_factory=dict)
     tp_world_size: int | None = None
     tp_rank: int | None = None
     tp_fallbacks: list[TPFallback] = field(default_factory=list)

@@ -11,6 +11,8 @@
 * :mod:`~surgery.quantization.packed`: :class:`KeepPacked` keeps a stored-quantized checkpoint
   packed at runtime in :class:`PackedLinear` modules (and :class:`PackedModule` for experts) that
   decode per forward.
+* :mod:`~surgery.quantization.kernels`: the FP8 block-scaled matmul a kept FP8 weight runs on a
+  GPU that has one (else decode), and which kernel each quantized module runs (:func:`kernel_summary`).
 * :mod:`~surgery.quantization.compressed_fp4`: :class:`CompressedFp4Quantizer`, compressed-tensors
   ``nvfp4-pack-quantized`` and ``mxfp4-pack-quantized`` decoded on read and saved back byte for byte.
 * :mod:`~surgery.quantization.mxfp4`: :class:`Mxfp4Quantizer`, gpt-oss MXFP4 experts

@@ -424,6 +424,17 @@ class FP8BlockQuantizer:
             self.check(key + self.scale_suffix, scale)
         return blockwise_dequantize(tensor, scale, self.block_size, region)
 
+    def fp8_block_operands(
+        self, key: str, tensor: torch.Tensor, companions: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
+        """The stored 2-D weight, its scales as float32 (exact from every scale dtype) and the block
+        size, for an FP8 matmul with block scales; ``None`` for a weight that is not 2-D."""
+        if tensor.dim() != 2 or tensor.dtype != self.weight_dtype:
+            return None
+        scale = self._scale(key, companions)
+        self._check(key, tuple(tensor.shape), scale, None)
+        return tensor, scale.to(torch.float32), self.block_size
+
     def encode(
         self, key: str, tensor: torch.Tensor, recorded: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:

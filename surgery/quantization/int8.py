@@ -212,6 +212,10 @@ class Int8WeightOnlyLinear(nn.Module):
             )
         self._kernel = (self.weight.device, bool(value))
 
+    def kernel_name(self) -> str:
+        """What the forward runs on the weight's current device."""
+        return "aten._weight_int8pack_mm" if self.uses_kernel else "dequantize + F.linear"
+
     def _decide(self) -> bool:
         device = self.weight.device
         if self._kernel is None or self._kernel[0] != device:

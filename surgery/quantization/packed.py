@@ -54,6 +54,7 @@ from ..parallel.regions import Region
 from ..record import update_record
 from ..transforms import WeightRenaming, WeightTransform
 from .int8 import kernel_operand
+from .kernels import fp8_block_kernel_usable, fp8_block_linear
 from .protocol import SMALL_COMPANION_BYTES
 
 __all__ = ["INT4_GROUP_SIZES", "KeepPacked", "PackedLinear", "PackedModule", "int4_kernel_usable"]
@@ -135,6 +136,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.decoder, self.key, self.kernel = decoder, key, kernel
         self._int4: tuple[Any, ...] | None = None  # (stamp, device, operands or None)
+        self._fp8: tuple[Any, ...] | None = None  # the same, for the FP8 block kernel
         self.prefix, _, self.packed_name = key.rpartition(".")
         self.in_features, self.out_features = in_features, out_features
         self.float_dtype = dtype if dtype is not None and dtype.is_floating_point else torch.float32
@@ -193,6 +195,42 @@ class PackedLinear(nn.Module):
         if self._int4 is None or self._int4[0] != stamp or self._int4[1] != device:
             self._int4 = (stamp, device, self._build_int4(device))
         return self._int4[2]
+
+    def fp8_operands(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The FP8 weight and its float32 128x128 block scales for :func:`~surgery.quantization.kernels.fp8_block_linear`,
+        or ``None``: decode instead.
+
+        ``None`` without ``kernel=True``, for a quantizer without ``fp8_block_operands``, under
+        tensor parallelism, and where :func:`~surgery.quantization.kernels.fp8_block_kernel_usable`
+        says no for the weight's device (decided once per device, then cached with the operands).
+        """
+        if not self.kernel or self._tp is not None:
+            return None
+        hook = getattr(self.decoder, "fp8_block_operands", None)
+        if not callable(hook):
+            return None
+        tensors = [getattr(self, n) for n in self.packed_names]
+        stamp = tuple((t.data_ptr(), t._version) for t in tensors)
+        device = tensors[0].device
+        if self._fp8 is None or self._fp8[0] != stamp or self._fp8[1] != device:
+            found = hook(self.key, getattr(self, self.packed_name), self._companions())
+            usable = found is not None and fp8_block_kernel_usable(
+                device,
+                in_features=self.in_features,
+                out_features=self.out_features,
+                block=found[2],
+                dtype=found[0].dtype,
+            )
+            self._fp8 = (stamp, device, (found[0], found[1]) if usable and found is not None else None)
+        return self._fp8[2]
+
+    def kernel_name(self) -> str:
+        """What the forward runs on the weight's current device."""
+        if self._tp is None and self.fp8_operands() is not None:
+            return "fp8 block-scaled matmul (scaled_mm 1x128 x 128x128)"
+        if self._tp is None and self.int4_operands() is not None:
+            return "aten._weight_int4pack_mm_for_cpu"
+        return "decode + F.linear"
 
     def _build_int4(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         found = self.decoder.int4_operands(self.key, getattr(self, self.packed_name), self._companions())
@@ -298,6 +336,9 @@ class PackedLinear(nn.Module):
 
             y = sum_over_ranks(F.linear(x, w), group)  # its in-features' part of every output, summed
             return y if bias is None else y + bias
+        fp8 = self.fp8_operands()
+        if fp8 is not None and not torch.compiler.is_compiling():
+            return fp8_block_linear(x, *fp8, self.bias)
         ops = self.int4_operands()
         if ops is None:
             return F.linear(x, self.decoded_weight().to(x.dtype), self.bias)
