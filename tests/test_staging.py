@@ -282,3 +282,16 @@ def test_every_catalog_case_loads_bit_exact_through_the_ring(case, tmp_path) -> 
     assert not report.missing_keys and got.keys() == expected.keys(), report
     for k, t in expected.items():
         assert torch.equal(got[k], t), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_load_to_cuda_reads_through_pinned_buffers_and_equals_a_cpu_load(dense_checkpoint) -> None:
+    path, ref = dense_checkpoint
+    with torch.device("meta"):
+        model = build_dense_model(seed=2)
+    report = surgery.load_checkpoint(model, path, device="cuda", strict=True)
+    assert report.staged_bytes == report.bytes_read > 0
+    assert any("pinned" in n for n in report.notes)
+    got = {k: v.cpu() for k, v in model.state_dict().items() if k in ref}
+    assert all(v.device.type == "cuda" for v in model.parameters())
+    _equal(got, {k: ref[k] for k in got})
