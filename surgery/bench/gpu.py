@@ -289,7 +289,9 @@ def _read_all(path: Path) -> None:
 
 def _state_hashes(state: dict[str, torch.Tensor]) -> dict[str, str]:
     return {
-        k: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        k: hashlib.sha256(
+            t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        ).hexdigest()
         for k, t in state.items()
     }
 
@@ -472,6 +474,40 @@ def _fusions(device: str, compile_too: bool, scale: str) -> dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------- the ring on the CPU
+
+
+def ring_cost(workdir: str | os.PathLike[str], *, repeat: int = 3) -> dict[str, float]:
+    """Best-of-``repeat`` seconds of a CPU load of 1 GiB (32 float32 ``Linear(4096, 2048)``, warm
+    cache): straight into the destinations, and through a 256 MiB and a 16 MiB staging ring."""
+    import surgery
+
+    from ..checkpoint import write_checkpoint
+
+    def model(device: str) -> torch.nn.Module:
+        return torch.nn.ModuleList(torch.nn.Linear(4096, 2048, bias=False, device=device) for _ in range(32))
+
+    path = Path(workdir) / "ring-1GiB"
+    if not (path / "model.safetensors").exists():
+        write_checkpoint(model("cpu").state_dict(), path)
+    _read_all(path)
+    variants: dict[str, dict[str, Any]] = {
+        "straight": {"mmap": False},
+        "ring 256MiB": {"staging_bytes": "256MiB"},
+        "ring 16MiB": {"staging_bytes": "16MiB"},
+    }
+    out: dict[str, float] = {}
+    for name, kwargs in variants.items():
+        times = []
+        for _ in range(repeat):
+            m = model("meta")
+            start = time.perf_counter()
+            surgery.load_checkpoint(m, path, **kwargs)
+            times.append(time.perf_counter() - start)
+        out[name] = min(times)
+    return out
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -555,6 +591,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--budget", type=float, default=420.0, help="seconds after which remaining parts are skipped"
     )
     p.add_argument("--json", help="write the results here")
+    p.add_argument(
+        "--ring-cost", action="store_true", help="only time CPU loads straight and through the ring"
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -562,6 +601,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.workdir:
         p.error("--workdir is required")
+    if args.ring_cost:
+        print(json.dumps(ring_cost(args.workdir)))
+        return 0
     results = run(
         workdir=args.workdir,
         device=args.device,
