@@ -56,7 +56,18 @@ _QUANTIZATIONS = ("fp8", "int8", "auto")  # surgery.quantization.QUANTIZATION_CH
 _DTYPES = ("float16", "bfloat16", "float32", "float64")  # surgery.casting.SAVE_DTYPES
 
 _TP_LAUNCH = "torchrun --nproc-per-node N -m surgery verify CKPT --model M --tp N"
-_BENCHES = ("route", "load", "planning", "moe_dispatch", "fusion", "graph", "io", "quantization", "verify", "gpu")
+_BENCHES = (
+    "route",
+    "load",
+    "planning",
+    "moe_dispatch",
+    "fusion",
+    "graph",
+    "io",
+    "quantization",
+    "verify",
+    "gpu",
+)
 
 
 def _example_moe() -> nn.Module:

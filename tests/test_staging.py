@@ -25,7 +25,7 @@ from surgery.checkpoint import write_checkpoint
 from surgery.checkpoint.format import StoredTensor
 from surgery.errors import ConfigurationError
 from surgery.examples.dense import build_dense_model, original_state_dict
-from surgery.load.staging import BUFFERS, pieces_of, staging_budget
+from surgery.load.staging import BUFFERS, Staging, pieces_of, staging_budget
 from surgery.registry import register_checkpoint_conversion_mapping, registry_snapshot
 
 
@@ -95,6 +95,56 @@ def test_pieces_tile_the_part_in_order_and_fit_the_buffer(case) -> None:
         pos += p.nbytes
     assert pos == expected.nbytes
     assert bytes(out) == expected.contiguous().numpy().tobytes()
+
+
+def _filler(data: bytes):
+    def fill(piece, host):
+        host.copy_(
+            torch.frombuffer(bytearray(data[piece.offset : piece.offset + piece.nbytes]), dtype=torch.uint8)
+        )
+
+    return fill
+
+
+def test_threads_sharing_one_ring_never_overwrite_a_buffer_still_being_copied() -> None:
+    """Eight threads stream distinct data through four 4 KiB buffers at once; each gets its own bytes."""
+    import concurrent.futures as cf
+
+    ring = Staging(BUFFERS * 4096)
+    blobs = [bytes([i]) * 4096 * 7 + bytes(range(256)) * 3 for i in range(8)]
+
+    def one(i: int) -> bool:
+        info = StoredTensor("t", torch.uint8, (len(blobs[i]),), Path("f"), 0, len(blobs[i]))
+        dest = torch.empty(len(blobs[i]), dtype=torch.uint8)
+        for _ in range(5):
+            ring.transfer(pieces_of(info, (), ring.buffer_bytes), _filler(blobs[i]), dest)
+            if dest.numpy().tobytes() != blobs[i]:
+                return False
+        return True
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(one, range(8)))
+    ring.close()
+    assert ring.pieces == 8 * 5 * 8  # 7 full buffers and one of 768 bytes per pass
+
+
+def test_a_read_failing_half_way_returns_every_buffer_to_the_ring() -> None:
+    ring = Staging(BUFFERS * 4096)
+    data = bytes(range(256)) * 64  # 16 KiB: four pieces
+    info = StoredTensor("t", torch.uint8, (len(data),), Path("f"), 0, len(data))
+    fill = _filler(data)
+
+    def failing(piece, host):
+        if piece.start >= 8192:
+            raise OSError("disk gone")
+        fill(piece, host)
+
+    dest = torch.empty(len(data), dtype=torch.uint8)
+    with pytest.raises(OSError, match="disk gone"):
+        ring.transfer(pieces_of(info, (), ring.buffer_bytes), failing, dest)
+    ring.transfer(pieces_of(info, (), ring.buffer_bytes), fill, dest)  # all four buffers are back
+    assert dest.numpy().tobytes() == data
+    ring.close()
 
 
 def test_budget_defaults_to_a_ring_only_for_accelerators() -> None:

@@ -28,7 +28,6 @@ budget and reports what it skipped.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -46,7 +45,7 @@ import torch.nn.functional as F
 from .harness import drop_page_cache, peak_rss, reset_peak_rss
 from .harness import parser as bench_parser
 
-__all__ = ["main", "run"]
+__all__ = ["PARTS", "main", "ring_cost", "run"]
 
 GB = 1e9
 _SCALES: dict[str, dict[str, dict[str, Any]]] = {
@@ -101,6 +100,8 @@ _FP8_CONFIG = {
     "weight_block_size": [128, 128],
     "fmt": "e4m3",
 }
+PARTS = ("loads", "exactness", "fp8_runtime", "fp8_matmul", "fusions")
+"""What ``--parts`` selects (after the checkpoints and the pinned bandwidth, which always run)."""
 _FP8_LOGITS_BOUND = 0.05
 """The stated bound: relative L2 error of the kept-FP8 model's logits against the dequantized bf16 model's."""
 
@@ -287,20 +288,20 @@ def _read_all(path: Path) -> None:
 # --------------------------------------------------------------------------- exactness and FP8
 
 
-def _state_hashes(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {
-        k: hashlib.sha256(
-            t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        ).hexdigest()
-        for k, t in state.items()
-    }
-
-
-def _file_hashes(path: Path) -> dict[str, str]:
+def _same_tensors(saved: Path, original: Path) -> bool:
+    """Whether two checkpoints hold the same keys with the same dtypes, shapes and bytes."""
     from ..checkpoint import open_checkpoint
 
-    with open_checkpoint(path) as reader:
-        return _state_hashes({k: reader.get_tensor(k) for k in reader})
+    with open_checkpoint(saved) as x, open_checkpoint(original) as y:
+        if sorted(x.keys()) != sorted(y.keys()):
+            return False
+        for k in x:
+            a, b = x.get_tensor(k, copy=False), y.get_tensor(k, copy=False)
+            if a.dtype != b.dtype or a.shape != b.shape:
+                return False
+            if not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+                return False
+    return True
 
 
 def _exactness(work: Path, device: str, staging: Any) -> dict[str, Any]:
@@ -328,7 +329,7 @@ def _exactness(work: Path, device: str, staging: Any) -> dict[str, Any]:
         out[family] = {
             "tensors": len(on_device.state_dict()),
             "unequal_to_cpu_load": unequal,
-            "save_from_device_identical": _file_hashes(saved) == _file_hashes(path),
+            "save_from_device_identical": _same_tensors(saved, path),
         }
         del on_device
     return out
@@ -373,7 +374,7 @@ def _fp8_runtime(work: Path, device: str, staging: Any) -> dict[str, Any]:
         "logits_max_abs_over_max": float((got - want).abs().max() / want.abs().max()),
         "bound": _FP8_LOGITS_BOUND,
         "within_bound": rel <= _FP8_LOGITS_BOUND,
-        "save_from_device_identical": _file_hashes(saved) == _file_hashes(path),
+        "save_from_device_identical": _same_tensors(saved, path),
     }
 
 
@@ -519,6 +520,7 @@ def run(
     compile_too: bool | None = None,
     staging_bytes: int | str | None = None,
     budget_s: float = 420.0,
+    parts: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Every part in turn, each guarded (an error is recorded, the next part runs); returns the results."""
     work = Path(workdir)
@@ -531,6 +533,8 @@ def run(
     results: dict[str, Any] = {"env": _env(device), "scale": scale, "staging_bytes": staging}
 
     def part(name: str, fn: Callable[[], Any]) -> None:
+        if parts is not None and name not in parts and name != "checkpoints":
+            return
         left = budget_s - (time.perf_counter() - start)
         if left <= 0:
             results[name] = {"skipped": f"over the {budget_s:.0f} s budget"}
@@ -548,10 +552,8 @@ def run(
 
     part("checkpoints", lambda: _build_checkpoints(work, scale, device))
     sizes = results["checkpoints"] if "error" not in results["checkpoints"] else {}
-    part("pinned_bandwidth_GB/s", lambda: _pinned_bandwidth(device) / GB)
-    floor = (
-        results["pinned_bandwidth_GB/s"] * GB if isinstance(results["pinned_bandwidth_GB/s"], float) else 1.0
-    )
+    results["pinned_bandwidth_GB/s"] = _pinned_bandwidth(device) / GB  # the loads' floor, always measured
+    floor = results["pinned_bandwidth_GB/s"] * GB
     part("loads", lambda: _loads(work, sizes, device, floor, staging))
     part("exactness", lambda: _exactness(work, device, staging))
     part("fp8_runtime", lambda: _fp8_runtime(work, device, staging))
@@ -592,6 +594,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--json", help="write the results here")
     p.add_argument(
+        "--parts",
+        help=f"comma-separated parts to run (default all): {', '.join(PARTS)}; checkpoints are always built",
+    )
+    p.add_argument(
         "--ring-cost", action="store_true", help="only time CPU loads straight and through the ring"
     )
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -604,6 +610,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ring_cost:
         print(json.dumps(ring_cost(args.workdir)))
         return 0
+    unknown = sorted(set((args.parts or "").replace(" ", "").split(",")) - set(PARTS) - {""})
+    if unknown:
+        p.error(f"--parts: unknown {unknown}; choose from {', '.join(PARTS)}")
     results = run(
         workdir=args.workdir,
         device=args.device,
@@ -611,6 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         compile_too=False if args.no_compile else None,
         staging_bytes=args.staging_bytes,
         budget_s=args.budget,
+        parts=None if not args.parts else [x.strip() for x in args.parts.split(",")],
     )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))

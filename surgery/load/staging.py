@@ -34,6 +34,7 @@ import math
 import queue
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -124,7 +125,7 @@ class Staging:
         """Wait for every copy in flight, then stop the copy thread."""
         for _ in range(BUFFERS):
             slot = self._free.get()
-            _wait(slot.pending)
+            _settle(slot.pending)
             slot.pending = None
             self._free.put(slot)
         if self._copier is not None:
@@ -153,44 +154,49 @@ class Staging:
         stream = self._stream(flat.device) if flat.device.type == "cuda" else None
         if stream is not None:  # the copies write memory the caller's stream allocated: order them after it
             stream.wait_stream(torch.cuda.current_stream(flat.device))
-        last: Any = None
-        for piece in pieces:
-            slot = self._free.get()
-            try:
-                _wait(slot.pending)
-                slot.pending = None
-                host = slot.buffer[: piece.nbytes]
-                fill(piece, host)
-                target = flat[piece.start : piece.start + piece.nbytes]
-                if stream is not None:
-                    with torch.cuda.stream(stream):
-                        target.copy_(host, non_blocking=True)
-                        event = torch.cuda.Event()
-                        event.record(stream)
-                    slot.pending = last = event
-                elif flat.device.type == "cpu":
-                    slot.pending = last = self._copy_thread().submit(target.copy_, host)
-                else:  # another accelerator: a synchronous copy, the ring still bounds host memory
-                    target.copy_(host)
-                with self._lock:
-                    self.pieces += 1
-                    self.staged_bytes += piece.nbytes
-            finally:
-                self._free.put(slot)
-        if stream is not None:
-            flat.record_stream(stream)  # the allocator must not hand this memory out before the copies end
-            if last is not None:
-                torch.cuda.current_stream(flat.device).wait_event(last)
-        else:
-            _wait(last)  # the copy thread runs in order: the last copy done means all are
+        last: Any = None  # the newest CUDA event of this read
+        mine: list[Future[Any]] = []  # this read's copies on the CPU copy thread
+        try:
+            for piece in pieces:
+                slot = self._free.get()
+                try:
+                    _settle(slot.pending)  # the previous copy out of this buffer (any read's) has ended
+                    slot.pending = None
+                    host = slot.buffer[: piece.nbytes]
+                    fill(piece, host)
+                    target = flat[piece.start : piece.start + piece.nbytes]
+                    if stream is not None:
+                        with torch.cuda.stream(stream):
+                            target.copy_(host, non_blocking=True)
+                            event = torch.cuda.Event()
+                            event.record(stream)
+                        slot.pending = last = event
+                    elif flat.device.type == "cpu":
+                        slot.pending = self._copy_thread().submit(target.copy_, host)
+                        mine.append(slot.pending)
+                    else:  # another accelerator: a synchronous copy, the ring still bounds host memory
+                        target.copy_(host)
+                    with self._lock:
+                        self.pieces += 1
+                        self.staged_bytes += piece.nbytes
+                finally:
+                    self._free.put(slot)
+        finally:  # also when a read fails half way: no copy may still write memory handed back
+            if stream is not None:
+                flat.record_stream(stream)  # the allocator must not hand it out before the copies end
+                if last is not None:
+                    torch.cuda.current_stream(flat.device).wait_event(last)
+            else:
+                futures.wait(mine)
+        for done in mine:
+            done.result()  # a copy that failed fails this read
 
 
-def _wait(pending: Any) -> None:
-    if pending is None:
-        return
+def _settle(pending: Any) -> None:
+    """Wait for a copy to end; its failure is its own read's to report."""
     if isinstance(pending, Future):
-        pending.result()
-    else:
+        futures.wait([pending])
+    elif pending is not None:
         pending.synchronize()
 
 
