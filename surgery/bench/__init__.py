@@ -21,6 +21,9 @@ Run them as ``surgery bench NAME [options]``. The parts:
   per-expert FP8 index against case B, for one process and one expert-parallel rank.
 * ``moe_dispatch`` (:mod:`~surgery.bench.moe_dispatch`): one expert-parallel MoE layer by
   ``expert_parallel``'s all-reduce and by an all-to-all token dispatch, on gloo ranks.
+* ``gpu`` (:mod:`~surgery.bench.gpu`): the prepared run for a GPU machine: loads into device
+  memory against safetensors and transformers, exactness, the FP8 runtime, fusions; checked on
+  the CPU at tiny scale.
 """
 
 from .harness import best_time, parser, positive_int

@@ -33,7 +33,7 @@ import itertools
 import math
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,7 +47,7 @@ from ..checkpoint.reader import PickleFile
 from ..checkpoint.writer import parse_size
 from ..errors import CheckpointError, ConfigurationError
 
-__all__ = ["BUFFERS", "DEFAULT_STAGING_BYTES", "StagedReader", "Staging", "staging_budget"]
+__all__ = ["BUFFERS", "DEFAULT_STAGING_BYTES", "StagedReader", "Staging", "pieces_of", "staging_budget"]
 
 DEFAULT_STAGING_BYTES = 256 * 2**20
 """The ring's size when a load to an accelerator names none."""
@@ -132,6 +132,8 @@ class Staging:
             self._copier.shutdown(wait=True)
 
     def _stream(self, device: torch.device) -> Any:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         with self._lock:
             stream = self._streams.get(device)
             if stream is None:
@@ -144,7 +146,9 @@ class Staging:
                 self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="surgery-copy")
             return self._copier
 
-    def transfer(self, pieces: Iterator[_Piece], fill, dest: torch.Tensor) -> None:
+    def transfer(
+        self, pieces: Iterator[_Piece], fill: Callable[[_Piece, torch.Tensor], None], dest: torch.Tensor
+    ) -> None:
         """Fill ``dest`` (contiguous, any device) piece by piece through the ring.
 
         ``fill(piece, host)`` reads a piece into the host buffer view ``host`` (uint8). Returns
