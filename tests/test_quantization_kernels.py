@@ -34,6 +34,7 @@ from surgery.quantization.kernels import (
     kernel_summary,
     quantize_activations,
     reference_block_matmul,
+    weight_scale_operand,
 )
 
 K, N = 512, 256
@@ -78,7 +79,7 @@ def test_the_operands_are_laid_out_as_torchs_scaled_mm_checks_them(k):
     x_s = torch.empty(m, k // 128, device="meta")
     w_q = torch.empty(N, k, dtype=torch.float8_e4m3fn, device="meta")
     w_s = torch.empty(N // 128, k // 128, device="meta")
-    out = fp8_block_matmul(x_q, x_s, w_q, w_s)
+    out = fp8_block_matmul(x_q, x_s, w_q, weight_scale_operand(w_s))
     assert out.shape == (m, N) and out.dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match="stride"):  # the check is real: a row-major x scale fails it
         F.scaled_mm(
@@ -201,3 +202,12 @@ def test_on_a_gpu_kept_fp8_weights_multiply_in_fp8_where_the_device_has_block_sc
         assert torch.equal(got, direct)
     rel = float((got.float() - want.float()).norm() / want.float().norm())
     assert rel < 0.05, rel
+
+
+def test_an_all_zero_group_gets_a_normal_scale_and_zero_values():
+    x = torch.zeros(2, 256)
+    x[1, 128:] = 3.0
+    q, scale = quantize_activations(x)
+    tiny = torch.finfo(torch.float32).tiny
+    assert scale[0].tolist() == [tiny, tiny] and scale[1, 0] == tiny  # the smallest normal, not a subnormal
+    assert bool((q[0].float() == 0).all()) and bool((q[1, 128:].float() * scale[1, 1] == 3.0).all())

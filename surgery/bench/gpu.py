@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -174,6 +175,7 @@ def _build_checkpoints(work: Path, scale: str, device: str) -> dict[str, Any]:
                 write_checkpoint(fp8, work / "llama-fp8", max_shard_size="5GB")
                 config.quantization_config = dict(_FP8_CONFIG)
                 config.save_pretrained(work / "llama-fp8")
+                del fp8
             del state
         made[family] = _bytes(path)
     made["llama-fp8"] = _bytes(work / "llama-fp8")
@@ -230,7 +232,10 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _in_fresh_process(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "surgery.bench.gpu", "--child", json.dumps(spec)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         return {"error": (done.stderr or done.stdout)[-2000:]}
@@ -331,6 +336,7 @@ def _exactness(work: Path, device: str, staging: Any) -> dict[str, Any]:
             "unequal_to_cpu_load": unequal,
             "save_from_device_identical": _same_tensors(saved, path),
         }
+        shutil.rmtree(saved)  # the disk holds ~25 GB of checkpoints already
         del on_device
     return out
 
@@ -367,7 +373,7 @@ def _fp8_runtime(work: Path, device: str, staging: Any) -> dict[str, Any]:
     rel = float((got - want).norm() / want.norm())
     saved = work / "llama-fp8-saved"
     surgery.save_checkpoint(kept, saved)
-    return {
+    facts = {
         "load_ok": report.ok,
         "kernels": report.kernels,
         "logits_rel_l2": rel,
@@ -376,6 +382,8 @@ def _fp8_runtime(work: Path, device: str, staging: Any) -> dict[str, Any]:
         "within_bound": rel <= _FP8_LOGITS_BOUND,
         "save_from_device_identical": _same_tensors(saved, path),
     }
+    shutil.rmtree(saved)
+    return facts
 
 
 def _timed(fn: Callable[[], Any], device: str, seconds: float = 0.5) -> float:
@@ -404,7 +412,7 @@ def _timed(fn: Callable[[], Any], device: str, seconds: float = 0.5) -> float:
 
 def _fp8_matmul(device: str, scale: str) -> dict[str, Any]:
     from ..quantization import blockwise_dequantize, blockwise_quantize
-    from ..quantization.kernels import fp8_block_kernel_usable, fp8_block_linear
+    from ..quantization.kernels import fp8_block_kernel_usable, fp8_block_linear, weight_scale_operand
 
     shapes = [(1, 4096, 4096), (16, 4096, 14336), (4096, 4096, 14336)] if scale == "full" else [(4, 256, 512)]
     out: dict[str, Any] = {}
@@ -421,14 +429,27 @@ def _fp8_matmul(device: str, scale: str) -> dict[str, Any]:
         row: dict[str, Any] = {"kernel": usable, "bf16_s": _timed(partial(F.linear, x, w_bf16), device)}
         row["bf16_rel_err"] = float((F.linear(x, w_bf16).float() - exact).norm() / exact.norm())
         if usable:
-            row["fp8_s"] = _timed(partial(fp8_block_linear, x, w_q, w_s), device)
-            row["fp8_rel_err"] = float((fp8_block_linear(x, w_q, w_s).float() - exact).norm() / exact.norm())
+            row["fp8_s"] = _timed(partial(fp8_block_linear, x, w_q, weight_scale_operand(w_s)), device)
+            row["fp8_rel_err"] = float(
+                (fp8_block_linear(x, w_q, weight_scale_operand(w_s)).float() - exact).norm() / exact.norm()
+            )
             row["speedup"] = row["bf16_s"] / row["fp8_s"]
         out[f"{m}x{k}x{n}"] = row
     return out
 
 
 # --------------------------------------------------------------------------- fusions
+
+
+def _measure_pair(out: dict[str, Any], name: str, a: Any, b: Any, arg: torch.Tensor, device: str) -> None:
+    """``out[name]``: unfused ``a`` and fused ``b`` timed on ``arg``, or the error (a failed compile
+    costs only its own row)."""
+    try:
+        with torch.inference_mode():
+            t_u, t_f = _timed(partial(a, arg), device), _timed(partial(b, arg), device)
+        out[name] = {"unfused_s": t_u, "fused_s": t_f, "speedup": t_u / t_f}
+    except Exception as exc:
+        out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
 
 
 def _fusions(device: str, compile_too: bool, scale: str) -> dict[str, Any]:
@@ -455,11 +476,7 @@ def _fusions(device: str, compile_too: bool, scale: str) -> dict[str, Any]:
     for label, prompt in (("decode 1x1", 1), ("prefill 1x512", 512 if scale == "full" else 64)):
         ids = torch.randint(0, 1024, (1, prompt), device=device)
         for mode, wrap in modes:
-            a, b = wrap(unfused), wrap(fused)
-            with torch.inference_mode():
-                t_u = _timed(partial(a, ids), device)
-                t_f = _timed(partial(b, ids), device)
-            out[f"decoder layer {label} {mode}"] = {"unfused_s": t_u, "fused_s": t_f, "speedup": t_u / t_f}
+            _measure_pair(out, f"decoder layer {label} {mode}", wrap(unfused), wrap(fused), ids, device)
     tower = build_vision_tower(depth=0, embed_dim=1280, num_heads=1, dtype=torch.bfloat16, device=device)
     patch_unfused = tower.patch_embed
     apply_fusions(tower, {"patch_embeddings": True}, strict=True)
@@ -468,10 +485,7 @@ def _fusions(device: str, compile_too: bool, scale: str) -> dict[str, Any]:
         tower.config, num_patches=4096 if scale == "full" else 256, dtype=torch.bfloat16, device=device
     )
     for mode, wrap in modes:
-        a, b = wrap(patch_unfused), wrap(patch_fused)
-        with torch.inference_mode():
-            t_u, t_f = _timed(partial(a, x), device), _timed(partial(b, x), device)
-        out[f"patch embedding {mode}"] = {"unfused_s": t_u, "fused_s": t_f, "speedup": t_u / t_f}
+        _measure_pair(out, f"patch embedding {mode}", wrap(patch_unfused), wrap(patch_fused), x, device)
     return out
 
 
@@ -519,10 +533,15 @@ def run(
     scale: str | None = None,
     compile_too: bool | None = None,
     staging_bytes: int | str | None = None,
-    budget_s: float = 420.0,
+    budget_s: float = 360.0,
     parts: Sequence[str] | None = None,
+    json_path: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
-    """Every part in turn, each guarded (an error is recorded, the next part runs); returns the results."""
+    """Every part in turn, each guarded (an error is recorded, the next part runs); returns the
+    results, also written to ``json_path`` after every part (a run cut short keeps what it measured).
+
+    A part that would start past ``budget_s`` is skipped; ``torch.compile`` timings are left out
+    of the fusions when less than 120 s of the budget is left."""
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     cuda = device.startswith("cuda")
@@ -545,6 +564,8 @@ def run(
         except Exception:
             results[name] = {"error": traceback.format_exc()[-3000:]}
         results.setdefault("seconds", {})[name] = time.perf_counter() - t0
+        if json_path is not None:
+            Path(json_path).write_text(json.dumps(results, indent=2, default=str))
         print(
             f"[{time.perf_counter() - start:6.1f} s] {name}: {json.dumps(results[name], default=str)[:2000]}",
             flush=True,
@@ -558,8 +579,11 @@ def run(
     part("exactness", lambda: _exactness(work, device, staging))
     part("fp8_runtime", lambda: _fp8_runtime(work, device, staging))
     part("fp8_matmul", lambda: _fp8_matmul(device, scale))
-    part("fusions", lambda: _fusions(device, compile_too, scale))
+    time_for_compile = budget_s - (time.perf_counter() - start) > 120
+    part("fusions", lambda: _fusions(device, compile_too and time_for_compile, scale))
     results["total_s"] = time.perf_counter() - start
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(results, indent=2, default=str))
     return results
 
 
@@ -590,7 +614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--staging-bytes", help="the load's staging ring (default 256MiB on CUDA, 1MiB forced on CPU)"
     )
     p.add_argument(
-        "--budget", type=float, default=420.0, help="seconds after which remaining parts are skipped"
+        "--budget", type=float, default=360.0, help="seconds after which remaining parts are skipped"
     )
     p.add_argument("--json", help="write the results here")
     p.add_argument(
@@ -621,10 +645,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         staging_bytes=args.staging_bytes,
         budget_s=args.budget,
         parts=None if not args.parts else [x.strip() for x in args.parts.split(",")],
+        json_path=args.json,
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
-    return 0
+    failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -91,16 +91,22 @@ def _refuse_meta_device(device: torch.device | str | None, call: str) -> None:
         )
 
 
-def _refuse_absent_device(device: torch.device | str | None) -> None:
-    """A device this process cannot reach (no CUDA, an index past the last GPU) fails before the model changes."""
+def _reachable_device(device: torch.device | str | None) -> torch.device | str | None:
+    """``device``, with the index of this thread's current one when it names none (``"cuda"``: the
+    loader's worker threads would otherwise all take device 0).
+
+    Raises:
+        ConfigurationError: a device this process cannot reach (no CUDA, an index past the last
+            GPU), before the model changes.
+    """
     if device is None:
-        return
+        return None
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        return  # not a device at all: planning reports it with the valid forms
+        return device  # not a device at all: planning reports it with the valid forms
     if dev.type in ("cpu", "meta"):
-        return
+        return device
     backend = getattr(torch, dev.type, None)
     available = getattr(backend, "is_available", None)
     if available is None or not available():
@@ -116,16 +122,22 @@ def _refuse_absent_device(device: torch.device | str | None) -> None:
             f"load_checkpoint(..., device={device!r}): {dev.type} index {dev.index} does not exist, this process "
             f"sees {count} {dev.type} device(s) ({dev.type}:0 to {dev.type}:{count - 1})."
         )
+    current = getattr(backend, "current_device", None)
+    if dev.index is None and callable(current):
+        return torch.device(dev.type, current())
+    return dev
 
 
-def _usable_target(device: torch.device | str | None, staging_bytes: int | str | None, mmap: bool) -> bool:
-    """Check the device and the ring size before the model changes; whether ``mmap`` stays allowed
-    (not through a ring: every read goes through it)."""
-    _refuse_absent_device(device)
+def _usable_target(
+    device: torch.device | str | None, staging_bytes: int | str | None, mmap: bool
+) -> tuple[torch.device | str | None, bool]:
+    """Check the device and the ring size before the model changes: the device (with its index)
+    and whether ``mmap`` stays allowed (not through a ring: every read goes through it)."""
+    device = _reachable_device(device)
     if staging_bytes is None:
-        return mmap
+        return device, mmap
     staging_budget(staging_bytes, [])
-    return False
+    return device, False
 
 
 @contextlib.contextmanager
@@ -433,7 +445,7 @@ def load_checkpoint(
     """
     start = time.perf_counter()
     _refuse_meta_device(device, "load_checkpoint")
-    mmap = _usable_target(device, staging_bytes, mmap)
+    device, mmap = _usable_target(device, staging_bytes, mmap)
     if fsdp not in (None, False) or _named_nd_mesh(device_mesh):
         _shard_first(model, device_mesh, tp_plan=tp_plan, fsdp=fsdp, fusion_config=fusion_config)
         tp_plan = device_mesh = None

@@ -122,12 +122,23 @@ class Staging:
         return f"Staging({BUFFERS} x {self.buffer_bytes} bytes{', pinned' if self.pinned else ''})"
 
     def close(self) -> None:
-        """Wait for every copy in flight, then stop the copy thread."""
+        """Wait for every copy in flight and for the devices' work, then stop the copy thread.
+
+        The loader's workers decode on their threads' streams; waiting for the devices here means
+        a caller on another stream finds every loaded tensor complete.
+        """
+        slots = []
         for _ in range(BUFFERS):
-            slot = self._free.get()
+            try:  # a worker interrupted while holding a buffer never gives it back: do not wait forever
+                slots.append(self._free.get(timeout=60))
+            except queue.Empty:
+                break
+        for slot in slots:
             _settle(slot.pending)
             slot.pending = None
             self._free.put(slot)
+        for device in self._streams:
+            torch.cuda.synchronize(device)
         if self._copier is not None:
             self._copier.shutdown(wait=True)
 
@@ -162,8 +173,9 @@ class Staging:
         mine: list[Future[Any]] = []  # this read's copies on the CPU copy thread
         try:
             for piece in pieces:
-                slot = self._free.get()
+                slot = None
                 try:
+                    slot = self._free.get()
                     _settle(slot.pending)  # the previous copy out of this buffer (any read's) has ended
                     slot.pending = None
                     host = slot.buffer[: piece.nbytes]
@@ -184,12 +196,11 @@ class Staging:
                         self.pieces += 1
                         self.staged_bytes += piece.nbytes
                 finally:
-                    self._free.put(slot)
+                    if slot is not None:
+                        self._free.put(slot)
         finally:  # also when a read fails half way: no copy may still write memory handed back
-            if stream is not None:
-                flat.record_stream(stream)  # the allocator must not hand it out before the copies end
-                if last is not None:
-                    torch.cuda.current_stream(flat.device).wait_event(last)
+            if stream is not None and last is not None:  # the caller's stream (which frees ``dest``) waits
+                torch.cuda.current_stream(flat.device).wait_event(last)
             else:
                 futures.wait(mine)
         for done in mine:

@@ -45,6 +45,7 @@ __all__ = [
     "kernel_summary",
     "quantize_activations",
     "reference_block_matmul",
+    "weight_scale_operand",
 ]
 
 FP8_BLOCK = (128, 128)
@@ -57,10 +58,13 @@ _probe_lock = threading.Lock()
 
 def quantize_activations(x: torch.Tensor, group: int = FP8_BLOCK[1]) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (``(M, K)``, ``K % group == 0``) as ``float8_e4m3fn`` values and one float32 scale per
-    row and ``group`` columns, ``(M, K / group)``: value times scale is ``x`` to e4m3 precision."""
+    row and ``group`` columns, ``(M, K / group)``: value times scale is ``x`` to e4m3 precision.
+
+    An all-zero group gets the smallest normal float32 as its scale (never a subnormal one, which
+    code that flushes denormals would turn into 0 / 0)."""
     m, k = x.shape
     g = x.reshape(m, k // group, group).to(torch.float32)
-    scale = g.abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny) / _E4M3_MAX
+    scale = (g.abs().amax(-1) / _E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     q = (g / scale[..., None]).to(torch.float8_e4m3fn).reshape(m, k)
     return q, scale
 
@@ -68,7 +72,8 @@ def quantize_activations(x: torch.Tensor, group: int = FP8_BLOCK[1]) -> tuple[to
 def reference_block_matmul(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor
 ) -> torch.Tensor:
-    """What :func:`fp8_block_matmul` computes, in float32 on any device: ``(x_q * x_scale) @ (w_q * w_scale).T``."""
+    """What :func:`fp8_block_matmul` computes, in float32 on any device: ``(x_q * x_scale) @ (w_q * w_scale).T``
+    (``w_scale`` as stored: one per 128x128 block)."""
     group = x_q.shape[1] // x_scale.shape[1]
     x = x_q.to(torch.float32) * x_scale.to(torch.float32).repeat_interleave(group, 1)
     b0, b1 = FP8_BLOCK
@@ -77,35 +82,44 @@ def reference_block_matmul(
     return x @ w.T
 
 
+def _public_scaled_mm() -> bool:
+    return hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
+
+
+def weight_scale_operand(w_scale: torch.Tensor) -> torch.Tensor:
+    """A weight's 128x128 block scales ``(N/128, K/128)`` laid out as the scaled matmul reads them:
+    float32, transposed, and for the public ``scaled_mm`` (torch 2.10+) its ``K/128`` padded to a
+    multiple of 4. Made once per weight (a kept linear caches it with its operands)."""
+    s = w_scale.to(torch.float32)
+    blocks = s.shape[1]
+    if _public_scaled_mm() and blocks % 4:
+        s = F.pad(s, (0, -blocks % 4))
+    return s.contiguous().t()
+
+
 def fp8_block_matmul(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor
 ) -> torch.Tensor:
     """torch's scaled matmul of ``x_q`` ``(M, K)`` (1x128 scales ``(M, K/128)``) by ``w_q.T``, ``w_q``
-    ``(N, K)`` with 128x128 scales ``(N/128, K/128)``; bfloat16 ``(M, N)``.
+    ``(N, K)`` with its block scales as :func:`weight_scale_operand` lays them out; bfloat16 ``(M, N)``.
 
-    Lays the scales out as the kernel reads them: ``x_scale`` column-major; ``w_scale``
-    transposed, its ``K/128`` padded to a multiple of 4 for the public ``scaled_mm`` (torch 2.10+).
+    ``x_scale`` is handed over column-major, as the kernel reads it. The output is bfloat16
+    whatever the activations: their FP8 quantization (2**-4) already bounds the precision.
     Raises what torch raises where the device has no such kernel.
     """
     a_scale = x_scale.to(torch.float32).t().contiguous().t()
-    w_scale = w_scale.to(torch.float32)
-    scaled_mm = getattr(F, "scaled_mm", None)
-    recipes = getattr(F, "ScalingType", None)
-    if scaled_mm is not None and recipes is not None:
-        blocks = w_scale.shape[1]
-        padded = F.pad(w_scale, (0, -blocks % 4)) if blocks % 4 else w_scale.contiguous()
-        return scaled_mm(
+    if _public_scaled_mm():
+        recipes = F.ScalingType
+        return F.scaled_mm(
             x_q,
             w_q.t(),
             a_scale,
             recipes.BlockWise1x128,
-            padded.t(),
+            w_scale,
             recipes.BlockWise128x128,
             output_dtype=torch.bfloat16,
         )
-    return torch._scaled_mm(
-        x_q, w_q.t(), scale_a=a_scale, scale_b=w_scale.contiguous().t(), out_dtype=torch.bfloat16
-    )
+    return torch._scaled_mm(x_q, w_q.t(), scale_a=a_scale, scale_b=w_scale, out_dtype=torch.bfloat16)
 
 
 def fp8_block_linear(
@@ -113,8 +127,8 @@ def fp8_block_linear(
 ) -> torch.Tensor:
     """``F.linear(x, decoded weight, bias)`` computed in FP8: activations quantized, scaled matmul.
 
-    ``x`` is ``(..., K)``; the result has ``x``'s dtype. Rows are padded with zeros to a multiple
-    of 4 for the kernel and dropped after.
+    ``x`` is ``(..., K)``, ``w_scale`` the weight's :func:`weight_scale_operand`; the result has
+    ``x``'s dtype. Rows are padded with zeros to a multiple of 4 for the kernel and dropped after.
     """
     flat = x.reshape(-1, x.shape[-1])
     m = flat.shape[0]
@@ -153,23 +167,37 @@ def fp8_block_kernel_usable(
     key = (device.type, device.index if device.index is not None else torch.cuda.current_device())
     with _probe_lock:
         if key not in _probed:
-            _probed[key] = _probe(torch.device("cuda", key[1]))
+            found = _probe(torch.device("cuda", key[1]))
+            if found is None:
+                return False  # out of memory now: decode this time, probe again next time
+            _probed[key] = found
         return _probed[key]
 
 
-def _probe(device: torch.device) -> bool:
+def _probe(device: torch.device) -> bool | None:
+    """Whether the kernel agrees with :func:`reference_block_matmul` on ``device`` (``None``: out of
+    memory, not an answer). Activation rows and groups span 2**-6..2**6 and K is 512 and 640 (K/128
+    not a multiple of 4: the padded scale layout), so a scale read from the wrong place shows."""
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(256, 512, generator=gen)
-    w_scale = torch.rand(2, 4, generator=gen) / 64 + 1 / 256
-    w_q = (w * 64).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
-    x_q, x_scale = quantize_activations(torch.randn(8, 512, generator=gen))
-    want = reference_block_matmul(x_q, x_scale, w_q, w_scale)
-    try:
-        got = fp8_block_matmul(x_q.to(device), x_scale.to(device), w_q.to(device), w_scale.to(device))
-    except (RuntimeError, ValueError, NotImplementedError, TypeError, AttributeError):
-        return False
-    got = got.float().cpu()
-    return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())))
+    for k in (512, 640):
+        w_q = (torch.randn(256, k, generator=gen) * 64).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+        w_scale = 2.0 ** torch.randint(-10, -4, (2, k // 128), generator=gen).float()
+        spread = 2.0 ** torch.randint(-6, 7, (8, k // 128), generator=gen).float()
+        x = torch.randn(8, k, generator=gen) * spread.repeat_interleave(128, 1)
+        x_q, x_scale = quantize_activations(x)
+        want = reference_block_matmul(x_q, x_scale, w_q, w_scale)
+        try:
+            got = fp8_block_matmul(
+                x_q.to(device), x_scale.to(device), w_q.to(device), weight_scale_operand(w_scale).to(device)
+            )
+            got = got.float().cpu()
+        except torch.cuda.OutOfMemoryError:
+            return None
+        except (RuntimeError, ValueError, NotImplementedError, TypeError, AttributeError):
+            return False
+        if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
+            return False
+    return True
 
 
 def kernel_summary(model: nn.Module) -> dict[str, int]:

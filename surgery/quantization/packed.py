@@ -54,7 +54,7 @@ from ..parallel.regions import Region
 from ..record import update_record
 from ..transforms import WeightRenaming, WeightTransform
 from .int8 import kernel_operand
-from .kernels import fp8_block_kernel_usable, fp8_block_linear
+from .kernels import fp8_block_kernel_usable, fp8_block_linear, weight_scale_operand
 from .protocol import SMALL_COMPANION_BYTES
 
 __all__ = ["INT4_GROUP_SIZES", "KeepPacked", "PackedLinear", "PackedModule", "int4_kernel_usable"]
@@ -197,8 +197,8 @@ class PackedLinear(nn.Module):
         return self._int4[2]
 
     def fp8_operands(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The FP8 weight and its float32 128x128 block scales for :func:`~surgery.quantization.kernels.fp8_block_linear`,
-        or ``None``: decode instead.
+        """The FP8 weight and its block scales laid out for :func:`~surgery.quantization.kernels.fp8_block_linear`
+        (:func:`~surgery.quantization.kernels.weight_scale_operand`), or ``None``: decode instead.
 
         ``None`` without ``kernel=True``, for a quantizer without ``fp8_block_operands``, under
         tensor parallelism, and where :func:`~surgery.quantization.kernels.fp8_block_kernel_usable`
@@ -221,7 +221,8 @@ class PackedLinear(nn.Module):
                 block=found[2],
                 dtype=found[0].dtype,
             )
-            self._fp8 = (stamp, device, (found[0], found[1]) if usable and found is not None else None)
+            operands = (found[0], weight_scale_operand(found[1])) if usable and found is not None else None
+            self._fp8 = (stamp, device, operands)
         return self._fp8[2]
 
     def kernel_name(self) -> str:
