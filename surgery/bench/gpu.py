@@ -548,6 +548,7 @@ def run(
     scale = scale or ("full" if cuda else "tiny")
     compile_too = cuda if compile_too is None else compile_too
     staging = staging_bytes if staging_bytes is not None or cuda else "1MiB"  # on the CPU: force the ring
+    _require_catalog()
     start = time.perf_counter()
     results: dict[str, Any] = {"env": _env(device), "scale": scale, "staging_bytes": staging}
 
@@ -585,6 +586,21 @@ def run(
     if json_path is not None:
         Path(json_path).write_text(json.dumps(results, indent=2, default=str))
     return results
+
+
+def _require_catalog() -> None:
+    """The built-in catalog is found through the package's entry points: a source tree on
+    ``PYTHONPATH`` alone has none, and the MoE load would then find no mapping."""
+    from importlib.metadata import entry_points
+
+    from ..registry import CATALOG_ENTRY_POINT_GROUP
+
+    if not list(entry_points(group=CATALOG_ENTRY_POINT_GROUP)):
+        raise SystemExit(
+            "surgery bench gpu: no conversion catalog is installed (no 'surgery.catalogs' entry point). Install "
+            "the package first, offline: python3 -m pip install --no-deps --no-index --no-build-isolation --target "
+            "/tmp/site . && export PYTHONPATH=/tmp/site"
+        )
 
 
 def _env(device: str) -> dict[str, Any]:
