@@ -190,8 +190,11 @@ class Staging:
                     elif flat.device.type == "cpu":
                         slot.pending = self._copy_thread().submit(target.copy_, host)
                         mine.append(slot.pending)
-                    else:  # another accelerator: a synchronous copy, the ring still bounds host memory
+                    else:  # another accelerator: a copy waited for, the ring still bounds host memory
                         target.copy_(host)
+                        synchronize = getattr(getattr(torch, flat.device.type, None), "synchronize", None)
+                        if callable(synchronize):
+                            synchronize()
                     with self._lock:
                         self.pieces += 1
                         self.staged_bytes += piece.nbytes
