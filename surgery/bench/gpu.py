@@ -7,7 +7,7 @@ a block-FP8 copy of the Llama one, then:
 
 1. **bandwidth**: host-to-device copies from a pinned 1 GiB buffer (``cudaMemcpyAsync``), the floor
    of a load from the page cache;
-2. **loads**, each in a fresh process: ``surgery.load_checkpoint(meta model, device=...)`` (through
+2. **loads**, each in a fresh process (and a sweep of our reading threads and ring sizes): ``surgery.load_checkpoint(meta model, device=...)`` (through
    the staging ring), ``safetensors.torch.load_file(device=...)`` per shard, and transformers'
    ``from_pretrained(device_map=...)``; wall time, GB/s against the pinned floor and peak host RSS
    growth, page cache warm and dropped (``posix_fadvise``);
@@ -101,7 +101,7 @@ _FP8_CONFIG = {
     "weight_block_size": [128, 128],
     "fmt": "e4m3",
 }
-PARTS = ("loads", "exactness", "fp8_runtime", "fp8_matmul", "fusions")
+PARTS = ("loads", "ring_sweep", "exactness", "fp8_runtime", "fp8_matmul", "fusions")
 """What ``--parts`` selects (after the checkpoints and the pinned bandwidth, which always run)."""
 _FP8_LOGITS_BOUND = 0.05
 """The stated bound: relative L2 error of the kept-FP8 model's logits against the dequantized bf16 model's."""
@@ -196,6 +196,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         torch.zeros(1, device=device)  # the CUDA context is not the load's memory
     path = Path(spec["path"])
     how = spec["how"]
+    if how == "sweep":
+        return _sweep(path, device, spec["variants"])
     if how == "surgery":
         from transformers import AutoConfig
 
@@ -228,6 +230,47 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "rss_growth": peak_rss() - base, **extra}
+
+
+def _sweep(path: Path, device: str, variants: list[tuple[int, str]]) -> dict[str, Any]:
+    """Best of 2 warm loads per ``(num_workers, staging_bytes)``: which the ring's defaults should be."""
+    from transformers import AutoConfig
+
+    import surgery
+
+    config = AutoConfig.from_pretrained(path)
+    surgery.get_model_conversion_mapping(_meta_model(config))
+    out: dict[str, Any] = {}
+    for workers, ring in variants:
+        times = []
+        for _ in range(2):
+            model = _meta_model(config)
+            start = time.perf_counter()
+            surgery.load_checkpoint(model, path, device=device, staging_bytes=ring, num_workers=workers)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            del model
+        out[f"{workers} workers, {ring}"] = min(times)
+    return out
+
+
+def _ring_sweep(work: Path, sizes: dict[str, int], device: str, floor: float, scale: str) -> dict[str, Any]:
+    variants = (
+        [(w, r) for w in (4, 8, 16) for r in ("256MiB", "1GiB")]
+        if scale == "full"
+        else [(2, "1MiB"), (4, "4MiB")]
+    )
+    _read_all(work / "llama")
+    found = _in_fresh_process(
+        {"how": "sweep", "path": str(work / "llama"), "device": device, "variants": variants}, timeout=240
+    )
+    if "error" in found:
+        return found
+    return {
+        k: {"seconds": t, "GB/s": sizes["llama"] / t / GB, "of pinned": sizes["llama"] / t / floor}
+        for k, t in found.items()
+    }
 
 
 def _in_fresh_process(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -577,6 +620,7 @@ def run(
     results["pinned_bandwidth_GB/s"] = _pinned_bandwidth(device) / GB  # the loads' floor, always measured
     floor = results["pinned_bandwidth_GB/s"] * GB
     part("loads", lambda: _loads(work, sizes, device, floor, staging))
+    part("ring_sweep", lambda: _ring_sweep(work, sizes, device, floor, scale))
     part("exactness", lambda: _exactness(work, device, staging))
     part("fp8_runtime", lambda: _fp8_runtime(work, device, staging))
     part("fp8_matmul", lambda: _fp8_matmul(device, scale))

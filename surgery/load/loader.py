@@ -53,7 +53,7 @@ from .planner import Prepared, Work, prepare
 from .record import clear_record, record_load
 from .report import ConversionFailure, LoadReport, TPFallback
 from .sharding import Sharding, TensorParallel, tensor_parallel
-from .staging import Staging, staging_budget
+from .staging import BUFFERS, Staging, staging_budget
 
 __all__ = ["DEFAULT_WORKERS", "SYNC_ENV", "load_checkpoint", "plan_load"]
 
@@ -141,7 +141,7 @@ def _usable_target(
 
 
 @contextlib.contextmanager
-def _staging(prep: Prepared, staging_bytes: int | str | None) -> Iterator[None]:
+def _staging(prep: Prepared, staging_bytes: int | str | None, workers: int) -> Iterator[None]:
     """``prep.staging``, the ring reads go through (to a device other than the CPU, or when asked
     for), while the block runs; then every copy in flight is waited for."""
     budget = staging_budget(staging_bytes, [w.device for w in prep.work])
@@ -149,7 +149,7 @@ def _staging(prep: Prepared, staging_bytes: int | str | None) -> Iterator[None]:
         yield
         return
     pinned = any(w.device.type == "cuda" for w in prep.work) and torch.cuda.is_available()
-    prep.staging = Staging(budget, pinned=pinned)
+    prep.staging = Staging(budget, buffers=max(BUFFERS, 2 * workers), pinned=pinned)
     try:
         yield
     finally:
@@ -481,7 +481,7 @@ def load_checkpoint(
             if strict:  # what planning already shows fails the load before a parameter is set
                 _refuse_planned_problems(model, path, prep, start)
         sequential = _sync_requested(sync)
-        with ranks.step(), _staging(prep, staging_bytes):
+        with ranks.step(), _staging(prep, staging_bytes, 1 if sequential else num_workers or DEFAULT_WORKERS):
             done = _execute(
                 model,
                 prep,

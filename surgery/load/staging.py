@@ -6,7 +6,8 @@ synchronous copy at a time. :class:`Staging` does what the fast loaders do inste
 
 * the bytes of every read (a whole tensor, a tensor-parallel region, an FSDP box) are cut into
   pieces no larger than one buffer of a fixed ring (``staging_bytes`` in all, default 256 MiB in
-  :data:`BUFFERS` buffers: pinned host memory when the destination is a CUDA device);
+  two buffers per reading thread, at least :data:`BUFFERS`: pinned host memory when the
+  destination is a CUDA device);
 * a worker fills a free buffer from the file (``preadv`` for a contiguous piece, a short-lived
   mapping of the piece's pages otherwise) and hands it to the copy engine, which copies it to
   the destination asynchronously; the worker goes on to read the next piece into another buffer
@@ -52,7 +53,8 @@ __all__ = ["BUFFERS", "DEFAULT_STAGING_BYTES", "StagedReader", "Staging", "piece
 DEFAULT_STAGING_BYTES = 256 * 2**20
 """The ring's size when a load to an accelerator names none."""
 BUFFERS = 4
-"""Buffers in the ring: one being filled per worker that holds one, others in flight to the device."""
+"""The fewest buffers a ring has: the loader asks for two per reading thread (one being filled,
+one in flight to the device), as many as fit in the budget at one page each."""
 _ALIGN = 4096
 
 
@@ -100,16 +102,18 @@ class Staging:
     so no worker waits on another's buffer while holding its own.
 
     Args:
-        total_bytes: the ring's size; each of :data:`BUFFERS` buffers gets a quarter (page-aligned).
+        total_bytes: the ring's size, shared out evenly (page-aligned) among the buffers.
+        buffers: how many (at least 2, and at most one per page of ``total_bytes``).
         pinned: allocate page-locked buffers (needed for asynchronous copies to CUDA).
     """
 
-    def __init__(self, total_bytes: int, *, pinned: bool = False) -> None:
-        self.buffer_bytes = max(_ALIGN, total_bytes // BUFFERS // _ALIGN * _ALIGN)
-        self.total_bytes = self.buffer_bytes * BUFFERS
+    def __init__(self, total_bytes: int, *, buffers: int = BUFFERS, pinned: bool = False) -> None:
+        self.count = max(2, min(buffers, total_bytes // _ALIGN))
+        self.buffer_bytes = max(_ALIGN, total_bytes // self.count // _ALIGN * _ALIGN)
+        self.total_bytes = self.buffer_bytes * self.count
         self.pinned = pinned
         self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
-        for _ in range(BUFFERS):
+        for _ in range(self.count):
             buf = torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=pinned)
             self._free.put(_Slot(buf))
         self._copier: ThreadPoolExecutor | None = None  # the CPU stand-in for a copy stream
@@ -119,7 +123,7 @@ class Staging:
         self.staged_bytes = 0
 
     def __repr__(self) -> str:
-        return f"Staging({BUFFERS} x {self.buffer_bytes} bytes{', pinned' if self.pinned else ''})"
+        return f"Staging({self.count} x {self.buffer_bytes} bytes{', pinned' if self.pinned else ''})"
 
     def close(self) -> None:
         """Wait for every copy in flight and for the devices' work, then stop the copy thread.
@@ -128,7 +132,7 @@ class Staging:
         a caller on another stream finds every loaded tensor complete.
         """
         slots = []
-        for _ in range(BUFFERS):
+        for _ in range(self.count):
             try:  # a worker interrupted while holding a buffer never gives it back: do not wait forever
                 slots.append(self._free.get(timeout=60))
             except queue.Empty:

@@ -28,6 +28,7 @@ def test_every_part_ran_without_an_error(results):
         "checkpoints",
         "pinned_bandwidth_GB/s",
         "loads",
+        "ring_sweep",
         "exactness",
         "fp8_runtime",
         "fp8_matmul",
@@ -55,6 +56,11 @@ def test_each_loader_ran_warm_and_surgery_read_through_the_ring(results):
         assert row["seconds"] > 0 and row["rss_growth"] >= 0 and row["GB/s"] > 0
         if name.endswith("surgery"):
             assert row["ok"] and row["staged_bytes"] == row["bytes_read"] > 0
+
+
+def test_the_sweep_times_each_count_of_threads_and_ring_size(results):
+    assert set(results["ring_sweep"]) == {"2 workers, 1MiB", "4 workers, 4MiB"}
+    assert all(row["seconds"] > 0 and row["GB/s"] > 0 for row in results["ring_sweep"].values())
 
 
 def test_a_device_load_is_bit_equal_to_a_cpu_load_and_saves_back_identical(results):
