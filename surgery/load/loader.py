@@ -122,10 +122,22 @@ def _reachable_device(device: torch.device | str | None) -> torch.device | str |
             f"load_checkpoint(..., device={device!r}): {dev.type} index {dev.index} does not exist, this process "
             f"sees {count} {dev.type} device(s) ({dev.type}:0 to {dev.type}:{count - 1})."
         )
-    current = getattr(backend, "current_device", None)
-    if dev.index is None and callable(current):
+    return _indexed(dev)
+
+
+def _indexed(device: torch.device | str | None) -> torch.device | str | None:
+    """An accelerator named without an index, as this thread's current one (where there is one)."""
+    try:
+        dev = torch.device(device) if device is not None else None
+    except (RuntimeError, TypeError):
+        return device
+    if dev is None or dev.index is not None or dev.type in ("cpu", "meta"):
+        return device
+    backend = getattr(torch, dev.type, None)
+    available, current = getattr(backend, "is_available", None), getattr(backend, "current_device", None)
+    if callable(available) and available() and callable(current):
         return torch.device(dev.type, current())
-    return dev
+    return device
 
 
 def _usable_target(
@@ -327,6 +339,7 @@ def plan_load(
         >>> print(plan.render())  # doctest: +SKIP
     """
     _refuse_meta_device(device, "plan_load")
+    device = _indexed(device)  # as load_checkpoint plans it
     tp = tensor_parallel(
         model, tp_plan=tp_plan, device_mesh=device_mesh, tp_size=tp_size, tp_rank=tp_rank, rank=rank
     )
