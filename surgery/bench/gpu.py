@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .harness import drop_page_cache, peak_rss, reset_peak_rss
+from .harness import drop_page_cache, peak_rss, reset_peak_rss, warm
 from .harness import parser as bench_parser
 
 __all__ = ["PARTS", "main", "ring_cost", "run"]
@@ -261,7 +261,7 @@ def _ring_sweep(work: Path, sizes: dict[str, int], device: str, floor: float, sc
         if scale == "full"
         else [(2, "1MiB"), (4, "4MiB")]
     )
-    _read_all(work / "llama")
+    warm([work / "llama"])
     found = _in_fresh_process(
         {"how": "sweep", "path": str(work / "llama"), "device": device, "variants": variants}, timeout=240
     )
@@ -314,7 +314,7 @@ def _loads(work: Path, sizes: dict[str, int], device: str, floor: float, staging
                 if cache == "cold":
                     note = drop_page_cache([str(path)])
                 else:
-                    _read_all(path)
+                    warm([path])
                     note = "warm"
                 spec = {"how": how, "path": str(path), "device": device, "staging_bytes": staging}
                 r = _in_fresh_process(spec, timeout=240)
@@ -324,13 +324,6 @@ def _loads(work: Path, sizes: dict[str, int], device: str, floor: float, staging
                 r["cache"] = note
                 rows[f"{family} {cache} {how}"] = r
     return rows
-
-
-def _read_all(path: Path) -> None:
-    for f in path.glob("*.safetensors"):
-        with open(f, "rb", buffering=0) as fh:
-            while fh.read(64 << 20):
-                pass
 
 
 # --------------------------------------------------------------------------- exactness and FP8
@@ -548,7 +541,7 @@ def ring_cost(workdir: str | os.PathLike[str], *, repeat: int = 3) -> dict[str, 
     path = Path(workdir) / "ring-1GiB"
     if not (path / "model.safetensors").exists():
         write_checkpoint(model("cpu").state_dict(), path)
-    _read_all(path)
+    warm([path])
     variants: dict[str, dict[str, Any]] = {
         "straight": {"mmap": False},
         "ring 256MiB": {"staging_bytes": "256MiB"},
