@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -40,48 +40,13 @@ from ..examples.layers import DecoderLayer
 from ..examples.vision import build_vision_tower, example_pixel_values
 from ..fusion import apply_fusions, preview_fusions
 from .generation import run_generate
-from .harness import parser, positive_int
+from .harness import median_per_call, parser, positive_int
 
 __all__ = ["main", "run", "run_siblings"]
 
 _CONFIG = {"patch_embeddings": True}
 _SIBLINGS = {"qkv": True, "gate_up": True}
 _SHAPES = ((1, 1), (1, 128), (4, 512))
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _time_interleaved(
-    fns: dict[str, Callable[[], Any]], *, device: str, rounds: int, min_run_time: float
-) -> dict[str, float]:
-    """Median seconds per call of each function, measured in interleaved rounds.
-
-    Each round runs every function for about ``min_run_time / rounds`` seconds, in turn, so load
-    drift on a shared machine hits all of them alike.
-    """
-    per_call: dict[str, list[float]] = {name: [] for name in fns}
-    numbers: dict[str, int] = {}
-    for name, fn in fns.items():  # warm up and size the inner loop
-        fn()
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        once = max(time.perf_counter() - start, 1e-7)
-        numbers[name] = max(1, int(min_run_time / rounds / once))
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            n = numbers[name]
-            _sync(device)
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            _sync(device)
-            per_call[name].append((time.perf_counter() - start) / n)
-    return {name: statistics.median(times) for name, times in per_call.items()}
 
 
 def _forward(
@@ -96,7 +61,7 @@ def _forward(
     weight, bias = linear.weight, linear.bias
     with torch.inference_mode():
         torch.testing.assert_close(fused(x), unfused(x), rtol=2e-2, atol=2e-2 * unfused(x).abs().max().item())
-        return _time_interleaved(
+        return median_per_call(
             {
                 "unfused": lambda: unfused(x),
                 "fused": lambda: fused(x),
@@ -160,7 +125,7 @@ def _siblings_forward(
     with torch.inference_mode():
         want, got = layer(x), fused(x)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-        return _time_interleaved(
+        return median_per_call(
             {
                 "unfused": unfused_proj,
                 "fused": fused_proj,

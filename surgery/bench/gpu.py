@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .harness import drop_page_cache, peak_rss, reset_peak_rss, warm
+from .harness import drop_page_cache, median_per_call, peak_rss, reset_peak_rss, warm
 from .harness import parser as bench_parser
 
 __all__ = ["PARTS", "main", "ring_cost", "run"]
@@ -422,30 +422,6 @@ def _fp8_runtime(work: Path, device: str, staging: Any) -> dict[str, Any]:
     return facts
 
 
-def _timed(fn: Callable[[], Any], device: str, seconds: float = 0.5) -> float:
-    """Median seconds per call over rounds of about ``seconds / 5``."""
-    cuda = device.startswith("cuda")
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    n = max(1, int(seconds / 5 / max(time.perf_counter() - start, 1e-7)))
-    times = []
-    for _ in range(5):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) / n)
-    return sorted(times)[2]
-
-
 def _fp8_matmul(device: str, scale: str) -> dict[str, Any]:
     from ..quantization import blockwise_dequantize, blockwise_quantize
     from ..quantization.kernels import fp8_block_kernel_usable, fp8_block_linear, weight_scale_operand
@@ -457,18 +433,20 @@ def _fp8_matmul(device: str, scale: str) -> dict[str, Any]:
         w = torch.randn(n, k, generator=g, device=device) * 0.02
         w_q, w_s = blockwise_quantize(w, (128, 128))
         x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
-        w_bf16 = blockwise_dequantize(w_q, w_s, (128, 128)).to(torch.bfloat16)
-        exact = x.float() @ blockwise_dequantize(w_q, w_s, (128, 128)).T
+        w_dq = blockwise_dequantize(w_q, w_s, (128, 128))
+        exact = x.float() @ w_dq.T
         usable = fp8_block_kernel_usable(
             device, in_features=k, out_features=n, block=(128, 128), dtype=w_q.dtype
         )
-        row: dict[str, Any] = {"kernel": usable, "bf16_s": _timed(partial(F.linear, x, w_bf16), device)}
-        row["bf16_rel_err"] = float((F.linear(x, w_bf16).float() - exact).norm() / exact.norm())
+        fns = {"bf16": partial(F.linear, x, w_dq.to(torch.bfloat16))}
         if usable:
-            row["fp8_s"] = _timed(partial(fp8_block_linear, x, w_q, weight_scale_operand(w_s)), device)
-            row["fp8_rel_err"] = float(
-                (fp8_block_linear(x, w_q, weight_scale_operand(w_s)).float() - exact).norm() / exact.norm()
-            )
+            fns["fp8"] = partial(fp8_block_linear, x, w_q, weight_scale_operand(w_s))
+        t = median_per_call(fns, device=device, rounds=5, min_run_time=1.0)
+        row: dict[str, Any] = {"kernel": usable}
+        for name, fn in fns.items():
+            row[f"{name}_s"] = t[name]
+            row[f"{name}_rel_err"] = float((fn().float() - exact).norm() / exact.norm())
+        if usable:
             row["speedup"] = row["bf16_s"] / row["fp8_s"]
         out[f"{m}x{k}x{n}"] = row
     return out
@@ -482,8 +460,10 @@ def _measure_pair(out: dict[str, Any], name: str, a: Any, b: Any, arg: torch.Ten
     costs only its own row)."""
     try:
         with torch.inference_mode():
-            t_u, t_f = _timed(partial(a, arg), device), _timed(partial(b, arg), device)
-        out[name] = {"unfused_s": t_u, "fused_s": t_f, "speedup": t_u / t_f}
+            t = median_per_call(
+                {"u": partial(a, arg), "f": partial(b, arg)}, device=device, rounds=5, min_run_time=1.0
+            )
+        out[name] = {"unfused_s": t["u"], "fused_s": t["f"], "speedup": t["u"] / t["f"]}
     except Exception as exc:
         out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
 

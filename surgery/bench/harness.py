@@ -20,10 +20,11 @@ import json
 import os
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,7 @@ __all__ = [
     "interleaved",
     "madvise",
     "measure",
+    "median_per_call",
     "parser",
     "peak_rss",
     "positive_int",
@@ -74,6 +76,44 @@ def best_time(fn: Callable[[], object], repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def median_per_call(
+    fns: Mapping[str, Callable[[], Any]], *, device: str, rounds: int, min_run_time: float
+) -> dict[str, float]:
+    """Median seconds per call of each function, measured in interleaved rounds (the device
+    synchronized around each run on CUDA).
+
+    Each round runs every function for about ``min_run_time / rounds`` seconds, in turn, so load
+    drift on a shared machine hits all of them alike.
+    """
+    per_call: dict[str, list[float]] = {name: [] for name in fns}
+    numbers: dict[str, int] = {}
+    for name, fn in fns.items():  # warm up and size the inner loop
+        fn()
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        once = max(time.perf_counter() - start, 1e-7)
+        numbers[name] = max(1, int(min_run_time / rounds / once))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            n = numbers[name]
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            _sync(device)
+            per_call[name].append((time.perf_counter() - start) / n)
+    return {name: statistics.median(times) for name, times in per_call.items()}
 
 
 def positive_int(text: str) -> int:
